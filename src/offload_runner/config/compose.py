@@ -1,0 +1,94 @@
+"""Where the configs live, the recipe group, and composition through Hydra's compose API.
+
+Recipes sit in the top-level ``recipes/`` folder (one YAML each) and are offered to Hydra as the
+config group ``recipe`` through the ConfigStore, so ``recipe=NAME`` and a recipe's defaults list
+(``override /offload/optimizer: cpu_50``) work like any other group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from offload_runner.config.schema import RunConfig, register_configs
+
+PROJECT_ROOT = Path(os.environ.get("OFFLOAD_RUNNER_ROOT", Path(__file__).resolve().parents[3]))
+CONF_DIR = PROJECT_ROOT / "conf"
+RECIPES_DIR = PROJECT_ROOT / "recipes"
+RECIPE_ALIAS_SUFFIX = "_pretrain_config"  # Megatron-Bridge's recipe function names
+OFFLOAD_GROUPS = ("offload/activation", "offload/weight", "offload/optimizer")
+
+
+def recipe_paths(extra_dirs: Sequence[Path] = ()) -> dict[str, Path]:
+    """Recipe name -> YAML file, from recipes/ and any extra folders (later ones win)."""
+    found: dict[str, Path] = {}
+    for folder in (RECIPES_DIR, *extra_dirs):
+        for path in sorted(Path(folder).glob("*.yaml")):
+            found[path.stem] = path
+    return found
+
+
+def recipe_description(path: Path) -> str:
+    """The first comment line after the package header: a recipe's one-line summary."""
+    for line in path.read_text().splitlines():
+        text = line.lstrip("# ").strip()
+        if line.startswith("#") and text and not text.startswith("@package"):
+            return text
+    return ""
+
+
+def normalize_recipe_name(name: str) -> str:
+    """Accept Megatron-Bridge's ``NAME_pretrain_config`` spelling for ``NAME``."""
+    return name.removesuffix(RECIPE_ALIAS_SUFFIX)
+
+
+def register_recipes(extra_dirs: Sequence[Path] = ()) -> None:
+    """Offer every recipe YAML to Hydra as an option of the ``recipe`` group (package _global_)."""
+    store = ConfigStore.instance()
+    for name, path in recipe_paths(extra_dirs).items():
+        store.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
+
+
+def register_all(extra_recipe_dirs: Sequence[Path] = ()) -> None:
+    register_configs()
+    register_recipes(extra_recipe_dirs)
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group under conf/ (e.g. offload/optimizer -> cpu_25, ...)."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Every group in conf/ with its options, plus the recipe group."""
+    groups = {
+        str(p.relative_to(CONF_DIR)): group_options(str(p.relative_to(CONF_DIR)))
+        for p in sorted(CONF_DIR.rglob("*"))
+        if p.is_dir() and any(p.glob("*.yaml"))
+    }
+    groups["recipe"] = sorted(recipe_paths())
+    return groups
+
+
+def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """Compose a run config with Hydra's compose API (tests, verify, sweeps reuse this)."""
+    register_all()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="compose"):
+        return compose(
+            config_name="config",
+            overrides=list(overrides),
+            return_hydra_config=return_hydra_config,
+        )
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """The typed dataclass view of a composed config (interpolations resolved)."""
+    body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    return OmegaConf.to_object(body)  # type: ignore[return-value]

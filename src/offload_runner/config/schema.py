@@ -1,0 +1,276 @@
+"""The typed schema of a run, registered in Hydra's ConfigStore.
+
+Key names follow Megatron-Bridge (``model.*``, ``optimizer.*``, ``train.*``, ...) so that its
+command lines paste unchanged. Every YAML in ``conf/`` and ``recipes/`` is merged onto these
+dataclasses, so a misspelt key or a wrong type fails in Hydra with Hydra's own message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class Normalization(str, Enum):
+    RMSNorm = "RMSNorm"
+    LayerNorm = "LayerNorm"
+
+
+class ActivationFunc(str, Enum):
+    silu = "silu"
+    gelu = "gelu"
+
+
+class PositionEmbeddingType(str, Enum):
+    rope = "rope"
+    learned_absolute = "learned_absolute"
+
+
+class RecomputeGranularity(str, Enum):
+    full = "full"
+    selective = "selective"
+
+
+class RecomputeMethod(str, Enum):
+    uniform = "uniform"
+    block = "block"
+
+
+class CudaGraphImpl(str, Enum):
+    none = "none"
+    local = "local"
+    transformer_engine = "transformer_engine"
+
+
+class TransformerImpl(str, Enum):
+    transformer_engine = "transformer_engine"
+    local = "local"
+
+
+class TokenDispatcher(str, Enum):
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class OffloadModule(str, Enum):
+    """Sub-modules whose input fine-grained activation offloading may move to the CPU."""
+
+    attn_norm = "attn_norm"
+    qkv_linear = "qkv_linear"
+    core_attn = "core_attn"
+    attn_proj = "attn_proj"
+    mlp_norm = "mlp_norm"
+    expert_fc1 = "expert_fc1"
+    moe_act = "moe_act"
+
+
+class OptimizerType(str, Enum):
+    adam = "adam"
+    sgd = "sgd"
+
+
+class LRDecayStyle(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class DatasetKind(str, Enum):
+    mock = "mock"
+    indexed = "indexed"
+
+
+@dataclass
+class ModelConfig:
+    """Architecture, parallel layout and layer-level offload (Megatron TransformerConfig keys)."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    ffn_hidden_size: int = 1024
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    seq_length: int = 512
+    max_position_embeddings: Optional[int] = None
+    vocab_size: int = 32000
+    make_vocab_size_divisible_by: int = 128
+    normalization: Normalization = Normalization.RMSNorm
+    layernorm_epsilon: float = 1e-5
+    qk_layernorm: bool = False
+    activation_func: ActivationFunc = ActivationFunc.silu
+    gated_linear_unit: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.rope
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    share_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    bf16: bool = True
+    transformer_impl: TransformerImpl = TransformerImpl.transformer_engine
+
+    # Mixture of experts
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_grouped_gemm: bool = True
+    moe_token_dispatcher_type: TokenDispatcher = TokenDispatcher.alltoall
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 1e-3
+
+    # Parallel layout
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    # Recompute and CUDA graphs (both interact with offloading)
+    recompute_granularity: Optional[RecomputeGranularity] = None
+    recompute_method: Optional[RecomputeMethod] = None
+    recompute_num_layers: Optional[int] = None
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
+
+    # Layer-level activation / weight offload (Transformer Engine's offload context)
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_activations: bool = True
+    cpu_offloading_weights: bool = False
+    cpu_offloading_double_buffering: bool = False
+
+    # Module-level activation offload
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[OffloadModule] = field(default_factory=list)
+    min_offloaded_tensor_size: int = 1024 * 1024
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron-Core OptimizerConfig keys, plus ``offload_optimizer_states`` (ours)."""
+
+    optimizer: OptimizerType = OptimizerType.adam
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    decoupled_weight_decay: bool = True
+    clip_grad: float = 1.0
+    bf16: bool = True
+    use_distributed_optimizer: bool = True
+    # HybridDeviceOptimizer reuses the precision-aware path, so it follows the offload switch
+    # unless set explicitly.
+    use_precision_aware_optimizer: bool = "${optimizer.optimizer_cpu_offload}"  # type: ignore[assignment]
+
+    # Megatron-Core HybridDeviceOptimizer: part of Adam on the CPU
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_torch_optimizer_for_cpu_offload: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+
+    # offload-runner: states + fp32 master weights parked on the CPU between steps
+    offload_optimizer_states: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    lr_warmup_iters: int = 0
+    lr_decay_style: LRDecayStyle = LRDecayStyle.cosine
+    lr_decay_iters: Optional[int] = None
+
+
+@dataclass
+class DDPConfig:
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = True
+    average_in_collective: bool = False
+    bucket_size: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 20
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seed: int = 1234
+    exit_on_oom: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    log_interval: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+
+
+@dataclass
+class DatasetConfig:
+    """``mock``: Megatron-Core's MockGPTDataset; ``indexed``: Megatron .bin/.idx prefixes."""
+
+    kind: DatasetKind = DatasetKind.mock
+    # One prefix, several prefixes, or a blend "weight prefix weight prefix ..."
+    data_path: list[str] = field(default_factory=list)
+    split: str = "99,1,0"
+    num_workers: int = 2
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_type: str = "NullTokenizer"
+    tokenizer_model: Optional[str] = None
+
+
+@dataclass
+class LauncherConfig:
+    """torchrun settings; ``nproc_per_node: null`` means every visible GPU."""
+
+    nproc_per_node: Optional[int] = None
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: str = "offload-runner"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+
+
+@dataclass
+class RunConfig:
+    """The root of a composed run."""
+
+    name: str = "run"
+    output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}-${name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml can name it in its defaults list."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)

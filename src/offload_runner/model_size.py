@@ -1,0 +1,79 @@
+"""Parameter counts of a Megatron-Core GPTModel from its config (no torch needed).
+
+Counts follow GPTModel's modules: padded embedding and output layer, per layer the fused
+layernorm+QKV, optional q/k layernorm, output projection, and either a dense MLP or a MoE layer
+(router + experts), and the final norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_runner.config.schema import ModelConfig, Normalization
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int  # input embedding (+ output layer when untied)
+    attention: int  # all layers
+    dense_mlp: int  # all layers (0 for an all-MoE model)
+    experts: int  # all layers, all experts
+    router: int
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding + self.attention + self.dense_mlp + self.experts + self.router
+            + self.norms
+        )
+
+    @property
+    def non_expert(self) -> int:
+        return self.total - self.experts
+
+
+def padded_vocab_size(model: ModelConfig) -> int:
+    multiple = model.make_vocab_size_divisible_by * model.tensor_model_parallel_size
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def kv_channels(model: ModelConfig) -> int:
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def count_parameters(model: ModelConfig) -> ParamCount:
+    h = model.hidden_size
+    kv = kv_channels(model)
+    groups = model.num_query_groups or model.num_attention_heads
+    norm = h if model.normalization == Normalization.RMSNorm else 2 * h
+    bias = model.add_bias_linear
+    up = 2 if model.gated_linear_unit else 1
+
+    q_width = model.num_attention_heads * kv
+    qkv = h * (q_width + 2 * groups * kv) + (q_width + 2 * groups * kv) * model.add_qkv_bias
+    qk_norm = 2 * (kv if model.normalization == Normalization.RMSNorm else 2 * kv)
+    attention = qkv + q_width * h + h * bias + (qk_norm if model.qk_layernorm else 0)
+
+    layers = model.num_layers
+    if model.num_moe_experts:
+        ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        expert = h * ffn * up + ffn * h
+        experts = layers * model.num_moe_experts * expert
+        router = layers * h * model.num_moe_experts
+        dense = 0
+    else:
+        experts = router = 0
+        ffn = model.ffn_hidden_size
+        dense = layers * (h * ffn * up + ffn * h + (ffn * up + h) * bias)
+
+    vocab = padded_vocab_size(model)
+    embedding = vocab * h * (1 if model.share_embeddings_and_output_weights else 2)
+    return ParamCount(
+        embedding=embedding,
+        attention=layers * attention,
+        dense_mlp=dense,
+        experts=experts,
+        router=router,
+        norms=layers * 2 * norm + norm,
+    )

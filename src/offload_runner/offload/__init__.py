@@ -1,0 +1,38 @@
+"""The offload mechanisms, one module each (matching the conf/offload/* groups).
+
+- ``activation``: layer-level activation offload (Transformer Engine's CPU offload context).
+- ``weight``: layer-level weight offload (Transformer Engine's V1 offload path).
+- ``optimizer``: Megatron-Core's HybridDeviceOptimizer (a fraction of Adam on the CPU).
+- ``optimizer_states``: Adam on the GPU, states and fp32 master weights parked on the CPU.
+
+Each module describes what it moves for the offload summary, and holds what the worker needs to
+switch it on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_runner.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class OffloadSummary:
+    """One row of the offload summary table."""
+
+    mechanism: str
+    group: str  # the Hydra group that selects it
+    enabled: bool
+    moves: str  # what goes to the CPU, and when
+    note: str = ""
+
+
+def summarize(run: RunConfig) -> list[OffloadSummary]:
+    from offload_runner.offload import activation, optimizer, optimizer_states, weight
+
+    return [
+        activation.describe(run),
+        weight.describe(run),
+        optimizer.describe(run),
+        optimizer_states.describe(run),
+    ]

@@ -1,0 +1,25 @@
+"""The run directory: one per job, shared by all ranks.
+
+Layout: ``config.yaml`` (resolved), ``overrides.yaml``, ``rank<N>.log``, ``metrics.jsonl``,
+``checkpoints/`` and reports. It is created only after validation has passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+CONFIG_FILE = "config.yaml"
+OVERRIDES_FILE = "overrides.yaml"
+
+
+def create_run_dir(path: str | Path, resolved: Mapping[str, Any], overrides: Sequence[str]) -> Path:
+    """Make the folder and write the resolved config and the overrides that produced it."""
+    run_dir = Path(path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(resolved))))
+    (run_dir / OVERRIDES_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return run_dir

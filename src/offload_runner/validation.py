@@ -1,0 +1,460 @@
+"""The validation layer: every rule in one table, run after composition and before anything starts.
+
+A rule is a row (name, condition, message, fix, level). ``validate`` runs every row, then builds
+Megatron-Core's own config objects on the CPU so its checks run too, and returns every violation at
+once. Messages are the documented ones (Megatron-Core, Transformer Engine) where they exist, so a
+user can search for them; each comes with a one-line fix.
+
+Rules marked ``environment=True`` depend on this machine (is Transformer Engine installed?). They
+are errors when the job is about to start here, and warnings for --dry-run / --plan, which are
+often run on a login node without the GPU stack.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from offload_runner.config.schema import (
+    CudaGraphImpl,
+    OffloadModule,
+    OptimizerType,
+    RunConfig,
+)
+
+
+class Level(str, Enum):
+    error = "error"
+    warning = "warning"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What validation may know about where the job runs."""
+
+    te_available: bool
+    launching: bool = False  # True right before training starts on this machine
+    world_size: int | None = None  # known once torchrun's world is known
+
+    @staticmethod
+    def detect(launching: bool = False, world_size: int | None = None) -> Environment:
+        return Environment(te_available(), launching, world_size)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    violated: Callable[[RunConfig, Environment], bool]
+    message: str  # str.format'ed with m=model, o=optimizer, t=train, c=run, env=environment
+    fix: str  # likewise
+    level: Level = Level.error
+    environment: bool = False
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    level: Level
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message}\n    fix: {self.fix}"
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _data_parallel_size(c: RunConfig, env: Environment) -> int | None:
+    m = c.model
+    per_replica = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    per_replica *= m.context_parallel_size
+    if env.world_size is None or env.world_size % per_replica:
+        return None
+    return env.world_size // per_replica
+
+
+TE_INSTALL = "install Transformer Engine where the job runs: pip install 'offload-runner[te]'"
+
+RULES: tuple[Rule, ...] = (
+    # --- layer-level activation / weight offload (Megatron TransformerConfig, TE) -------------
+    Rule(
+        "cpu_offloading_needs_pp1",
+        lambda c, e: c.model.cpu_offloading and c.model.pipeline_model_parallel_size > 1,
+        "Currently there is no support for Pipeline parallelism with CPU offloading",
+        "set model.pipeline_model_parallel_size=1, or offload the optimizer instead "
+        "(offload/activation=disabled offload/weight=disabled offload/optimizer=cpu_50)",
+    ),
+    Rule(
+        "cpu_offloading_without_recompute",
+        lambda c, e: c.model.cpu_offloading and c.model.recompute_granularity is not None,
+        "CPU offloading does not work when activation recomputation is enabled",
+        "set model.recompute_granularity=null, or offload/activation=disabled",
+    ),
+    Rule(
+        "cpu_offloading_xor_fine_grained",
+        lambda c, e: c.model.cpu_offloading and c.model.fine_grained_activation_offloading,
+        "fine_grained_activation_offloading cannot be enabled with cpu_offloading.",
+        "pick one: model.fine_grained_activation_offloading=false, or "
+        "offload/activation=disabled offload/weight=disabled",
+    ),
+    Rule(
+        "cpu_offloading_without_cuda_graphs",
+        lambda c, e: c.model.cpu_offloading and c.model.cuda_graph_impl != CudaGraphImpl.none,
+        "CUDA graphs not supported with CPU offloading.",
+        "set model.cuda_graph_impl=none, or offload/activation=disabled offload/weight=disabled",
+    ),
+    Rule(
+        "cpu_offloading_layer_range",
+        lambda c, e: c.model.cpu_offloading
+        and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers,
+        "CPU offloading can be done only for layers less than {m.num_layers}",
+        "set model.cpu_offloading_num_layers to a value from 1 to {last_layer}",
+    ),
+    Rule(
+        "cpu_offloading_what",
+        lambda c, e: c.model.cpu_offloading
+        and not (c.model.cpu_offloading_activations or c.model.cpu_offloading_weights),
+        "CPU Offloading is enabled while it is not mentioned what to offload "
+        "(weights/activations)",
+        "add offload/activation=enabled or offload/weight=enabled "
+        "(model.cpu_offloading_activations=true / model.cpu_offloading_weights=true)",
+    ),
+    Rule(
+        "cpu_offloading_zero_layers",
+        lambda c, e: c.model.cpu_offloading and c.model.cpu_offloading_num_layers == 0,
+        "model.cpu_offloading=true with model.cpu_offloading_num_layers=0 offloads no layer",
+        "set model.cpu_offloading_num_layers=K with 1 <= K <= {last_layer}, "
+        "or model.cpu_offloading=false",
+    ),
+    Rule(
+        "cpu_offloading_num_layers_unused",
+        lambda c, e: not c.model.cpu_offloading and c.model.cpu_offloading_num_layers > 0,
+        "model.cpu_offloading_num_layers={m.cpu_offloading_num_layers} has no effect while "
+        "model.cpu_offloading=false",
+        "add offload/activation=enabled (or model.cpu_offloading=true)",
+        Level.warning,
+    ),
+    Rule(
+        "layer_offload_needs_te",
+        lambda c, e: c.model.cpu_offloading and not e.te_available,
+        "CPU offloading (model.cpu_offloading) runs inside Transformer Engine, which is not "
+        "installed here",
+        TE_INSTALL,
+        environment=True,
+    ),
+    # --- module-level (fine-grained) activation offload ----------------------------------------
+    Rule(
+        "fine_grained_needs_modules",
+        lambda c, e: c.model.fine_grained_activation_offloading and not c.model.offload_modules,
+        "fine_grained_activation_offloading needs at least one module in model.offload_modules",
+        "e.g. model.offload_modules=[core_attn,attn_proj,expert_fc1]",
+    ),
+    Rule(
+        "fine_grained_attn_proj_needs_core_attn",
+        lambda c, e: c.model.fine_grained_activation_offloading
+        and OffloadModule.attn_proj in c.model.offload_modules
+        and OffloadModule.core_attn not in c.model.offload_modules,
+        "attn_proj cannot be set to offload_modules alone without core_attn because the input of "
+        "attn_proj is the output of core_attn, which is needed in core_attn.backward().",
+        "add core_attn to model.offload_modules",
+    ),
+    Rule(
+        "offload_modules_unused",
+        lambda c, e: bool(c.model.offload_modules) and not c.model.fine_grained_activation_offloading,
+        "model.offload_modules has no effect while model.fine_grained_activation_offloading=false",
+        "set model.fine_grained_activation_offloading=true, or model.offload_modules=[]",
+        Level.warning,
+    ),
+    Rule(
+        "fine_grained_needs_te",
+        lambda c, e: c.model.fine_grained_activation_offloading and not e.te_available,
+        "fine_grained_activation_offloading needs Transformer Engine, which is not installed here",
+        TE_INSTALL,
+        environment=True,
+    ),
+    # --- optimizer CPU offload (Megatron-Core HybridDeviceOptimizer) ---------------------------
+    Rule(
+        "offload_fraction_range",
+        lambda c, e: not 0.0 <= c.optimizer.optimizer_offload_fraction <= 1.0,
+        "optimizer_offload_fraction must be in [0.0, 1.0]",
+        "e.g. optimizer.optimizer_offload_fraction=0.5 (or offload/optimizer=cpu_50)",
+    ),
+    Rule(
+        "cpu_offload_needs_distributed_optimizer",
+        lambda c, e: c.optimizer.optimizer_cpu_offload
+        and not c.optimizer.use_distributed_optimizer,
+        "optimizer_cpu_offload requires the distributed optimizer",
+        "set optimizer.use_distributed_optimizer=true",
+    ),
+    Rule(
+        "cpu_offload_needs_adamw",
+        lambda c, e: c.optimizer.optimizer_cpu_offload and not c.optimizer.decoupled_weight_decay,
+        "CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode).",
+        "set optimizer.decoupled_weight_decay=true",
+    ),
+    Rule(
+        "cpu_offload_needs_precision_aware",
+        lambda c, e: c.optimizer.optimizer_cpu_offload
+        and not c.optimizer.use_precision_aware_optimizer,
+        "optimizer_cpu_offload runs on Megatron-Core's precision-aware optimizer path "
+        "(use_precision_aware_optimizer=false was set)",
+        "remove optimizer.use_precision_aware_optimizer=false (it follows optimizer_cpu_offload)",
+    ),
+    Rule(
+        "cpu_offload_nothing_offloaded",
+        lambda c, e: c.optimizer.optimizer_cpu_offload
+        and c.optimizer.optimizer_offload_fraction == 0.0,
+        "optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing, and the "
+        "precision-aware path it switches on costs GPU memory",
+        "set optimizer.optimizer_offload_fraction (e.g. 0.5, or offload/optimizer=cpu_50), or "
+        "offload/optimizer=disabled",
+        Level.warning,
+    ),
+    Rule(
+        "overlap_needs_cpu_offload",
+        lambda c, e: c.optimizer.overlap_cpu_optimizer_d2h_h2d
+        and not c.optimizer.optimizer_cpu_offload,
+        "optimizer.overlap_cpu_optimizer_d2h_h2d has no effect while optimizer_cpu_offload=false",
+        "add offload/optimizer=cpu_100 (or optimizer.optimizer_cpu_offload=true)",
+        Level.warning,
+    ),
+    Rule(
+        "torch_optimizer_for_cpu_offload_ignored",
+        lambda c, e: c.optimizer.use_torch_optimizer_for_cpu_offload
+        and c.optimizer.optimizer == OptimizerType.adam,
+        "optimizer.use_torch_optimizer_for_cpu_offload has no effect with adam: Megatron-Core "
+        "overwrites the GPU optimizer class right after reading it",
+        "remove it; the CPU side always uses torch.optim.AdamW(fused=True)",
+        Level.warning,
+    ),
+    Rule(
+        "precision_aware_needs_adam",
+        lambda c, e: c.optimizer.use_precision_aware_optimizer
+        and c.optimizer.optimizer != OptimizerType.adam,
+        "--use-precision-aware-optimizer only supported with adam",
+        "set optimizer.optimizer=adam",
+    ),
+    Rule(
+        "precision_aware_needs_distributed_optimizer",
+        lambda c, e: c.optimizer.use_precision_aware_optimizer
+        and not c.optimizer.use_distributed_optimizer,
+        "--use-precision-aware-optimizer only supported with distributed optimizer",
+        "set optimizer.use_distributed_optimizer=true",
+    ),
+    Rule(
+        "precision_aware_needs_te",
+        lambda c, e: c.optimizer.use_precision_aware_optimizer and not e.te_available,
+        "the precision-aware optimizer (needed by optimizer_cpu_offload) uses Transformer "
+        "Engine's FusedAdam, which is not installed here",
+        TE_INSTALL,
+        environment=True,
+    ),
+    # --- optimizer-state offload (offload-runner) ----------------------------------------------
+    Rule(
+        "states_xor_cpu_offload",
+        lambda c, e: c.optimizer.offload_optimizer_states and c.optimizer.optimizer_cpu_offload,
+        "offload_optimizer_states can not be used with optimizer_cpu_offload.",
+        "pick one: offload/optimizer=states, or offload/optimizer=cpu_50 (cpu_25 ... cpu_100)",
+    ),
+    Rule(
+        "states_need_distributed_optimizer",
+        lambda c, e: c.optimizer.offload_optimizer_states
+        and not c.optimizer.use_distributed_optimizer,
+        "offload_optimizer_states requires the distributed optimizer",
+        "set optimizer.use_distributed_optimizer=true",
+    ),
+    Rule(
+        "states_need_adam",
+        lambda c, e: c.optimizer.offload_optimizer_states
+        and c.optimizer.optimizer != OptimizerType.adam,
+        "offload_optimizer_states requires optimizer.optimizer=adam",
+        "set optimizer.optimizer=adam",
+    ),
+    # --- shapes and parallel layout (these otherwise fail deep inside a rank) -----------------
+    Rule(
+        "heads_divisible_by_tp",
+        lambda c, e: c.model.num_attention_heads % c.model.tensor_model_parallel_size != 0,
+        "num_attention_heads ({m.num_attention_heads}) must be divisible by "
+        "tensor_model_parallel_size ({m.tensor_model_parallel_size})",
+        "choose model.tensor_model_parallel_size among the divisors of {m.num_attention_heads}",
+    ),
+    Rule(
+        "query_groups_divisible_by_tp",
+        lambda c, e: c.model.num_query_groups is not None
+        and c.model.num_query_groups % c.model.tensor_model_parallel_size != 0,
+        "num_query_groups ({m.num_query_groups}) must be divisible by "
+        "tensor_model_parallel_size ({m.tensor_model_parallel_size})",
+        "choose model.tensor_model_parallel_size among the divisors of {m.num_query_groups}",
+    ),
+    Rule(
+        "layers_divisible_by_pp",
+        lambda c, e: c.model.num_layers % c.model.pipeline_model_parallel_size != 0,
+        "num_layers ({m.num_layers}) must be divisible by pipeline_model_parallel_size "
+        "({m.pipeline_model_parallel_size})",
+        "choose model.pipeline_model_parallel_size among the divisors of {m.num_layers}",
+    ),
+    Rule(
+        "ep_needs_moe",
+        lambda c, e: c.model.expert_model_parallel_size > 1 and not c.model.num_moe_experts,
+        "expert_model_parallel_size={m.expert_model_parallel_size} needs a MoE model "
+        "(model.num_moe_experts is not set)",
+        "set model.expert_model_parallel_size=1 (parallel=single) for a dense model",
+    ),
+    Rule(
+        "experts_divisible_by_ep",
+        lambda c, e: bool(c.model.num_moe_experts)
+        and c.model.num_moe_experts % c.model.expert_model_parallel_size != 0,
+        "num_moe_experts ({m.num_moe_experts}) must be divisible by expert_model_parallel_size "
+        "({m.expert_model_parallel_size})",
+        "choose model.expert_model_parallel_size among the divisors of {m.num_moe_experts}",
+    ),
+    Rule(
+        "topk_at_most_experts",
+        lambda c, e: bool(c.model.num_moe_experts)
+        and c.model.moe_router_topk > c.model.num_moe_experts,
+        "moe_router_topk ({m.moe_router_topk}) exceeds num_moe_experts ({m.num_moe_experts})",
+        "set model.moe_router_topk <= {m.num_moe_experts}",
+    ),
+    Rule(
+        "batch_divisible_by_micro_batch",
+        lambda c, e: c.train.global_batch_size % c.train.micro_batch_size != 0,
+        "global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size "
+        "({t.micro_batch_size})",
+        "change train.global_batch_size or train.micro_batch_size",
+    ),
+    Rule(
+        "world_fits_model_parallel",
+        lambda c, e: e.world_size is not None and _data_parallel_size(c, e) is None,
+        "{env.world_size} GPUs can not be split into TP{m.tensor_model_parallel_size} x "
+        "PP{m.pipeline_model_parallel_size} x CP{m.context_parallel_size} model replicas",
+        "use a multiple of TP*PP*CP GPUs (launcher.nproc_per_node / launcher.nnodes), or change "
+        "the parallel layout (parallel=...)",
+    ),
+    Rule(
+        "world_fits_expert_parallel",
+        lambda c, e: e.world_size is not None
+        and bool(c.model.num_moe_experts)
+        and e.world_size
+        % (
+            c.model.expert_model_parallel_size
+            * (c.model.expert_tensor_parallel_size or c.model.tensor_model_parallel_size)
+            * c.model.pipeline_model_parallel_size
+        )
+        != 0,
+        "{env.world_size} GPUs can not hold EP{m.expert_model_parallel_size} x "
+        "PP{m.pipeline_model_parallel_size} expert groups",
+        "use a multiple of EP*ETP*PP GPUs, or change model.expert_model_parallel_size",
+    ),
+    Rule(
+        "batch_divisible_by_data_parallel",
+        lambda c, e: (dp := _data_parallel_size(c, e)) is not None
+        and c.train.global_batch_size % (c.train.micro_batch_size * dp) != 0,
+        "global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x "
+        "data-parallel size on {env.world_size} GPUs",
+        "change train.global_batch_size, train.micro_batch_size or the GPU count",
+    ),
+    Rule(
+        "multinode_needs_rendezvous",
+        lambda c, e: c.launcher.nnodes not in ("1", "1:1") and not c.launcher.rdzv_endpoint,
+        "launcher.nnodes={c.launcher.nnodes} needs launcher.rdzv_endpoint (host:port on node 0)",
+        "add launcher.rdzv_endpoint=node0:29400 (the same on every node)",
+    ),
+    # --- run-level -------------------------------------------------------------------------------
+    Rule(
+        "save_interval_without_save",
+        lambda c, e: c.checkpoint.save_interval is not None and not c.checkpoint.save,
+        "checkpoint.save_interval is set but checkpoint.save (the folder) is not: nothing is saved",
+        "add checkpoint.save=/path/to/checkpoints",
+        Level.warning,
+    ),
+    Rule(
+        "indexed_needs_data_path",
+        lambda c, e: c.dataset.kind.value == "indexed" and not c.dataset.data_path,
+        "dataset.kind=indexed needs dataset.data_path (a .bin/.idx prefix or a blend)",
+        "add dataset.data_path='[/data/my_text_document]', or data=mock",
+    ),
+)
+
+
+def _format(template: str, run: RunConfig, env: Environment) -> str:
+    return template.format(
+        m=run.model,
+        o=run.optimizer,
+        t=run.train,
+        c=run,
+        env=env,
+        last_layer=run.model.num_layers - 1,
+    )
+
+
+def check_rules(run: RunConfig, env: Environment) -> list[Violation]:
+    """Every row of RULES that the config violates."""
+    found = []
+    for rule in RULES:
+        if not rule.violated(run, env):
+            continue
+        level = rule.level
+        if rule.environment and not env.launching:
+            level = Level.warning
+        found.append(
+            Violation(rule.name, level, _format(rule.message, run, env), _format(rule.fix, run, env))
+        )
+    return found
+
+
+def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
+    """Build Megatron-Core's config objects on the CPU and report what their own checks raise.
+
+    The precision-aware optimizer's checks import Transformer Engine; without TE they are left to
+    the table above (precision_aware_* rows), which holds the same conditions.
+    """
+    from offload_runner.build.megatron_config import (
+        build_ddp_config,
+        build_optimizer_config,
+        build_transformer_config,
+    )
+
+    optimizer = run.optimizer
+    if not env.te_available and optimizer.use_precision_aware_optimizer:
+        from dataclasses import replace
+
+        optimizer = replace(optimizer, use_precision_aware_optimizer=False)
+    builders: list[tuple[str, Callable[[], object]]] = [
+        ("model", lambda: build_transformer_config(run.model)),
+        ("optimizer", lambda: build_optimizer_config(optimizer, run.model)),
+        ("ddp", lambda: build_ddp_config(run)),
+    ]
+    found = []
+    for section, build in builders:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                build()
+        except (AssertionError, ValueError, TypeError, RuntimeError) as err:
+            message = str(err) or type(err).__name__
+            found.append(
+                Violation(
+                    f"megatron_core.{section}",
+                    Level.error,
+                    message,
+                    f"Megatron-Core rejects the {section}.* settings; change the key it names",
+                )
+            )
+    return found
+
+
+def validate(run: RunConfig, env: Environment) -> list[Violation]:
+    """All violations, table rows first, Megatron-Core's own checks after (without repeats)."""
+    found = check_rules(run, env)
+    seen = {v.message for v in found}
+    found += [v for v in megatron_checks(run, env) if v.message not in seen]
+    return found
+
+
+def errors(violations: list[Violation]) -> list[Violation]:
+    return [v for v in violations if v.level == Level.error]
