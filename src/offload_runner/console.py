@@ -79,8 +79,9 @@ def print_violations(violations: list[Violation]) -> None:
     )
     for v in violations:
         colour = "red" if v.level == Level.error else "yellow"
-        err_console.print(f"  [{colour}]{v.level.value}:[/] {escape(v.message)}", highlight=False,
-                          soft_wrap=True)
+        err_console.print(
+            f"  [{colour}]{v.level.value}:[/] {escape(v.message)}", highlight=False, soft_wrap=True
+        )
         err_console.print(f"    [bold]fix:[/] {escape(v.fix)}", highlight=False, soft_wrap=True)
 
 

@@ -24,7 +24,11 @@ class ParamCount:
     @property
     def total(self) -> int:
         return (
-            self.embedding + self.attention + self.dense_mlp + self.experts + self.router
+            self.embedding
+            + self.attention
+            + self.dense_mlp
+            + self.experts
+            + self.router
             + self.norms
         )
 

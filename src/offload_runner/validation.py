@@ -110,17 +110,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_offloading_layer_range",
-        lambda c, e: c.model.cpu_offloading
-        and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers,
+        lambda c, e: (
+            c.model.cpu_offloading
+            and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers
+        ),
         "CPU offloading can be done only for layers less than {m.num_layers}",
         "set model.cpu_offloading_num_layers to a value from 1 to {last_layer}",
     ),
     Rule(
         "cpu_offloading_what",
-        lambda c, e: c.model.cpu_offloading
-        and not (c.model.cpu_offloading_activations or c.model.cpu_offloading_weights),
-        "CPU Offloading is enabled while it is not mentioned what to offload "
-        "(weights/activations)",
+        lambda c, e: (
+            c.model.cpu_offloading
+            and not (c.model.cpu_offloading_activations or c.model.cpu_offloading_weights)
+        ),
+        "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
         "add offload/activation=enabled or offload/weight=enabled "
         "(model.cpu_offloading_activations=true / model.cpu_offloading_weights=true)",
     ),
@@ -156,16 +159,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "fine_grained_attn_proj_needs_core_attn",
-        lambda c, e: c.model.fine_grained_activation_offloading
-        and OffloadModule.attn_proj in c.model.offload_modules
-        and OffloadModule.core_attn not in c.model.offload_modules,
+        lambda c, e: (
+            c.model.fine_grained_activation_offloading
+            and OffloadModule.attn_proj in c.model.offload_modules
+            and OffloadModule.core_attn not in c.model.offload_modules
+        ),
         "attn_proj cannot be set to offload_modules alone without core_attn because the input of "
         "attn_proj is the output of core_attn, which is needed in core_attn.backward().",
         "add core_attn to model.offload_modules",
     ),
     Rule(
         "offload_modules_unused",
-        lambda c, e: bool(c.model.offload_modules) and not c.model.fine_grained_activation_offloading,
+        lambda c, e: (
+            bool(c.model.offload_modules) and not c.model.fine_grained_activation_offloading
+        ),
         "model.offload_modules has no effect while model.fine_grained_activation_offloading=false",
         "set model.fine_grained_activation_offloading=true, or model.offload_modules=[]",
         Level.warning,
@@ -186,8 +193,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_offload_needs_distributed_optimizer",
-        lambda c, e: c.optimizer.optimizer_cpu_offload
-        and not c.optimizer.use_distributed_optimizer,
+        lambda c, e: (
+            c.optimizer.optimizer_cpu_offload and not c.optimizer.use_distributed_optimizer
+        ),
         "optimizer_cpu_offload requires the distributed optimizer",
         "set optimizer.use_distributed_optimizer=true",
     ),
@@ -199,16 +207,18 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_offload_needs_precision_aware",
-        lambda c, e: c.optimizer.optimizer_cpu_offload
-        and not c.optimizer.use_precision_aware_optimizer,
+        lambda c, e: (
+            c.optimizer.optimizer_cpu_offload and not c.optimizer.use_precision_aware_optimizer
+        ),
         "optimizer_cpu_offload runs on Megatron-Core's precision-aware optimizer path "
         "(use_precision_aware_optimizer=false was set)",
         "remove optimizer.use_precision_aware_optimizer=false (it follows optimizer_cpu_offload)",
     ),
     Rule(
         "cpu_offload_nothing_offloaded",
-        lambda c, e: c.optimizer.optimizer_cpu_offload
-        and c.optimizer.optimizer_offload_fraction == 0.0,
+        lambda c, e: (
+            c.optimizer.optimizer_cpu_offload and c.optimizer.optimizer_offload_fraction == 0.0
+        ),
         "optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing, and the "
         "precision-aware path it switches on costs GPU memory",
         "set optimizer.optimizer_offload_fraction (e.g. 0.5, or offload/optimizer=cpu_50), or "
@@ -217,16 +227,19 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "overlap_needs_cpu_offload",
-        lambda c, e: c.optimizer.overlap_cpu_optimizer_d2h_h2d
-        and not c.optimizer.optimizer_cpu_offload,
+        lambda c, e: (
+            c.optimizer.overlap_cpu_optimizer_d2h_h2d and not c.optimizer.optimizer_cpu_offload
+        ),
         "optimizer.overlap_cpu_optimizer_d2h_h2d has no effect while optimizer_cpu_offload=false",
         "add offload/optimizer=cpu_100 (or optimizer.optimizer_cpu_offload=true)",
         Level.warning,
     ),
     Rule(
         "torch_optimizer_for_cpu_offload_ignored",
-        lambda c, e: c.optimizer.use_torch_optimizer_for_cpu_offload
-        and c.optimizer.optimizer == OptimizerType.adam,
+        lambda c, e: (
+            c.optimizer.use_torch_optimizer_for_cpu_offload
+            and c.optimizer.optimizer == OptimizerType.adam
+        ),
         "optimizer.use_torch_optimizer_for_cpu_offload has no effect with adam: Megatron-Core "
         "overwrites the GPU optimizer class right after reading it",
         "remove it; the CPU side always uses torch.optim.AdamW(fused=True)",
@@ -234,15 +247,18 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "precision_aware_needs_adam",
-        lambda c, e: c.optimizer.use_precision_aware_optimizer
-        and c.optimizer.optimizer != OptimizerType.adam,
+        lambda c, e: (
+            c.optimizer.use_precision_aware_optimizer
+            and c.optimizer.optimizer != OptimizerType.adam
+        ),
         "--use-precision-aware-optimizer only supported with adam",
         "set optimizer.optimizer=adam",
     ),
     Rule(
         "precision_aware_needs_distributed_optimizer",
-        lambda c, e: c.optimizer.use_precision_aware_optimizer
-        and not c.optimizer.use_distributed_optimizer,
+        lambda c, e: (
+            c.optimizer.use_precision_aware_optimizer and not c.optimizer.use_distributed_optimizer
+        ),
         "--use-precision-aware-optimizer only supported with distributed optimizer",
         "set optimizer.use_distributed_optimizer=true",
     ),
@@ -263,15 +279,17 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "states_need_distributed_optimizer",
-        lambda c, e: c.optimizer.offload_optimizer_states
-        and not c.optimizer.use_distributed_optimizer,
+        lambda c, e: (
+            c.optimizer.offload_optimizer_states and not c.optimizer.use_distributed_optimizer
+        ),
         "offload_optimizer_states requires the distributed optimizer",
         "set optimizer.use_distributed_optimizer=true",
     ),
     Rule(
         "states_need_adam",
-        lambda c, e: c.optimizer.offload_optimizer_states
-        and c.optimizer.optimizer != OptimizerType.adam,
+        lambda c, e: (
+            c.optimizer.offload_optimizer_states and c.optimizer.optimizer != OptimizerType.adam
+        ),
         "offload_optimizer_states requires optimizer.optimizer=adam",
         "set optimizer.optimizer=adam",
     ),
@@ -285,8 +303,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "query_groups_divisible_by_tp",
-        lambda c, e: c.model.num_query_groups is not None
-        and c.model.num_query_groups % c.model.tensor_model_parallel_size != 0,
+        lambda c, e: (
+            c.model.num_query_groups is not None
+            and c.model.num_query_groups % c.model.tensor_model_parallel_size != 0
+        ),
         "num_query_groups ({m.num_query_groups}) must be divisible by "
         "tensor_model_parallel_size ({m.tensor_model_parallel_size})",
         "choose model.tensor_model_parallel_size among the divisors of {m.num_query_groups}",
@@ -307,16 +327,19 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "experts_divisible_by_ep",
-        lambda c, e: bool(c.model.num_moe_experts)
-        and c.model.num_moe_experts % c.model.expert_model_parallel_size != 0,
+        lambda c, e: (
+            bool(c.model.num_moe_experts)
+            and c.model.num_moe_experts % c.model.expert_model_parallel_size != 0
+        ),
         "num_moe_experts ({m.num_moe_experts}) must be divisible by expert_model_parallel_size "
         "({m.expert_model_parallel_size})",
         "choose model.expert_model_parallel_size among the divisors of {m.num_moe_experts}",
     ),
     Rule(
         "topk_at_most_experts",
-        lambda c, e: bool(c.model.num_moe_experts)
-        and c.model.moe_router_topk > c.model.num_moe_experts,
+        lambda c, e: (
+            bool(c.model.num_moe_experts) and c.model.moe_router_topk > c.model.num_moe_experts
+        ),
         "moe_router_topk ({m.moe_router_topk}) exceeds num_moe_experts ({m.num_moe_experts})",
         "set model.moe_router_topk <= {m.num_moe_experts}",
     ),
@@ -337,23 +360,27 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "world_fits_expert_parallel",
-        lambda c, e: e.world_size is not None
-        and bool(c.model.num_moe_experts)
-        and e.world_size
-        % (
-            c.model.expert_model_parallel_size
-            * (c.model.expert_tensor_parallel_size or c.model.tensor_model_parallel_size)
-            * c.model.pipeline_model_parallel_size
-        )
-        != 0,
+        lambda c, e: (
+            e.world_size is not None
+            and bool(c.model.num_moe_experts)
+            and e.world_size
+            % (
+                c.model.expert_model_parallel_size
+                * (c.model.expert_tensor_parallel_size or c.model.tensor_model_parallel_size)
+                * c.model.pipeline_model_parallel_size
+            )
+            != 0
+        ),
         "{env.world_size} GPUs can not hold EP{m.expert_model_parallel_size} x "
         "PP{m.pipeline_model_parallel_size} expert groups",
         "use a multiple of EP*ETP*PP GPUs, or change model.expert_model_parallel_size",
     ),
     Rule(
         "batch_divisible_by_data_parallel",
-        lambda c, e: (dp := _data_parallel_size(c, e)) is not None
-        and c.train.global_batch_size % (c.train.micro_batch_size * dp) != 0,
+        lambda c, e: (
+            (dp := _data_parallel_size(c, e)) is not None
+            and c.train.global_batch_size % (c.train.micro_batch_size * dp) != 0
+        ),
         "global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x "
         "data-parallel size on {env.world_size} GPUs",
         "change train.global_batch_size, train.micro_batch_size or the GPU count",
@@ -402,7 +429,9 @@ def check_rules(run: RunConfig, env: Environment) -> list[Violation]:
         if rule.environment and not env.launching:
             level = Level.warning
         found.append(
-            Violation(rule.name, level, _format(rule.message, run, env), _format(rule.fix, run, env))
+            Violation(
+                rule.name, level, _format(rule.message, run, env), _format(rule.fix, run, env)
+            )
         )
     return found
 

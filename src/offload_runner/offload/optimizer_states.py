@@ -1,4 +1,4 @@
-"""Optimizer-state offload: Adam runs on the GPU, its states and fp32 master weights wait on the CPU.
+"""Optimizer-state offload: Adam on the GPU, its states and fp32 master weights wait on the CPU.
 
 Not in any megatron-core release. Between steps exp_avg, exp_avg_sq and the fp32 master weights
 of the distributed-optimizer shard live in pinned host buffers; they return to the GPU before the
