@@ -21,6 +21,7 @@ from enum import Enum
 from pathlib import Path
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -172,6 +173,7 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
             console.console.rule(f"job {job_cfg.num}: {job_cfg.override_dirname or 'defaults'}")
         outcome.code = max(outcome.code, execute(cfg, options.mode))
 
+    GlobalHydra.instance().clear()  # a compose() earlier in this process must not linger
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "run_recipe.py", *hydra_args]
     try:

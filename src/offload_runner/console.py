@@ -41,9 +41,9 @@ def print_config_tree(container: Mapping[str, Any], title: str = "config") -> No
 
 def print_offload_summary(rows: Iterable[OffloadSummary]) -> None:
     table = Table(title="offload summary", title_justify="left")
-    table.add_column("mechanism")
-    table.add_column("selected by")
-    table.add_column("on")
+    table.add_column("mechanism", no_wrap=True)
+    table.add_column("selected by", no_wrap=True)
+    table.add_column("on", no_wrap=True)
     table.add_column("what moves to the CPU")
     table.add_column("note")
     for row in rows:

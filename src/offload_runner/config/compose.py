@@ -51,6 +51,7 @@ def normalize_recipe_name(name: str) -> str:
 def register_recipes(extra_dirs: Sequence[Path] = ()) -> None:
     """Offer every recipe YAML to Hydra as an option of the ``recipe`` group (package _global_)."""
     store = ConfigStore.instance()
+    store.repo.pop("recipe", None)  # forget recipes of an earlier call in this process
     for name, path in recipe_paths(extra_dirs).items():
         store.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
 
@@ -76,9 +77,13 @@ def config_groups() -> dict[str, list[str]]:
     return groups
 
 
-def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+def compose_config(
+    overrides: Sequence[str] = (),
+    return_hydra_config: bool = False,
+    extra_recipe_dirs: Sequence[Path] = (),
+) -> DictConfig:
     """Compose a run config with Hydra's compose API (tests, verify, sweeps reuse this)."""
-    register_all()
+    register_all(extra_recipe_dirs)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="compose"):
         return compose(

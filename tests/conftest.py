@@ -1,0 +1,40 @@
+"""Shared helpers: compose a run config, run the CLI in-process or as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_runner.config.compose import PROJECT_ROOT, compose_config, to_run_config
+from offload_runner.config.schema import RunConfig
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def compose_run(*overrides: str, extra_recipe_dirs: tuple[Path, ...] = ()) -> RunConfig:
+    return to_run_config(compose_config(list(overrides), extra_recipe_dirs=extra_recipe_dirs))
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """run_recipe.py as a user runs it: a fresh process, its exit code and its output."""
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "run_recipe.py"), *args],
+        cwd=cwd or PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

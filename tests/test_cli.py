@@ -1,0 +1,230 @@
+"""The command line as users drive it: exit codes, messages, what is written (and what is not)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import run_cli
+
+from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Mode, main, split_argv
+
+BRIDGE_COMMAND = (
+    "--recipe",
+    "qwen3_30b_a3b_pretrain_config",
+    "optimizer.optimizer_cpu_offload=True",
+    "optimizer.optimizer_offload_fraction=0.5",
+    "train.train_iters=20",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+)
+
+
+def test_split_argv_translates_bridge_flags() -> None:
+    options, hydra_args = split_argv(
+        ["--recipe", "llama3_8b_pretrain_config", "--dry-run", "a.b=1"]
+    )
+    assert options.mode == Mode.dry_run
+    assert hydra_args == ["recipe=llama3_8b", "a.b=1"]
+    _, hydra_args = split_argv(["--recipe=tiny", "-m", "x=1,2"])
+    assert hydra_args == ["recipe=tiny", "-m", "x=1,2"]
+    _, hydra_args = split_argv(["recipe=qwen3_30b_a3b_pretrain_config"])
+    assert hydra_args == ["recipe=qwen3_30b_a3b"]
+
+
+def test_bridge_command_dry_run_saves_the_resolved_config(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main([*BRIDGE_COMMAND, f"output_dir={out}", "--dry-run"]) == EXIT_OK
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["name"] == "qwen3_30b_a3b"
+    assert saved["optimizer"]["optimizer_cpu_offload"] is True
+    assert saved["optimizer"]["optimizer_offload_fraction"] == 0.5
+    assert saved["train"] == {**saved["train"], "train_iters": 20, "global_batch_size": 8}
+    assert "${" not in (out / "config.yaml").read_text()  # resolved
+    overrides = yaml.safe_load((out / "overrides.yaml").read_text())
+    assert "optimizer.optimizer_offload_fraction=0.5" in overrides
+    printed = capsys.readouterr().out
+    assert "offload summary" in printed and "optimizer (hybrid)" in printed
+    assert "checked" in printed
+
+
+def test_hydra_native_command(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "recipe=qwen3_30b_a3b_proxy",
+            "offload/optimizer=cpu_50",
+            "offload/activation=enabled",
+            "model.cpu_offloading_num_layers=2",
+            f"output_dir={out}",
+            "--dry-run",
+        ]
+    )
+    assert code == EXIT_OK
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["cpu_offloading"] is True
+    assert saved["model"]["cpu_offloading_num_layers"] == 2
+
+
+def test_illegal_combination_lists_every_violation_and_writes_nothing(tmp_path: Path, capsys):
+    out = tmp_path / "run"
+    code = main(
+        [
+            "--recipe",
+            "qwen3_30b_a3b",
+            "offload/activation=enabled",
+            "model.cuda_graph_impl=local",
+            "optimizer.optimizer_offload_fraction=1.5",
+            f"output_dir={out}",
+            "--dry-run",
+        ]
+    )
+    assert code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "Currently there is no support for Pipeline parallelism with CPU offloading" in err
+    assert "CUDA graphs not supported with CPU offloading." in err
+    assert "optimizer_offload_fraction must be in [0.0, 1.0]" in err
+    assert err.count("fix:") >= 3
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--recipe", "tiny", "model.num_layerz=3"),  # typo: Hydra's message
+        ("--recipe", "tiny", "model.num_layers=four"),  # wrong type
+        ("--recipe", "no_such_recipe"),
+        ("--recipe", "tiny", "offload/optimizer=cpu_33"),
+        ("--recipe",),
+        ("--recipe", "missing.yaml"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(args, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main([*args, f"output_dir={out}", "--dry-run"]) == EXIT_USAGE
+    assert not out.exists()
+
+
+def test_own_recipe_file(tmp_path: Path, capsys) -> None:
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\n# mine\ndefaults:\n  - tiny\nname: mine\n")
+    out = tmp_path / "run"
+    assert main(["--recipe", str(recipe), f"output_dir={out}", "--dry-run"]) == EXIT_OK
+    assert yaml.safe_load((out / "config.yaml").read_text())["name"] == "mine"
+
+
+def test_list_recipes(capsys) -> None:
+    assert main(["--list-recipes"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    for name in ("qwen3_30b_a3b", "qwen3_30b_a3b_proxy", "llama3_8b", "tiny"):
+        assert name in printed
+
+
+def test_help_lists_groups_options_and_recipes(capsys) -> None:
+    assert main(["--help"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "offload/optimizer: cpu_100, cpu_25, cpu_50, cpu_75, disabled, states" in printed
+    assert "offload/activation: disabled, enabled" in printed
+    assert "recipe: llama3_8b, qwen3_30b_a3b, qwen3_30b_a3b_proxy, tiny" in printed
+    assert "--dry-run" in printed
+
+
+def test_hydra_cfg_job_and_info_defaults(capsys) -> None:
+    assert main(["--recipe", "tiny", "offload/optimizer=cpu_25", "--cfg", "job"]) == EXIT_OK
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"]["optimizer_offload_fraction"] == 0.25
+    assert main(["--recipe", "qwen3_30b_a3b_proxy", "--info", "defaults"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "recipe/qwen3_30b_a3b_proxy" in printed and "offload/optimizer/disabled" in printed
+
+
+def test_multirun_sweeps_a_key(tmp_path: Path, capsys) -> None:
+    code = main(
+        [
+            "-m",
+            "--recipe",
+            "tiny",
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.25,1.0",
+            f"hydra.sweep.dir={tmp_path}",
+            "--dry-run",
+        ]
+    )
+    assert code == EXIT_OK
+    fractions = sorted(
+        yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())["optimizer"][
+            "optimizer_offload_fraction"
+        ]
+        for i in (0, 1)
+    )
+    assert fractions == [0.25, 1.0]
+
+
+def test_multirun_with_a_bad_job_exits_2(tmp_path: Path, capsys) -> None:
+    code = main(
+        [
+            "-m",
+            "--recipe",
+            "tiny",
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.5,2.0",
+            f"hydra.sweep.dir={tmp_path}",
+            "--dry-run",
+        ]
+    )
+    assert code == EXIT_USAGE
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without GPUs"
+)
+def test_training_without_a_gpu_says_so(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main(["--recipe", "tiny", f"output_dir={out}"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--dry-run" in err
+    assert not out.exists()
+
+
+# --- as a real process: exit codes and no tracebacks -----------------------------------------
+
+
+def test_subprocess_bridge_dry_run(tmp_path: Path) -> None:
+    result = run_cli(*BRIDGE_COMMAND, f"output_dir={tmp_path / 'run'}", "--dry-run")
+    assert result.returncode == EXIT_OK, result.stderr
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert "Traceback" not in result.stderr
+
+
+def test_subprocess_rule_violation(tmp_path: Path) -> None:
+    result = run_cli(
+        "--recipe",
+        "tiny",
+        "offload/optimizer=states",
+        "optimizer.optimizer_cpu_offload=true",
+        f"output_dir={tmp_path / 'run'}",
+        "--dry-run",
+    )
+    assert result.returncode == EXIT_USAGE
+    assert "offload_optimizer_states can not be used with optimizer_cpu_offload." in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_subprocess_hydra_error(tmp_path: Path) -> None:
+    result = run_cli("--recipe", "tiny", "optimizer.no_such_key=1", "--dry-run", cwd=tmp_path)
+    assert result.returncode == EXIT_USAGE
+    assert "no_such_key" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without GPUs"
+)
+def test_subprocess_no_gpu(tmp_path: Path) -> None:
+    result = run_cli("--recipe", "tiny", cwd=tmp_path)
+    assert result.returncode == EXIT_FAILED
+    assert "no CUDA device" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,411 @@
+"""Every rule: the illegal combination fails with its documented message; its neighbour passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from conftest import compose_run
+
+from offload_runner.validation import (
+    RULES,
+    Environment,
+    Level,
+    check_rules,
+    errors,
+    megatron_checks,
+    validate,
+)
+
+WITH_TE = Environment(te_available=True, launching=True)
+ACT = ("offload/activation=enabled",)
+
+
+@dataclass(frozen=True)
+class Case:
+    rule: str
+    bad: tuple[str, ...]
+    good: tuple[str, ...]
+    message: str
+    env: Environment = WITH_TE
+
+
+CASES = [
+    Case(
+        "cpu_offloading_needs_pp1",
+        ("recipe=tiny", *ACT, "model.pipeline_model_parallel_size=2"),
+        ("recipe=tiny", *ACT),
+        "Currently there is no support for Pipeline parallelism with CPU offloading",
+    ),
+    Case(
+        "cpu_offloading_without_recompute",
+        (
+            "recipe=tiny",
+            *ACT,
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ),
+        (
+            "recipe=tiny",
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+        ),
+        "CPU offloading does not work when activation recomputation is enabled",
+    ),
+    Case(
+        "cpu_offloading_xor_fine_grained",
+        (
+            "recipe=tiny",
+            *ACT,
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn]",
+        ),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn]",
+        ),
+        "fine_grained_activation_offloading cannot be enabled with cpu_offloading.",
+    ),
+    Case(
+        "cpu_offloading_without_cuda_graphs",
+        ("recipe=tiny", *ACT, "model.cuda_graph_impl=local"),
+        ("recipe=tiny", "model.cuda_graph_impl=local"),
+        "CUDA graphs not supported with CPU offloading.",
+    ),
+    Case(
+        "cpu_offloading_layer_range",
+        ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=4"),
+        ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=3"),
+        "CPU offloading can be done only for layers less than 4",
+    ),
+    Case(
+        "cpu_offloading_what",
+        (
+            "recipe=tiny",
+            "model.cpu_offloading=true",
+            "model.cpu_offloading_num_layers=1",
+            "model.cpu_offloading_activations=false",
+        ),
+        ("recipe=tiny", "model.cpu_offloading=true", "model.cpu_offloading_num_layers=1"),
+        "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
+    ),
+    Case(
+        "cpu_offloading_zero_layers",
+        ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=0"),
+        ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=1"),
+        "model.cpu_offloading=true with model.cpu_offloading_num_layers=0 offloads no layer",
+    ),
+    Case(
+        "cpu_offloading_num_layers_unused",
+        ("recipe=tiny", "model.cpu_offloading_num_layers=2"),
+        ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=2"),
+        "model.cpu_offloading_num_layers=2 has no effect while model.cpu_offloading=false",
+    ),
+    Case(
+        "layer_offload_needs_te",
+        ("recipe=tiny", *ACT),
+        ("recipe=tiny",),
+        "CPU offloading (model.cpu_offloading) runs inside Transformer Engine, which is not "
+        "installed here",
+        Environment(te_available=False, launching=True),
+    ),
+    Case(
+        "fine_grained_needs_modules",
+        ("recipe=tiny", "model.fine_grained_activation_offloading=true"),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[expert_fc1]",
+        ),
+        "fine_grained_activation_offloading needs at least one module in model.offload_modules",
+    ),
+    Case(
+        "fine_grained_attn_proj_needs_core_attn",
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[attn_proj]",
+        ),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn,attn_proj]",
+        ),
+        "attn_proj cannot be set to offload_modules alone without core_attn",
+    ),
+    Case(
+        "offload_modules_unused",
+        ("recipe=tiny", "model.offload_modules=[core_attn]"),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn]",
+        ),
+        "model.offload_modules has no effect while model.fine_grained_activation_offloading=false",
+    ),
+    Case(
+        "fine_grained_needs_te",
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn]",
+        ),
+        ("recipe=tiny",),
+        "fine_grained_activation_offloading needs Transformer Engine, which is not installed here",
+        Environment(te_available=False, launching=True),
+    ),
+    Case(
+        "offload_fraction_range",
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.optimizer_offload_fraction=1.5"),
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.optimizer_offload_fraction=1.0"),
+        "optimizer_offload_fraction must be in [0.0, 1.0]",
+    ),
+    Case(
+        "cpu_offload_needs_distributed_optimizer",
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.use_distributed_optimizer=false"),
+        ("recipe=tiny", "offload/optimizer=cpu_50"),
+        "optimizer_cpu_offload requires the distributed optimizer",
+    ),
+    Case(
+        "cpu_offload_needs_adamw",
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.decoupled_weight_decay=false"),
+        ("recipe=tiny", "optimizer.decoupled_weight_decay=false"),
+        "CPU offloading only supported with decoupled_weight_decay enabled (AdamW mode).",
+    ),
+    Case(
+        "cpu_offload_needs_precision_aware",
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_50",
+            "optimizer.use_precision_aware_optimizer=false",
+        ),
+        ("recipe=tiny", "offload/optimizer=cpu_50"),
+        "optimizer_cpu_offload runs on Megatron-Core's precision-aware optimizer path",
+    ),
+    Case(
+        "cpu_offload_nothing_offloaded",
+        ("recipe=tiny", "optimizer.optimizer_cpu_offload=true"),
+        (
+            "recipe=tiny",
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.25",
+        ),
+        "optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing",
+    ),
+    Case(
+        "overlap_needs_cpu_offload",
+        ("recipe=tiny", "optimizer.overlap_cpu_optimizer_d2h_h2d=true"),
+        ("recipe=tiny", "offload/optimizer=cpu_100"),
+        "optimizer.overlap_cpu_optimizer_d2h_h2d has no effect while optimizer_cpu_offload=false",
+    ),
+    Case(
+        "torch_optimizer_for_cpu_offload_ignored",
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_50",
+            "optimizer.use_torch_optimizer_for_cpu_offload=true",
+        ),
+        ("recipe=tiny", "offload/optimizer=cpu_50"),
+        "optimizer.use_torch_optimizer_for_cpu_offload has no effect with adam",
+    ),
+    Case(
+        "precision_aware_needs_adam",
+        ("recipe=tiny", "optimizer.use_precision_aware_optimizer=true", "optimizer.optimizer=sgd"),
+        ("recipe=tiny", "optimizer.use_precision_aware_optimizer=true"),
+        "--use-precision-aware-optimizer only supported with adam",
+    ),
+    Case(
+        "precision_aware_needs_distributed_optimizer",
+        (
+            "recipe=tiny",
+            "optimizer.use_precision_aware_optimizer=true",
+            "optimizer.use_distributed_optimizer=false",
+        ),
+        ("recipe=tiny", "optimizer.use_precision_aware_optimizer=true"),
+        "--use-precision-aware-optimizer only supported with distributed optimizer",
+    ),
+    Case(
+        "precision_aware_needs_te",
+        ("recipe=tiny", "offload/optimizer=cpu_50"),
+        ("recipe=tiny", "offload/optimizer=states"),
+        "the precision-aware optimizer (needed by optimizer_cpu_offload) uses Transformer "
+        "Engine's FusedAdam",
+        Environment(te_available=False, launching=True),
+    ),
+    Case(
+        "states_xor_cpu_offload",
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.optimizer_cpu_offload=true",
+            "optimizer.optimizer_offload_fraction=0.5",
+        ),
+        ("recipe=tiny", "offload/optimizer=states"),
+        "offload_optimizer_states can not be used with optimizer_cpu_offload.",
+    ),
+    Case(
+        "states_need_distributed_optimizer",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.use_distributed_optimizer=false"),
+        ("recipe=tiny", "offload/optimizer=states"),
+        "offload_optimizer_states requires the distributed optimizer",
+    ),
+    Case(
+        "states_need_adam",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.optimizer=sgd"),
+        ("recipe=tiny", "optimizer.optimizer=sgd"),
+        "offload_optimizer_states requires optimizer.optimizer=adam",
+    ),
+    Case(
+        "heads_divisible_by_tp",
+        ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
+        ("recipe=tiny", "parallel=tp2"),
+        "num_attention_heads (5) must be divisible by tensor_model_parallel_size (2)",
+    ),
+    Case(
+        "query_groups_divisible_by_tp",
+        ("recipe=tiny", "model.num_query_groups=1", "parallel=tp2"),
+        ("recipe=tiny", "model.num_query_groups=2", "parallel=tp2"),
+        "num_query_groups (1) must be divisible by tensor_model_parallel_size (2)",
+    ),
+    Case(
+        "layers_divisible_by_pp",
+        ("recipe=tiny", "model.pipeline_model_parallel_size=3"),
+        ("recipe=tiny", "model.pipeline_model_parallel_size=2"),
+        "num_layers (4) must be divisible by pipeline_model_parallel_size (3)",
+    ),
+    Case(
+        "ep_needs_moe",
+        ("recipe=tiny", "parallel=ep2"),
+        ("recipe=tiny_moe", "parallel=ep2"),
+        "expert_model_parallel_size=2 needs a MoE model",
+    ),
+    Case(
+        "experts_divisible_by_ep",
+        ("recipe=tiny_moe", "model.expert_model_parallel_size=3"),
+        ("recipe=tiny_moe", "model.expert_model_parallel_size=4"),
+        "num_moe_experts (8) must be divisible by expert_model_parallel_size (3)",
+    ),
+    Case(
+        "topk_at_most_experts",
+        ("recipe=tiny_moe", "model.moe_router_topk=9"),
+        ("recipe=tiny_moe", "model.moe_router_topk=8"),
+        "moe_router_topk (9) exceeds num_moe_experts (8)",
+    ),
+    Case(
+        "batch_divisible_by_micro_batch",
+        ("recipe=tiny", "train.global_batch_size=5"),
+        ("recipe=tiny", "train.global_batch_size=6"),
+        "global_batch_size (5) must be a multiple of micro_batch_size (2)",
+    ),
+    Case(
+        "world_fits_model_parallel",
+        ("recipe=tiny", "parallel=tp2"),
+        ("recipe=tiny",),
+        "3 GPUs can not be split into TP2 x PP1 x CP1 model replicas",
+        Environment(te_available=True, launching=True, world_size=3),
+    ),
+    Case(
+        "world_fits_expert_parallel",
+        ("recipe=tiny_moe", "model.expert_model_parallel_size=4"),
+        ("recipe=tiny_moe", "parallel=ep2"),
+        "2 GPUs can not hold EP4 x PP1 expert groups",
+        Environment(te_available=True, launching=True, world_size=2),
+    ),
+    Case(
+        "batch_divisible_by_data_parallel",
+        ("recipe=tiny", "train.global_batch_size=6"),
+        ("recipe=tiny", "train.global_batch_size=8"),
+        "global_batch_size (6) must be a multiple of micro_batch_size x data-parallel size on 2",
+        Environment(te_available=True, launching=True, world_size=2),
+    ),
+    Case(
+        "multinode_needs_rendezvous",
+        ("recipe=tiny", "launcher=multinode"),
+        ("recipe=tiny", "launcher=multinode", "launcher.rdzv_endpoint=node0:29400"),
+        "launcher.nnodes=2 needs launcher.rdzv_endpoint",
+    ),
+    Case(
+        "save_interval_without_save",
+        ("recipe=tiny", "checkpoint.save_interval=10"),
+        ("recipe=tiny", "checkpoint.save_interval=10", "checkpoint.save=/tmp/ckpt"),
+        "checkpoint.save_interval is set but checkpoint.save (the folder) is not",
+    ),
+    Case(
+        "indexed_needs_data_path",
+        ("recipe=tiny", "data=indexed"),
+        ("recipe=tiny", "data=indexed", "dataset.data_path=[/data/a_text_document]"),
+        "dataset.kind=indexed needs dataset.data_path",
+    ),
+]
+
+
+def test_every_rule_has_a_case() -> None:
+    assert sorted(c.rule for c in CASES) == sorted(r.name for r in RULES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.rule)
+def test_rule(case: Case) -> None:
+    bad = [v for v in check_rules(compose_run(*case.bad), case.env) if v.rule == case.rule]
+    assert len(bad) == 1, f"{case.rule} did not fire"
+    assert bad[0].message.startswith(case.message)
+    assert bad[0].fix
+    good = check_rules(compose_run(*case.good), case.env)
+    assert case.rule not in {v.rule for v in good}
+
+
+def test_all_violations_are_reported_at_once() -> None:
+    run = compose_run(
+        "recipe=qwen3_30b_a3b",
+        *ACT,
+        "model.recompute_granularity=full",
+        "model.recompute_method=uniform",
+        "model.recompute_num_layers=1",
+        "model.cuda_graph_impl=local",
+        "optimizer.optimizer_offload_fraction=2",
+    )
+    found = {v.rule for v in errors(validate(run, WITH_TE))}
+    assert {
+        "cpu_offloading_needs_pp1",
+        "cpu_offloading_without_recompute",
+        "cpu_offloading_without_cuda_graphs",
+        "offload_fraction_range",
+    } <= found
+
+
+def test_environment_rules_are_warnings_for_a_dry_run() -> None:
+    run = compose_run("recipe=tiny", *ACT)
+    dry = check_rules(run, Environment(te_available=False, launching=False))
+    assert [v.level for v in dry if v.rule == "layer_offload_needs_te"] == [Level.warning]
+    launch = check_rules(run, Environment(te_available=False, launching=True))
+    assert [v.level for v in launch if v.rule == "layer_offload_needs_te"] == [Level.error]
+
+
+@pytest.mark.parametrize(
+    "recipe", ["tiny", "tiny_moe", "qwen3_30b_a3b_proxy", "qwen3_30b_a3b", "llama3_8b"]
+)
+@pytest.mark.parametrize(
+    "choice", ["offload/optimizer=disabled", "offload/optimizer=cpu_50", "offload/optimizer=states"]
+)
+def test_recipes_pass_megatron_core_checks(recipe: str, choice: str) -> None:
+    run = compose_run(f"recipe={recipe}", choice)
+    assert megatron_checks(run, Environment(te_available=False)) == []
+
+
+def test_megatron_core_checks_are_reported_in_the_same_format() -> None:
+    run = compose_run("recipe=tiny", "model.sequence_parallel=true")
+    found = megatron_checks(run, WITH_TE)
+    assert [v.rule for v in found] == ["megatron_core.model"]
+    assert found[0].message == "Cannot use sequence parallelism without tensor parallelism"
+    assert found[0].level == Level.error and found[0].fix
+
+
+def test_documented_messages_are_not_repeated_by_megatron_core() -> None:
+    run = compose_run("recipe=tiny", *ACT, "model.pipeline_model_parallel_size=2")
+    messages = [v.message for v in validate(run, WITH_TE)]
+    assert (
+        messages.count("Currently there is no support for Pipeline parallelism with CPU offloading")
+        == 1
+    )
