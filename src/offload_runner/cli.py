@@ -14,6 +14,7 @@ with its fix), with nothing written.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ from offload_runner.config.compose import (
     register_all,
     to_run_config,
 )
-from offload_runner.offload import summarize
+from offload_runner.config.schema import RunConfig
+from offload_runner.offload import apply_te_offload_environment, summarize
 from offload_runner.rundir import create_run_dir
 from offload_runner.validation import Environment, errors, validate
 
@@ -106,6 +108,8 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
+    if mode == Mode.train:
+        apply_te_offload_environment(run)  # before Transformer Engine is first imported
     env = env or Environment.detect(launching=mode == Mode.train)
     violations = validate(run, env)
     if errors(violations):
@@ -121,19 +125,33 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         console.console.print(f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]")
         return EXIT_OK
 
+    return _train(run, resolved)
+
+
+def _train(run: RunConfig, resolved: dict) -> int:
+    """Check the GPUs and the world size they give, then hand over to the launcher."""
     import torch
 
-    if not torch.cuda.is_available():
+    from offload_runner.launch import gpus_per_node, in_torchrun, launch, nodes
+
+    if not in_torchrun() and not torch.cuda.is_available():
         console.fail(
             "no CUDA device is visible on this machine; training needs at least one GPU",
             "run it on a GPU node, or add --dry-run to see the resolved config and offload plan",
         )
         return EXIT_FAILED
-    console.fail(
-        "the training launcher is not part of this build yet",
-        "use --dry-run to compose and validate the recipe",
-    )
-    return EXIT_FAILED
+    if in_torchrun():
+        world: int | None = int(os.environ["WORLD_SIZE"])
+    else:
+        node_count = nodes(run.launcher)
+        per_node = gpus_per_node(run.launcher, torch.cuda.device_count())
+        world = None if node_count is None else node_count * per_node
+    violations = validate(run, Environment.detect(launching=True, world_size=world))
+    if errors(violations):
+        console.print_violations(violations)
+        return EXIT_USAGE
+    console.print_offload_summary(summarize(run))
+    return launch(run, resolved, _task_overrides())
 
 
 def _run_dir(configured: str) -> str:

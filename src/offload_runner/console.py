@@ -92,3 +92,10 @@ def print_recipes(recipes: Mapping[str, str]) -> None:
     for name, description in recipes.items():
         table.add_row(name, description)
     console.print(table)
+
+
+def log_line(text: str) -> None:
+    """A line for this rank's log file (rank<N>.log) through the logging module."""
+    import logging
+
+    logging.getLogger("offload_runner").info(text)

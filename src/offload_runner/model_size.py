@@ -81,3 +81,22 @@ def count_parameters(model: ModelConfig) -> ParamCount:
         router=router,
         norms=layers * 2 * norm + norm,
     )
+
+
+def active_matmul_parameters(model: ModelConfig) -> int:
+    """Weights one token meets in matrix products: attention, its experts (top-k) or the dense
+    MLP, the router and the output layer (the input embedding is a lookup, not a product)."""
+    counts = count_parameters(model)
+    per_token_experts = 0
+    if model.num_moe_experts:
+        per_token_experts = counts.experts * model.moe_router_topk // model.num_moe_experts
+    output_layer = padded_vocab_size(model) * model.hidden_size
+    return counts.attention + counts.dense_mlp + per_token_experts + counts.router + output_layer
+
+
+def training_flops_per_token(model: ModelConfig) -> float:
+    """Forward + backward FLOPs per token: 6 x active matmul weights, plus causal attention
+    scores and values (2 products of seq x q_width per layer, halved by the causal mask, x3)."""
+    q_width = model.num_attention_heads * kv_channels(model)
+    attention = 6 * model.num_layers * model.seq_length * q_width
+    return 6 * active_matmul_parameters(model) + attention

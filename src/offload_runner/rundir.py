@@ -1,7 +1,7 @@
 """The run directory: one per job, shared by all ranks.
 
 Layout: ``config.yaml`` (resolved), ``overrides.yaml``, ``rank<N>.log``, ``metrics.jsonl``,
-``checkpoints/`` and reports. It is created only after validation has passed.
+``summary.json`` and reports. It is created only after validation has passed.
 """
 
 from __future__ import annotations
@@ -23,3 +23,19 @@ def create_run_dir(path: str | Path, resolved: Mapping[str, Any], overrides: Seq
     (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(resolved))))
     (run_dir / OVERRIDES_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     return run_dir
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.log"
+
+
+def metrics_file(run_dir: Path) -> Path:
+    return Path(run_dir) / "metrics.jsonl"
+
+
+def load_resolved(run_dir: Path):  # -> RunConfig
+    """The typed config a launcher wrote into the run directory."""
+    from offload_runner.config.schema import RunConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / CONFIG_FILE))
+    return OmegaConf.to_object(merged)

@@ -391,6 +391,13 @@ RULES: tuple[Rule, ...] = (
         "launcher.nnodes={c.launcher.nnodes} needs launcher.rdzv_endpoint (host:port on node 0)",
         "add launcher.rdzv_endpoint=node0:29400 (the same on every node)",
     ),
+    Rule(
+        "context_parallel_not_supported",
+        lambda c, e: c.model.context_parallel_size > 1,
+        "context_parallel_size > 1 is not supported by offload-runner's trainer yet (the loss "
+        "and the batch split over CP ranks are not wired)",
+        "set model.context_parallel_size=1 and use TP/PP/EP or a shorter sequence",
+    ),
     # --- run-level -------------------------------------------------------------------------------
     Rule(
         "save_interval_without_save",

@@ -36,3 +36,24 @@ def summarize(run: RunConfig) -> list[OffloadSummary]:
         optimizer.describe(run),
         optimizer_states.describe(run),
     ]
+
+
+def te_offload_environment(run: RunConfig) -> dict[str, str]:
+    """Environment variables Transformer Engine must see before it is imported.
+
+    Weight offload and double buffering exist only on TE's V1 offload path, and Megatron-LM
+    requires that path for fine-grained activation offloading with TE >= 2.10.
+    """
+    from offload_runner.offload import weight
+
+    needs_v1 = weight.needs_te_v1_path(run) or run.model.fine_grained_activation_offloading
+    return {weight.TE_V1_ENV: "1"} if needs_v1 else {}
+
+
+def apply_te_offload_environment(run: RunConfig) -> dict[str, str]:
+    """Set te_offload_environment in os.environ (inherited by torchrun's workers)."""
+    import os
+
+    env = te_offload_environment(run)
+    os.environ.update(env)
+    return env

@@ -1,0 +1,61 @@
+"""Checkpoints with Megatron-Core dist_checkpointing: save every N iterations and at the end,
+resume with ``checkpoint.load=DIR`` (the save folder, or one ``iter_NNNNNNN`` inside it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def resolve_load_dir(path: str | Path) -> Path:
+    """A save folder (its latest iteration) or an iteration folder."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        return iteration_dir(path, int((path / LATEST).read_text().strip()))
+    return path
+
+
+def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
+    model_state = model[0].sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+    }
+
+
+def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, scheduler) -> Path:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(Path(root), iteration)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state["scheduler"] = scheduler.state_dict()
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(root) / LATEST).write_text(str(iteration))
+    return path
+
+
+def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
+    """Load model, optimizer and schedule in place; returns the iteration it was saved at."""
+    from megatron.core import dist_checkpointing
+
+    load_dir = resolve_load_dir(path)
+    state = _sharded_state(model, optimizer, is_loading=True)
+    state["scheduler"] = scheduler.state_dict()
+    state["iteration"] = 0
+    loaded = dist_checkpointing.load(state, str(load_dir))
+    model[0].load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    return int(loaded["iteration"])

@@ -1,0 +1,85 @@
+"""Start training: torchrun through ``torch.distributed.run``'s Python API, or in place.
+
+- Inside torchrun already (RANK and WORLD_SIZE set): train in this process.
+- Otherwise: write the run directory, then start ``nproc_per_node`` workers (default: every
+  visible GPU) running ``python -m offload_runner.worker --run-dir DIR``; each reads the resolved
+  config from the run directory, so every rank trains exactly the same configuration.
+
+A failing rank ends the job; the launcher names it and its log file and returns 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from offload_runner import console
+from offload_runner.config.schema import LauncherConfig, RunConfig
+from offload_runner.rundir import create_run_dir, rank_log
+
+WORKER_MODULE = "offload_runner.worker"
+
+
+def in_torchrun(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when a launcher (torchrun, SLURM + torchrun) already started this process as a rank."""
+    return "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def nodes(launcher: LauncherConfig) -> int | None:
+    """The node count when it is fixed (``"4"``, ``"4:4"``), None for an elastic range."""
+    low, _, high = launcher.nnodes.partition(":")
+    if high and high != low:
+        return None
+    return int(low)
+
+
+def gpus_per_node(launcher: LauncherConfig, visible: int) -> int:
+    return launcher.nproc_per_node or visible
+
+
+def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) -> list[str]:
+    """torch.distributed.run's arguments for this launcher config."""
+    args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(launcher.max_restarts)]
+    if nodes(launcher) == 1:
+        args.append("--standalone")
+    else:
+        args += [
+            "--nnodes", launcher.nnodes,
+            "--node-rank", str(launcher.node_rank),
+            "--rdzv-backend", launcher.rdzv_backend,
+            "--rdzv-endpoint", str(launcher.rdzv_endpoint),
+            "--rdzv-id", launcher.rdzv_id,
+        ]  # fmt: skip
+    return [*args, "--module", WORKER_MODULE, "--run-dir", str(run_dir)]
+
+
+def launch(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]) -> int:
+    """Train ``run``; returns the process exit code."""
+    if in_torchrun():
+        from offload_runner.worker import train_in_place
+
+        return train_in_place(run, resolved, overrides)
+
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    nproc = gpus_per_node(run.launcher, torch.cuda.device_count())
+    run_dir = create_run_dir(run.output_dir, resolved, overrides)
+    console.console.print(
+        f"launching {nproc} process(es) per node x {run.launcher.nnodes} node(s); "
+        f"run directory [bold]{run_dir}[/]"
+    )
+    try:
+        torchrun(parse_args(torchrun_args(run.launcher, nproc, run_dir)))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        console.fail(
+            f"rank {rank} failed (exit code {failure.exitcode}); the job was stopped",
+            f"see {rank_log(run_dir, rank)}",
+        )
+        return 1
+    return 0

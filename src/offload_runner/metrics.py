@@ -1,0 +1,132 @@
+"""Per-iteration measurements: step time, tokens/s, TFLOP/s per GPU, GPU and pinned host memory.
+
+Rank 0 writes one JSON line per iteration to metrics.jsonl and shows a rich progress bar (plain
+lines when the output is not a terminal); the final summary goes to summary.json and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from offload_runner import console
+
+GB = 1024**3
+
+
+@dataclass
+class StepMetrics:
+    iteration: int
+    loss: float
+    lr: float
+    grad_norm: float | None
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    gpu_peak_allocated_gb: float
+    gpu_allocated_gb: float
+    host_pinned_gb: float | None
+
+    def line(self) -> str:
+        pinned = "n/a" if self.host_pinned_gb is None else f"{self.host_pinned_gb:.2f} GB"
+        grad = "n/a" if self.grad_norm is None else f"{self.grad_norm:.3f}"
+        return (
+            f"iter {self.iteration:>5} | loss {self.loss:.4f} | lr {self.lr:.2e} | grad {grad} | "
+            f"{self.step_time_s * 1000:7.1f} ms | {self.tokens_per_s:,.0f} tok/s | "
+            f"{self.tflops_per_gpu:6.1f} TFLOP/s/GPU | GPU peak {self.gpu_peak_allocated_gb:.2f} GB"
+            f" | pinned {pinned}"
+        )
+
+
+def host_pinned_bytes() -> int | None:
+    """Bytes held by torch's pinned host allocator (None where this torch does not say)."""
+    import torch
+
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_fn is None:
+        return None
+    stats = stats_fn()
+    for key in ("allocated_bytes.current", "reserved_bytes.current", "allocations.current"):
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def gpu_memory() -> tuple[float, float]:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / GB, torch.cuda.memory_allocated() / GB
+
+
+class MetricsReporter:
+    """Collects StepMetrics; rank 0 prints them and writes metrics.jsonl / summary.json."""
+
+    def __init__(self, run_dir: Path, total_iters: int, first_iter: int, is_writer: bool,
+                 log_interval: int) -> None:  # fmt: skip
+        self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, log_interval
+        self.history: list[StepMetrics] = []
+        self.progress = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TimeRemainingColumn(), console=console.console,
+            disable=not (is_writer and console.console.is_terminal),
+        )  # fmt: skip
+        self.task = self.progress.add_task("train", total=total_iters, completed=first_iter)
+        self.file = open(run_dir / "metrics.jsonl", "a") if is_writer else None  # noqa: SIM115
+
+    def __enter__(self) -> MetricsReporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+        if self.file:
+            self.file.close()
+
+    def record(self, step: StepMetrics) -> None:
+        self.history.append(step)
+        if not self.is_writer:
+            return
+        self.file.write(json.dumps(asdict(step)) + "\n")
+        self.file.flush()
+        self.progress.advance(self.task)
+        if step.iteration % self.log_interval == 0 or step.iteration == 1:
+            self.progress.console.print(step.line(), highlight=False)
+            console.log_line(step.line())
+
+    def summary(self, skip_first: int = 2) -> dict:
+        steady = self.history[skip_first:] or self.history
+        if not steady:
+            return {}
+        return {
+            "iterations": len(self.history),
+            "step_time_s_median": statistics.median(s.step_time_s for s in steady),
+            "tokens_per_s_median": statistics.median(s.tokens_per_s for s in steady),
+            "tflops_per_gpu_median": statistics.median(s.tflops_per_gpu for s in steady),
+            "gpu_peak_allocated_gb": max(s.gpu_peak_allocated_gb for s in self.history),
+            "host_pinned_gb_max": max((s.host_pinned_gb or 0.0) for s in self.history),
+            "first_loss": self.history[0].loss,
+            "final_loss": self.history[-1].loss,
+            "losses": [s.loss for s in self.history],
+            "steady_state_from_iteration": steady[0].iteration,
+        }
+
+    def write_summary(self, extra: dict) -> dict:
+        summary = {**self.summary(), **extra}
+        if self.is_writer and summary:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            table = Table(title="run summary", title_justify="left")
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for key in ("iterations", "step_time_s_median", "tokens_per_s_median",
+                        "tflops_per_gpu_median", "gpu_peak_allocated_gb", "host_pinned_gb_max",
+                        "first_loss", "final_loss"):  # fmt: skip
+                value = summary.get(key)
+                table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))
+            table.add_row("run directory", str(self.run_dir))
+            console.console.print(table)
+        return summary

@@ -1,0 +1,162 @@
+"""The training loop of one rank: parallel state, model, optimizer, data, steps, checkpoints.
+
+Megatron-Core provides every piece (GPTModel, DDP, get_megatron_optimizer, the pipeline schedules,
+dist_checkpointing); this module wires them the way Megatron-LM's pretrain loop does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from offload_runner.config.schema import RunConfig
+from offload_runner.metrics import MetricsReporter, StepMetrics, gpu_memory, host_pinned_bytes
+from offload_runner.model_size import training_flops_per_token
+
+log = logging.getLogger("offload_runner")
+
+
+def initialize(run: RunConfig) -> None:
+    """NCCL process group, Megatron-Core parallel state, and seeds."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    m = run.model
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+    )
+    torch.manual_seed(run.train.seed)
+    model_parallel_cuda_manual_seed(run.train.seed)
+
+
+def _to_device(batch: dict) -> dict:
+    return {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    batch = _to_device(next(data_iterator))
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def global_loss(losses: list[dict], pipeline_size: int) -> float:
+    """Mean LM loss over micro-batches and data-parallel replicas, known on every rank."""
+    from megatron.core import parallel_state
+
+    value = torch.zeros(1, device="cuda")
+    if parallel_state.is_pipeline_last_stage() and losses:
+        value += torch.stack([x["lm loss"] for x in losses]).mean()
+    dist.all_reduce(value)
+    return value.item() / (dist.get_world_size() // pipeline_size)
+
+
+def train(run: RunConfig, run_dir: Path) -> dict:
+    """Train ``run`` on this rank; returns the summary (rank 0 also writes it)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from offload_runner import checkpoint
+    from offload_runner.build.data import build_data_iterator, build_train_dataset
+    from offload_runner.build.megatron_config import build_transformer_config
+    from offload_runner.build.model import build_model
+    from offload_runner.build.optimizer import build_optimizer, build_scheduler
+
+    initialize(run)
+    t, m = run.train, run.model
+    config = build_transformer_config(m)
+    model = build_model(run, config)
+    optimizer = build_optimizer(run, model)
+    scheduler = build_scheduler(run, optimizer)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync
+    config.grad_scale_func = optimizer.scale_loss
+
+    start = 0
+    if run.checkpoint.load:
+        start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
+        log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
+    dataset = build_train_dataset(run)
+    data = build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+    forward_backward = get_forward_backward_func()
+    tokens = t.global_batch_size * m.seq_length
+    flops = training_flops_per_token(m) * tokens / dist.get_world_size()
+    is_writer = dist.get_rank() == 0
+    log.info(
+        "world %d (DP %d), %d micro-batch(es) of %d per step, %s",
+        dist.get_world_size(), dp_size, micro_batches, t.micro_batch_size,
+        type(optimizer).__name__,
+    )  # fmt: skip
+
+    reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval)
+    with reporter:
+        for iteration in range(start + 1, t.train_iters + 1):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=model,
+                num_microbatches=micro_batches,
+                seq_length=m.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                forward_only=False,
+            )
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=t.global_batch_size)
+            loss = global_loss(losses, m.pipeline_model_parallel_size)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - began
+            peak, allocated = gpu_memory()
+            pinned = host_pinned_bytes()
+            reporter.record(
+                StepMetrics(
+                    iteration=iteration,
+                    loss=loss,
+                    lr=optimizer.param_groups[0]["lr"],
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    step_time_s=elapsed,
+                    tokens_per_s=tokens / elapsed,
+                    tflops_per_gpu=flops / elapsed / 1e12,
+                    gpu_peak_allocated_gb=peak,
+                    gpu_allocated_gb=allocated,
+                    host_pinned_gb=None if pinned is None else pinned / 1024**3,
+                )
+            )
+            interval = run.checkpoint.save_interval
+            if run.checkpoint.save and interval and iteration % interval == 0:
+                checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer,
+                                           scheduler)  # fmt: skip
+        if run.checkpoint.save and start < t.train_iters:
+            checkpoint.save_checkpoint(run.checkpoint.save, t.train_iters, model, optimizer,
+                                       scheduler)  # fmt: skip
+    return reporter.write_summary(
+        {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
+    )

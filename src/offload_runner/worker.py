@@ -1,0 +1,86 @@
+"""What every rank runs: ``python -m offload_runner.worker --run-dir DIR`` (started by torchrun).
+
+Rank 0 prints to the console and logs to rank0.log; every other rank's stdout and stderr go to
+its own rank<N>.log, so a crash anywhere leaves its trace in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from offload_runner.config.schema import RunConfig
+from offload_runner.offload import apply_te_offload_environment
+from offload_runner.rundir import create_run_dir, load_resolved, rank_log
+
+
+def setup_rank_logging(run_dir: Path, rank: int) -> None:
+    path = rank_log(run_dir, rank)
+    stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    if rank != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(stream.fileno(), 1)
+        os.dup2(stream.fileno(), 2)
+    faulthandler.enable(file=stream)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s"))
+    logger = logging.getLogger("offload_runner")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _train(run: RunConfig, run_dir: Path, rank: int) -> int:
+    from offload_runner.train import train
+
+    setup_rank_logging(run_dir, rank)
+    env = apply_te_offload_environment(run)
+    if env:
+        logging.getLogger("offload_runner").info("Transformer Engine environment: %s", env)
+    try:
+        train(run, run_dir)
+    except Exception:
+        logging.getLogger("offload_runner").exception("rank %d failed", rank)
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one offload-runner training rank")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    run = load_resolved(args.run_dir)
+    return _train(run, args.run_dir, int(os.environ.get("RANK", 0)))
+
+
+def train_in_place(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]) -> int:
+    """The user started torchrun around run_recipe.py: rank 0 makes the run directory and every
+    rank takes its path from rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    path = (
+        [str(create_run_dir(run.output_dir, resolved, overrides))] if dist.get_rank() == 0 else [""]
+    )
+    dist.broadcast_object_list(path, src=0)
+    return _train(run, Path(path[0]), dist.get_rank())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
