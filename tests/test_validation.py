@@ -328,6 +328,12 @@ CASES = [
         "launcher.nnodes=2 needs launcher.rdzv_endpoint",
     ),
     Case(
+        "context_parallel_not_supported",
+        ("recipe=tiny", "model.context_parallel_size=2"),
+        ("recipe=tiny",),
+        "context_parallel_size > 1 is not supported",
+    ),
+    Case(
         "save_interval_without_save",
         ("recipe=tiny", "checkpoint.save_interval=10"),
         ("recipe=tiny", "checkpoint.save_interval=10", "checkpoint.save=/tmp/ckpt"),
