@@ -1,0 +1,101 @@
+"""Training batches from Megatron-Core datasets: MockGPTDataset, or indexed .bin/.idx prefixes.
+
+Each data-parallel rank reads its own micro-batches of every global batch (consecutive samples, as
+Megatron-LM's pretraining sampler does); TP/PP/CP ranks of one replica read the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from offload_runner.config.schema import DatasetConfig, DatasetKind, RunConfig
+
+
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]`` -> (prefixes, weights)."""
+    items = [str(x) for x in data_path]
+    try:
+        weights = [float(x) for x in items[0::2]]
+    except ValueError:
+        return items, None
+    if len(items) % 2:
+        raise ValueError("a blend alternates weight and prefix: [0.7, /data/a, 0.3, /data/b]")
+    return items[1::2], weights
+
+
+def dataset_config(run: RunConfig, cache_dir: Path | None = None):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    d: DatasetConfig = run.dataset
+    blend = parse_blend(d.data_path) if d.kind == DatasetKind.indexed else None
+    return GPTDatasetConfig(
+        random_seed=run.train.seed,
+        sequence_length=run.model.seq_length,
+        blend=blend,
+        split=d.split,
+        tokenizer=NullTokenizer(vocab_size=run.model.vocab_size - 1),
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False,  # causal masks come from the attention kernels
+        mid_level_dataset_surplus=0.005,
+        path_to_cache=str(cache_dir) if cache_dir else None,
+    )
+
+
+def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    cls = MockGPTDataset if run.dataset.kind == DatasetKind.mock else GPTDataset
+    samples = run.train.train_iters * run.train.global_batch_size
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        cls, [samples, None, None], lambda: True, dataset_config(run, cache_dir)
+    ).build()
+    return train
+
+
+def micro_batch_indices(
+    consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[int]:
+    """This DP rank's samples of the micro-batch step that starts at ``consumed``."""
+    start = consumed + dp_rank * micro_batch_size
+    return list(range(start, start + micro_batch_size))
+
+
+class MicroBatchSampler:
+    """Batch sampler yielding this rank's micro-batches from ``consumed`` samples on."""
+
+    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int) -> None:  # fmt: skip
+        self.total, self.consumed = total, consumed
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.mbs * self.dp_size
+        for consumed in range(self.consumed, self.total - step + 1, step):
+            yield micro_batch_indices(consumed, self.mbs, self.dp_rank, self.dp_size)
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.mbs * self.dp_size)
+
+
+def build_data_iterator(run: RunConfig, dataset, consumed_samples: int, dp_rank: int,
+                        dp_size: int) -> Iterator[dict]:  # fmt: skip
+    import torch
+
+    sampler = MicroBatchSampler(
+        len(dataset), consumed_samples, run.train.micro_batch_size, dp_rank, dp_size
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=run.dataset.num_workers,
+        pin_memory=True,
+        persistent_workers=run.dataset.num_workers > 0,
+    )
+    return iter(loader)

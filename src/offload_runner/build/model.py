@@ -1,0 +1,72 @@
+"""GPTModel with Transformer Engine (or local) layer specs, bf16 via Float16Module, Megatron DDP."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+from offload_runner.config.schema import RunConfig, TransformerImpl
+from offload_runner.model_size import padded_vocab_size
+
+
+def use_transformer_engine(run: RunConfig) -> bool:
+    """TE spec unless local is asked for, or TE is absent and no TE-only feature is on."""
+    if run.model.transformer_impl == TransformerImpl.local:
+        return False
+    if importlib.util.find_spec("transformer_engine") is None:
+        warnings.warn(
+            "Transformer Engine is not installed: using Megatron-Core's local layer spec",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def layer_spec(run: RunConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    m = run.model
+    kwargs = dict(
+        num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
+        qk_layernorm=m.qk_layernorm,
+    )  # fmt: skip
+    if use_transformer_engine(run):
+        return get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return get_gpt_layer_local_spec(**kwargs, normalization=m.normalization.value)
+
+
+def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
+    """One model chunk on this rank's pipeline stage, on the GPU, wrapped as Megatron-LM does."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from offload_runner.build.megatron_config import build_ddp_config
+
+    m = run.model
+    model = GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=layer_spec(run),
+        vocab_size=padded_vocab_size(m),
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type.value,
+        rotary_percent=m.rotary_percent,
+        rotary_base=int(m.rotary_base),
+    )
+    model.cuda(torch.cuda.current_device())
+    if m.bf16:
+        model = Float16Module(transformer_config, model)
+    ddp = DistributedDataParallel(
+        config=transformer_config, ddp_config=build_ddp_config(run), module=model
+    )
+    ddp.broadcast_params()  # identical start on every data-parallel replica
+    return [ddp]

@@ -1,0 +1,36 @@
+"""The optimizer (get_megatron_optimizer: distributed optimizer, HybridDeviceOptimizer when
+optimizer_cpu_offload is on) and its learning-rate schedule."""
+
+from __future__ import annotations
+
+from offload_runner.config.schema import LRDecayStyle, RunConfig
+
+
+def build_optimizer(run: RunConfig, model: list):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from offload_runner.build.megatron_config import build_optimizer_config
+
+    return get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
+
+
+def build_scheduler(run: RunConfig, optimizer):
+    """Warmup then decay, counted in samples as Megatron-LM does (step(increment=batch))."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, s, t = run.optimizer, run.scheduler, run.train
+    batch = t.global_batch_size
+    decay_iters = s.lr_decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if s.lr_warmup_iters else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr if s.lr_decay_style != LRDecayStyle.constant else o.lr,
+        lr_warmup_steps=s.lr_warmup_iters * batch,
+        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1) * batch,
+        lr_decay_style=s.lr_decay_style.value,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=t.train_iters * batch,
+        wd_incr_style="constant",
+    )
