@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Run the offload benchmark matrix on a GPU machine, and render docs/BENCHMARKS.md from it.
+
+    # on the GPU machine (one suite per call; each case is a real run_recipe.py training run)
+    python bench/run_benchmarks.py run --suite proxy-1 --out results-proxy-1.json
+    # anywhere: the Markdown report from one or more result files
+    python bench/run_benchmarks.py report results-*.json > docs/BENCHMARKS.md
+
+Every number in the report comes from the runs' own summary.json / metrics.jsonl; the result
+file also records the command of each case, the GPU, and the package versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERS = 20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    baseline: str = "no offload"  # the case this one is compared with
+    nproc: int = 1
+
+    def command(self, out_dir: Path, iters: int) -> list[str]:
+        return [
+            sys.executable, str(ROOT / "run_recipe.py"), "--recipe", self.recipe,
+            *self.overrides, f"train.train_iters={iters}", f"output_dir={out_dir / self.name}",
+            f"launcher.nproc_per_node={self.nproc}",
+        ]  # fmt: skip
+
+
+def _optimizer_cases(recipe: str, extra: tuple[str, ...] = ()) -> list[Case]:
+    cases = []
+    for pct in (25, 50, 100):
+        for overlap in (False, True):
+            name = f"HDO {pct}%" + (" + overlap" if overlap else "")
+            cases.append(Case(name, recipe, (
+                *extra, f"offload/optimizer=cpu_{pct}",
+                f"optimizer.overlap_cpu_optimizer_d2h_h2d={str(overlap).lower()}",
+            )))  # fmt: skip
+    return cases
+
+
+def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
+    return [
+        Case("no offload", recipe, extra),
+        Case("no offload (repeat)", recipe, extra),
+        Case(f"activation offload {act_layers} layers", recipe,
+             (*extra, "offload/activation=enabled", f"model.cpu_offloading_num_layers={act_layers}")),
+        *_optimizer_cases(recipe, extra),
+    ]  # fmt: skip
+
+
+PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
+SUITES: dict[str, list[Case]] = {
+    "tiny": _suite("tiny", (), 2),
+    "proxy-1": _suite("qwen3_30b_a3b_proxy", PROXY, 2)[:5],
+    "proxy-2": _suite("qwen3_30b_a3b_proxy", PROXY, 2)[5:],
+    "two-gpu": [
+        Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
+        Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),
+        Case("proxy EP2", "qwen3_30b_a3b_proxy", (*PROXY, "parallel=ep2"), "proxy EP2", nproc=2),
+        Case(
+            "proxy EP2 HDO 50%",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "parallel=ep2", "offload/optimizer=cpu_50"),
+            "proxy EP2",
+            nproc=2,
+        ),
+        Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
+    ],  # fmt: skip
+}
+
+
+@dataclass
+class Result:
+    case: dict
+    command: list[str]
+    returncode: int
+    status: str
+    wall_s: float
+    summary: dict = field(default_factory=dict)
+    error_tail: str = ""
+
+
+def environment() -> dict:
+    import torch
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu_count": torch.cuda.device_count(),
+        "commit": os.environ.get("OFFLOAD_RUNNER_COMMIT", "unknown"),
+    }
+    for module in ("megatron.core", "transformer_engine"):
+        try:
+            mod = __import__(module, fromlist=["__version__"])
+            info[module] = getattr(mod, "__version__", "?")
+        except Exception as err:  # noqa: BLE001 - recorded, not fatal
+            info[module] = f"not importable: {type(err).__name__}"
+    return info
+
+
+def run_case(case: Case, out_dir: Path, iters: int) -> Result:
+    command = case.command(out_dir, iters)
+    began = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - began
+    run_dir = out_dir / case.name
+    summary_file = run_dir / "summary.json"
+    text = proc.stdout + proc.stderr
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("rank*.log"))
+    if proc.returncode == 0 and summary_file.is_file():
+        status = "ok"
+    elif "out of memory" in (text + logs).lower():
+        status = "OOM"
+    else:
+        status = f"failed ({proc.returncode})"
+    return Result(
+        case=asdict(case),
+        command=["python", "run_recipe.py", *command[2:-2]],  # without the machine's paths
+        returncode=proc.returncode,
+        status=status,
+        wall_s=wall,
+        summary=json.loads(summary_file.read_text()) if summary_file.is_file() else {},
+        error_tail="" if status == "ok" else (text + logs)[-3000:],
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cases = SUITES[args.suite]
+    out_dir = Path(args.work_dir)
+    results = []
+    for case in cases:
+        result = run_case(case, out_dir, args.iters)
+        s = result.summary
+        print(
+            f"{case.name:32s} {result.status:10s} wall {result.wall_s:6.1f}s "
+            f"step {s.get('step_time_s_median', float('nan')) * 1000:8.1f} ms "
+            f"peak {s.get('gpu_peak_allocated_gb', float('nan')):6.2f} GB "
+            f"loss {s.get('final_loss', float('nan')):.4f}",
+            flush=True,
+        )
+        results.append(asdict(result))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "suite": args.suite,
+                    "environment": environment(),
+                    "iters": args.iters,
+                    "results": results,
+                },
+                indent=1,
+            )  # fmt: skip
+        )
+    return 0
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def max_abs_delta(a: list[float], b: list[float]) -> float | None:
+    if not a or not b:
+        return None
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def render(files: list[Path]) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Produced by `bench/run_benchmarks.py` from real training runs (never edited by hand).",
+        "Step time is the median over iterations 3..N (the first two include allocation and",
+        "optimizer-state creation); peak GPU memory is `torch.cuda.max_memory_allocated()` over",
+        "the whole run; max |Δloss| compares the per-iteration global loss with the baseline run",
+        "of the same suite (same seed, same data).",
+        "",
+        "Regenerate:",
+        "",
+        "    python bench/run_benchmarks.py run --suite SUITE --out results-SUITE.json   # GPU",
+        "    python bench/run_benchmarks.py report bench/results/*.json > docs/BENCHMARKS.md",
+        "",
+    ]
+    for path in files:
+        data = json.loads(path.read_text())
+        env = data["environment"]
+        results = data["results"]
+        by_name = {r["case"]["name"]: r for r in results}
+        lines += [
+            f"## Suite `{data['suite']}` ({data['iters']} iterations)",
+            "",
+            f"GPU: {env['gpu']} x{env['gpu_count']} · torch {env['torch']} (CUDA {env['cuda']}) · "
+            f"megatron-core {env['megatron.core']} · transformer-engine "
+            f"{env['transformer_engine']} · Python {env['python']} · {env['date']} · "
+            f"commit {env['commit']} · source `{path.name}`",
+            "",
+            "| config | status | step ms | slowdown | peak GPU GB | saved GB | pinned host GB "
+            "| final loss | max abs Δloss vs baseline |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            s = r["summary"]
+            base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+            step = s.get("step_time_s_median")
+            base_step = base.get("step_time_s_median")
+            peak, base_peak = s.get("gpu_peak_allocated_gb"), base.get("gpu_peak_allocated_gb")
+            delta = max_abs_delta(s.get("losses", []), base.get("losses", []))
+            same = r["case"]["name"] == r["case"]["baseline"]
+            lines.append(
+                f"| {r['case']['name']} | {r['status']} | "
+                + (f"{step * 1000:.1f}" if step else "-")
+                + " | "
+                + (f"{step / base_step:.2f}x" if step and base_step else "-")
+                + " | "
+                + (f"{peak:.2f}" if peak else "-")
+                + " | "
+                + (f"{base_peak - peak:+.2f}" if peak and base_peak and not same else "-")
+                + " | "
+                + (f"{s['host_pinned_gb_max']:.2f}" if s else "-")
+                + " | "
+                + (f"{s['final_loss']:.4f}" if s else "-")
+                + " | "
+                + ("(baseline)" if same else (f"{delta:.2e}" if delta is not None else "-"))
+                + " |"
+            )
+        lines += ["", "Commands:", ""]
+        lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
+        losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
+        longest = max((len(v) for v in losses.values()), default=0)
+        if longest:
+            names = list(losses)
+            lines += ["", "<details><summary>loss curves</summary>", "",
+                      "| iter | " + " | ".join(names) + " |",
+                      "|---" * (len(names) + 1) + "|"]  # fmt: skip
+            for i in range(longest):
+                row = [f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
+                lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
+            lines += ["", "</details>"]
+        failed = [r for r in results if r["status"] != "ok"]
+        for r in failed:
+            lines += ["", f"`{r['case']['name']}` output tail:", "", "```",
+                      r["error_tail"][-1500:], "```"]  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one suite on this GPU machine")
+    run.add_argument("--suite", choices=sorted(SUITES), required=True)
+    run.add_argument("--out", required=True, help="result JSON file")
+    run.add_argument("--work-dir", default="bench-runs", help="where the run directories go")
+    run.add_argument("--iters", type=int, default=ITERS)
+    report = sub.add_parser("report", help="Markdown from result files")
+    report.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args()
+    if args.command == "run":
+        return cmd_run(args)
+    print(render(args.files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
