@@ -64,7 +64,7 @@ def _optimizer_cases(recipe: str, extra: tuple[str, ...] = ()) -> list[Case]:
 def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
     return [
         Case("no offload", recipe, extra),
-        Case("no offload (repeat)", recipe, extra),
+        Case("no offload (repeat)", recipe, extra, baseline="no offload"),
         Case(f"activation offload {act_layers} layers", recipe,
              (*extra, "offload/activation=enabled", f"model.cpu_offloading_num_layers={act_layers}")),
         *_optimizer_cases(recipe, extra),
@@ -73,7 +73,21 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
 
 PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
 SUITES: dict[str, list[Case]] = {
-    "tiny": _suite("tiny", (), 2),
+    "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
+    "proxy-det": [
+        Case(
+            "no offload, deterministic",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "model.deterministic_mode=true"),
+            "no offload, deterministic",
+        ),
+        Case(
+            "no offload, deterministic (repeat)",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "model.deterministic_mode=true"),
+            "no offload, deterministic",
+        ),
+    ],
     "proxy-1": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][:4],
     "proxy-2": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" in c.name]
     + [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][4:],

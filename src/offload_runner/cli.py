@@ -38,7 +38,7 @@ from offload_runner.config.compose import (
     to_run_config,
 )
 from offload_runner.config.schema import RunConfig
-from offload_runner.offload import apply_te_offload_environment, summarize
+from offload_runner.offload import apply_runtime_environment, summarize
 from offload_runner.rundir import create_run_dir
 from offload_runner.validation import Environment, errors, validate
 
@@ -109,7 +109,7 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
     if mode == Mode.train:
-        apply_te_offload_environment(run)  # before Transformer Engine is first imported
+        apply_runtime_environment(run)  # before Transformer Engine is first imported
     env = env or Environment.detect(launching=mode == Mode.train)
     violations = validate(run, env)
     if errors(violations):

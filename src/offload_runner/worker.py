@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from offload_runner.config.schema import RunConfig
-from offload_runner.offload import apply_te_offload_environment
+from offload_runner.offload import apply_runtime_environment
 from offload_runner.rundir import create_run_dir, load_resolved, rank_log
 
 
@@ -42,9 +42,9 @@ def _train(run: RunConfig, run_dir: Path, rank: int) -> int:
     from offload_runner.train import train
 
     setup_rank_logging(run_dir, rank)
-    env = apply_te_offload_environment(run)
+    env = apply_runtime_environment(run)
     if env:
-        logging.getLogger("offload_runner").info("Transformer Engine environment: %s", env)
+        logging.getLogger("offload_runner").info("environment for this config: %s", env)
     try:
         train(run, run_dir)
     except Exception:

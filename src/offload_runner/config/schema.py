@@ -112,6 +112,8 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     bf16: bool = True
+    # Bit-reproducible runs: deterministic embedding backward and attention kernels (slower).
+    deterministic_mode: bool = False
     transformer_impl: TransformerImpl = TransformerImpl.transformer_engine
 
     # Mixture of experts

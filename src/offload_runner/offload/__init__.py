@@ -50,10 +50,19 @@ def te_offload_environment(run: RunConfig) -> dict[str, str]:
     return {weight.TE_V1_ENV: "1"} if needs_v1 else {}
 
 
-def apply_te_offload_environment(run: RunConfig) -> dict[str, str]:
-    """Set te_offload_environment in os.environ (inherited by torchrun's workers)."""
+def runtime_environment(run: RunConfig) -> dict[str, str]:
+    """Everything the config asks of the environment before TE/torch kernels are loaded:
+    the TE offload path, and deterministic kernels for ``model.deterministic_mode``."""
+    env = te_offload_environment(run)
+    if run.model.deterministic_mode:
+        env.update(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    return env
+
+
+def apply_runtime_environment(run: RunConfig) -> dict[str, str]:
+    """Set runtime_environment in os.environ (torchrun's workers inherit it)."""
     import os
 
-    env = te_offload_environment(run)
+    env = runtime_environment(run)
     os.environ.update(env)
     return env
