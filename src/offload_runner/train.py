@@ -46,17 +46,22 @@ def _to_device(batch: dict) -> dict:
     return {k: v.cuda(non_blocking=True) for k, v in batch.items()}
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss, and its value for reporting.
+
+    The report is a copy: the pipeline schedule divides the returned loss in place by the number
+    of micro-batches, and a plain ``detach()`` would share that storage.
+    """
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
     batch = _to_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 def global_loss(losses: list[dict], pipeline_size: int) -> float:

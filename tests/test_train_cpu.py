@@ -1,0 +1,57 @@
+"""CPU-testable pieces of the trainer and launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from offload_runner.build.data import MicroBatchSampler, parse_blend
+from offload_runner.config.schema import LauncherConfig
+from offload_runner.launch import in_torchrun, nodes, torchrun_args
+from offload_runner.train import loss_func
+
+
+def test_reported_loss_survives_the_schedules_in_place_scaling() -> None:
+    output = torch.tensor([[2.0, 4.0], [6.0, 8.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, report = loss_func(mask, output)
+    assert loss.item() == 4.0
+    loss /= 4  # what Megatron-Core's forward_step does with num_microbatches
+    assert report["lm loss"].item() == 4.0
+
+
+def test_micro_batches_cover_each_global_batch_once() -> None:
+    dp, mbs, gbs = 2, 2, 8
+    seen = {r: list(MicroBatchSampler(16, 0, mbs, r, dp)) for r in range(dp)}
+    flat = sorted(i for batches in seen.values() for b in batches for i in b)
+    assert flat == list(range(16))
+    assert seen[0][0] == [0, 1] and seen[1][0] == [2, 3]
+    resumed = list(MicroBatchSampler(16, gbs, mbs, 0, dp))
+    assert resumed[0] == [8, 9]
+
+
+def test_blend_parsing() -> None:
+    assert parse_blend(["/d/a"]) == (["/d/a"], None)
+    assert parse_blend(["0.7", "/d/a", "0.3", "/d/b"]) == (["/d/a", "/d/b"], [0.7, 0.3])
+
+
+def test_torchrun_arguments_single_node(tmp_path: Path) -> None:
+    args = torchrun_args(LauncherConfig(), 4, tmp_path)
+    assert args[:2] == ["--nproc-per-node", "4"] and "--standalone" in args
+    assert args[-4:] == ["--module", "offload_runner.worker", "--run-dir", str(tmp_path)]
+
+
+def test_torchrun_arguments_multi_node(tmp_path: Path) -> None:
+    launcher = LauncherConfig(nnodes="4", node_rank=2, rdzv_endpoint="node0:29400")
+    args = torchrun_args(launcher, 8, tmp_path)
+    assert "--standalone" not in args
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert pairs["--nnodes"] == "4" and pairs["--node-rank"] == "2"
+    assert pairs["--rdzv-endpoint"] == "node0:29400" and pairs["--rdzv-backend"] == "c10d"
+    assert nodes(LauncherConfig(nnodes="2:4")) is None and nodes(launcher) == 4
+
+
+def test_rank_detection() -> None:
+    assert in_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
+    assert not in_torchrun({"RANK": "0"}) and not in_torchrun({})
