@@ -46,7 +46,7 @@ def test_torchrun_arguments_multi_node(tmp_path: Path) -> None:
     launcher = LauncherConfig(nnodes="4", node_rank=2, rdzv_endpoint="node0:29400")
     args = torchrun_args(launcher, 8, tmp_path)
     assert "--standalone" not in args
-    pairs = dict(zip(args[::2], args[1::2]))
+    pairs = dict(zip(args[::2], args[1::2], strict=False))
     assert pairs["--nnodes"] == "4" and pairs["--node-rank"] == "2"
     assert pairs["--rdzv-endpoint"] == "node0:29400" and pairs["--rdzv-backend"] == "c10d"
     assert nodes(LauncherConfig(nnodes="2:4")) is None and nodes(launcher) == 4
