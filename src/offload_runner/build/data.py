@@ -52,10 +52,12 @@ def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     cls = MockGPTDataset if run.dataset.kind == DatasetKind.mock else GPTDataset
+    config = dataset_config(run, cache_dir)
     samples = run.train.train_iters * run.train.global_batch_size
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        cls, [samples, None, None], lambda: True, dataset_config(run, cache_dir)
-    ).build()
+    # A weighted blend needs a size for every split; only training samples are drawn.
+    weighted = config.blend is not None and config.blend[1] is not None
+    sizes = [samples, 0, 0] if weighted else [samples, None, None]
+    train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     return train
 
 
