@@ -140,41 +140,23 @@ def test_hydra_cfg_job_and_info_defaults(capsys) -> None:
     assert "recipe/qwen3_30b_a3b_proxy" in printed and "offload/optimizer/disabled" in printed
 
 
+def _sweep_fractions(values: str, sweep_dir: Path) -> int:
+    return main([
+        "-m", "--recipe", "tiny", "optimizer.optimizer_cpu_offload=true",
+        f"optimizer.optimizer_offload_fraction={values}", f"hydra.sweep.dir={sweep_dir}",
+        "--dry-run",
+    ])  # fmt: skip
+
+
 def test_multirun_sweeps_a_key(tmp_path: Path, capsys) -> None:
-    code = main(
-        [
-            "-m",
-            "--recipe",
-            "tiny",
-            "optimizer.optimizer_cpu_offload=true",
-            "optimizer.optimizer_offload_fraction=0.25,1.0",
-            f"hydra.sweep.dir={tmp_path}",
-            "--dry-run",
-        ]
-    )
-    assert code == EXIT_OK
-    fractions = sorted(
-        yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text())["optimizer"][
-            "optimizer_offload_fraction"
-        ]
-        for i in (0, 1)
-    )
+    assert _sweep_fractions("0.25,1.0", tmp_path) == EXIT_OK
+    saved = [yaml.safe_load((tmp_path / str(i) / "config.yaml").read_text()) for i in (0, 1)]
+    fractions = sorted(c["optimizer"]["optimizer_offload_fraction"] for c in saved)
     assert fractions == [0.25, 1.0]
 
 
 def test_multirun_with_a_bad_job_exits_2(tmp_path: Path, capsys) -> None:
-    code = main(
-        [
-            "-m",
-            "--recipe",
-            "tiny",
-            "optimizer.optimizer_cpu_offload=true",
-            "optimizer.optimizer_offload_fraction=0.5,2.0",
-            f"hydra.sweep.dir={tmp_path}",
-            "--dry-run",
-        ]
-    )
-    assert code == EXIT_USAGE
+    assert _sweep_fractions("0.5,2.0", tmp_path) == EXIT_USAGE
 
 
 @pytest.mark.skipif(

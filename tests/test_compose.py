@@ -15,11 +15,20 @@ from offload_runner.config.compose import (
     normalize_recipe_name,
     recipe_paths,
 )
-from offload_runner.config.schema import Normalization, RunConfig
+from offload_runner.config.schema import ModelConfig, Normalization, RunConfig
 from offload_runner.model_size import count_parameters
 
 RECIPES = sorted(recipe_paths())
 OFFLOAD_CHOICES = [f"{g}={o}" for g in OFFLOAD_GROUPS for o in group_options(g)]
+
+
+def _layout(m: ModelConfig) -> tuple[int, int, int]:
+    """(TP, PP, EP)."""
+    return (
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.expert_model_parallel_size,
+    )
 
 
 def test_the_required_recipes_exist() -> None:
@@ -46,12 +55,7 @@ def test_qwen3_30b_a3b_matches_the_published_architecture() -> None:
     assert (m.vocab_size, m.seq_length, m.rotary_base) == (151936, 4096, 1e6)
     assert m.qk_layernorm and m.gated_linear_unit and not m.share_embeddings_and_output_weights
     assert m.normalization == Normalization.RMSNorm and m.layernorm_epsilon == 1e-6
-    layout = (
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.expert_model_parallel_size,
-    )
-    assert layout == (4, 2, 4)
+    assert _layout(m) == (4, 2, 4)
     assert round(count_parameters(m).total / 1e9, 1) == 30.5
 
 
@@ -61,12 +65,7 @@ def test_proxy_keeps_the_widths_with_four_layers_on_one_gpu() -> None:
     assert proxy.num_layers == 4
     for key in ("hidden_size", "moe_ffn_hidden_size", "num_moe_experts", "num_query_groups"):
         assert getattr(proxy, key) == getattr(full, key)
-    layout = (
-        proxy.tensor_model_parallel_size,
-        proxy.pipeline_model_parallel_size,
-        proxy.expert_model_parallel_size,
-    )
-    assert layout == (1, 1, 1)
+    assert _layout(proxy) == (1, 1, 1)
     assert round(count_parameters(proxy).total / 1e9, 2) == 3.11
 
 
