@@ -55,3 +55,16 @@ def test_torchrun_arguments_multi_node(tmp_path: Path) -> None:
 def test_rank_detection() -> None:
     assert in_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
     assert not in_torchrun({"RANK": "0"}) and not in_torchrun({})
+
+
+def test_planned_world_size(monkeypatch) -> None:
+    from offload_runner.launch import planned_world_size
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert planned_world_size(LauncherConfig(nnodes="2"), visible=8) == 16
+    assert planned_world_size(LauncherConfig(nproc_per_node=4), visible=8) == 4
+    assert planned_world_size(LauncherConfig(nnodes="1:4"), visible=8) is None
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    assert planned_world_size(LauncherConfig(), visible=8) == 32

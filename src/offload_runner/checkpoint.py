@@ -20,11 +20,14 @@ def resolve_load_dir(path: str | Path) -> Path:
     return path
 
 
-def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
+def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:
+    """What a checkpoint holds: sharded model and optimizer, plus schedule and iteration."""
     model_state = model[0].sharded_state_dict()
     return {
         "model": model_state,
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": scheduler.state_dict(),
+        "iteration": iteration,
     }
 
 
@@ -36,9 +39,7 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = _sharded_state(model, optimizer, is_loading=False)
-    state["scheduler"] = scheduler.state_dict()
-    state["iteration"] = iteration
+    state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
     dist_checkpointing.save(state, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -51,9 +52,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
 
     load_dir = resolve_load_dir(path)
-    state = _sharded_state(model, optimizer, is_loading=True)
-    state["scheduler"] = scheduler.state_dict()
-    state["iteration"] = 0
+    state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, str(load_dir))
     model[0].load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])

@@ -14,7 +14,6 @@ with its fix), with nothing written.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -132,7 +131,7 @@ def _train(run: RunConfig, resolved: dict) -> int:
     """Check the GPUs and the world size they give, then hand over to the launcher."""
     import torch
 
-    from offload_runner.launch import gpus_per_node, in_torchrun, launch, nodes
+    from offload_runner.launch import in_torchrun, launch, planned_world_size
 
     if not in_torchrun() and not torch.cuda.is_available():
         console.fail(
@@ -140,12 +139,7 @@ def _train(run: RunConfig, resolved: dict) -> int:
             "run it on a GPU node, or add --dry-run to see the resolved config and offload plan",
         )
         return EXIT_FAILED
-    if in_torchrun():
-        world: int | None = int(os.environ["WORLD_SIZE"])
-    else:
-        node_count = nodes(run.launcher)
-        per_node = gpus_per_node(run.launcher, torch.cuda.device_count())
-        world = None if node_count is None else node_count * per_node
+    world = planned_world_size(run.launcher, torch.cuda.device_count())
     violations = validate(run, Environment.detect(launching=True, world_size=world))
     if errors(violations):
         console.print_violations(violations)

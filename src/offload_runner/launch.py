@@ -39,6 +39,15 @@ def gpus_per_node(launcher: LauncherConfig, visible: int) -> int:
     return launcher.nproc_per_node or visible
 
 
+def planned_world_size(launcher: LauncherConfig, visible: int) -> int | None:
+    """Ranks the job will have: WORLD_SIZE inside torchrun, else nodes x GPUs per node (None
+    while the node count is an elastic range)."""
+    if in_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    node_count = nodes(launcher)
+    return None if node_count is None else node_count * gpus_per_node(launcher, visible)
+
+
 def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) -> list[str]:
     """torch.distributed.run's arguments for this launcher config."""
     args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(launcher.max_restarts)]

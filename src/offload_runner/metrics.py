@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from offload_runner import console
+from offload_runner.rundir import metrics_file
 
 GB = 1024**3
 
@@ -76,7 +77,7 @@ class MetricsReporter:
             disable=not (is_writer and console.console.is_terminal),
         )  # fmt: skip
         self.task = self.progress.add_task("train", total=total_iters, completed=first_iter)
-        self.file = open(run_dir / "metrics.jsonl", "a") if is_writer else None  # noqa: SIM115
+        self.file = open(metrics_file(run_dir), "a") if is_writer else None  # noqa: SIM115
 
     def __enter__(self) -> MetricsReporter:
         self.progress.start()

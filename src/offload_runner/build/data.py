@@ -61,9 +61,7 @@ def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
     return train
 
 
-def micro_batch_indices(
-    consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int
-) -> list[int]:
+def micro_batch_indices(consumed: int, micro_batch_size: int, dp_rank: int) -> list[int]:
     """This DP rank's samples of the micro-batch step that starts at ``consumed``."""
     start = consumed + dp_rank * micro_batch_size
     return list(range(start, start + micro_batch_size))
@@ -80,7 +78,7 @@ class MicroBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         step = self.mbs * self.dp_size
         for consumed in range(self.consumed, self.total - step + 1, step):
-            yield micro_batch_indices(consumed, self.mbs, self.dp_rank, self.dp_size)
+            yield micro_batch_indices(consumed, self.mbs, self.dp_rank)
 
     def __len__(self) -> int:
         return (self.total - self.consumed) // (self.mbs * self.dp_size)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 from offload_runner.config.schema import RunConfig, TransformerImpl
 from offload_runner.model_size import padded_vocab_size
+from offload_runner.validation import te_available
 
 
 def use_transformer_engine(run: RunConfig) -> bool:
     """TE spec unless local is asked for, or TE is absent and no TE-only feature is on."""
     if run.model.transformer_impl == TransformerImpl.local:
         return False
-    if importlib.util.find_spec("transformer_engine") is None:
+    if not te_available():
         warnings.warn(
             "Transformer Engine is not installed: using Megatron-Core's local layer spec",
             stacklevel=2,
