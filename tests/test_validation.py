@@ -259,12 +259,6 @@ CASES = [
         "offload_optimizer_states requires optimizer.optimizer=adam",
     ),
     Case(
-        "states_engine_not_built",
-        ("recipe=tiny", "offload/optimizer=states"),
-        ("recipe=tiny", "offload/optimizer=cpu_100"),
-        "offload_optimizer_states is not implemented by this build's trainer yet",
-    ),
-    Case(
         "heads_divisible_by_tp",
         ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
         ("recipe=tiny", "parallel=tp2"),

@@ -29,9 +29,11 @@ class StepMetrics:
     step_time_s: float
     tokens_per_s: float
     tflops_per_gpu: float
-    gpu_peak_allocated_gb: float
+    gpu_peak_allocated_gb: float  # the run's peak so far
     gpu_allocated_gb: float
     host_pinned_gb: float | None
+    gpu_peak_fwd_bwd_gb: float | None = None  # this iteration's peak in forward + backward
+    gpu_peak_step_gb: float | None = None  # ... and in the optimizer step
 
     def line(self) -> str:
         pinned = "n/a" if self.host_pinned_gb is None else f"{self.host_pinned_gb:.2f} GB"
@@ -109,6 +111,8 @@ class MetricsReporter:
             "tokens_per_s_median": statistics.median(s.tokens_per_s for s in steady),
             "tflops_per_gpu_median": statistics.median(s.tflops_per_gpu for s in steady),
             "gpu_peak_allocated_gb": max(s.gpu_peak_allocated_gb for s in self.history),
+            "gpu_peak_fwd_bwd_gb": max((s.gpu_peak_fwd_bwd_gb or 0.0) for s in self.history),
+            "gpu_peak_step_gb": max((s.gpu_peak_step_gb or 0.0) for s in self.history),
             "host_pinned_gb_max": max((s.host_pinned_gb or 0.0) for s in self.history),
             "first_loss": self.history[0].loss,
             "final_loss": self.history[-1].loss,
@@ -124,7 +128,8 @@ class MetricsReporter:
             table.add_column("metric")
             table.add_column("value", justify="right")
             for key in ("iterations", "step_time_s_median", "tokens_per_s_median",
-                        "tflops_per_gpu_median", "gpu_peak_allocated_gb", "host_pinned_gb_max",
+                        "tflops_per_gpu_median", "gpu_peak_allocated_gb", "gpu_peak_fwd_bwd_gb",
+                        "gpu_peak_step_gb", "host_pinned_gb_max",
                         "first_loss", "final_loss"):  # fmt: skip
                 value = summary.get(key)
                 table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))

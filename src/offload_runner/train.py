@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from offload_runner.config.schema import RunConfig
-from offload_runner.metrics import MetricsReporter, StepMetrics, gpu_memory, host_pinned_bytes
+from offload_runner.metrics import GB, MetricsReporter, StepMetrics, gpu_memory, host_pinned_bytes
 from offload_runner.model_size import training_flops_per_token
 
 log = logging.getLogger("offload_runner")
@@ -86,6 +86,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from offload_runner.build.megatron_config import build_transformer_config
     from offload_runner.build.model import build_model
     from offload_runner.build.optimizer import build_optimizer, build_scheduler
+    from offload_runner.offload import optimizer_states
 
     initialize(run)
     t, m = run.train, run.model
@@ -101,6 +102,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     if run.checkpoint.load:
         start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
         log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
+    offloader = optimizer_states.attach(run, optimizer, config)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -117,10 +119,18 @@ def train(run: RunConfig, run_dir: Path) -> dict:
         type(optimizer).__name__,
     )  # fmt: skip
 
+    def save(iteration: int) -> None:
+        with optimizer_states.resident(offloader):
+            checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
+
     reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval)
+    peak_so_far = torch.cuda.max_memory_allocated() / GB
+    saved_at = None
     with reporter:
         for iteration in range(start + 1, t.train_iters + 1):
-            torch.cuda.synchronize()
+            # The compute stream only: offload copies on side streams may run into the next step.
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
             for chunk in model:
                 chunk.zero_grad_buffer()
@@ -134,12 +144,17 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                 micro_batch_size=t.micro_batch_size,
                 forward_only=False,
             )
+            fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
+            torch.cuda.reset_peak_memory_stats()
             _, grad_norm, _ = optimizer.step()
+            if offloader:
+                offloader.offload()
             scheduler.step(increment=t.global_batch_size)
             loss = global_loss(losses, m.pipeline_model_parallel_size)
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             elapsed = time.perf_counter() - began
-            peak, allocated = gpu_memory()
+            step_peak, allocated = gpu_memory()
+            peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
             pinned = host_pinned_bytes()
             reporter.record(
                 StepMetrics(
@@ -150,18 +165,19 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                     step_time_s=elapsed,
                     tokens_per_s=tokens / elapsed,
                     tflops_per_gpu=flops / elapsed / 1e12,
-                    gpu_peak_allocated_gb=peak,
+                    gpu_peak_allocated_gb=peak_so_far,
+                    gpu_peak_fwd_bwd_gb=fwd_bwd_peak,
+                    gpu_peak_step_gb=step_peak,
                     gpu_allocated_gb=allocated,
                     host_pinned_gb=None if pinned is None else pinned / 1024**3,
                 )
             )
             interval = run.checkpoint.save_interval
             if run.checkpoint.save and interval and iteration % interval == 0:
-                checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer,
-                                           scheduler)  # fmt: skip
-        if run.checkpoint.save and start < t.train_iters:
-            checkpoint.save_checkpoint(run.checkpoint.save, t.train_iters, model, optimizer,
-                                       scheduler)  # fmt: skip
+                save(iteration)
+                saved_at = iteration
+        if run.checkpoint.save and start < t.train_iters and saved_at != t.train_iters:
+            save(t.train_iters)
     return reporter.write_summary(
         {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
     )

@@ -293,15 +293,6 @@ RULES: tuple[Rule, ...] = (
         "offload_optimizer_states requires optimizer.optimizer=adam",
         "set optimizer.optimizer=adam",
     ),
-    Rule(
-        "states_engine_not_built",
-        lambda c, e: c.optimizer.offload_optimizer_states,
-        "offload_optimizer_states is not implemented by this build's trainer yet; training would "
-        "keep the states on the GPU",
-        "train without it (offload/optimizer=disabled), or use offload/optimizer=cpu_100 for "
-        "optimizer memory savings today",
-        environment=True,
-    ),
     # --- shapes and parallel layout (these otherwise fail deep inside a rank) -----------------
     Rule(
         "heads_divisible_by_tp",

@@ -31,6 +31,10 @@ def build_scheduler(run: RunConfig, optimizer):
         lr_decay_style=s.lr_decay_style.value,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
-        wd_incr_steps=t.train_iters * batch,
+        wd_incr_steps=max(decay_iters, s.lr_warmup_iters + 1) * batch,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=(
+            s.use_checkpoint_opt_param_scheduler and not s.override_opt_param_scheduler
+        ),
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
     )

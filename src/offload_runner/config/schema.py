@@ -188,6 +188,10 @@ class SchedulerConfig:
     lr_warmup_iters: int = 0
     lr_decay_style: LRDecayStyle = LRDecayStyle.cosine
     lr_decay_iters: Optional[int] = None
+    # On resume: the checkpoint's schedule wins (default); override_opt_param_scheduler=true
+    # makes this config's schedule win instead (e.g. after changing train.train_iters).
+    use_checkpoint_opt_param_scheduler: bool = True
+    override_opt_param_scheduler: bool = False
 
 
 @dataclass
