@@ -73,6 +73,7 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
 
 
 PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
+PROXY_LONG = ("train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_length=16384")
 SUITES: dict[str, list[Case]] = {
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
@@ -92,6 +93,36 @@ SUITES: dict[str, list[Case]] = {
     "proxy-1": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][:4],
     "proxy-2": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" in c.name]
     + [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][4:],
+    # Optimizer-state offload against the baseline and against HDO 100% (the other mode that takes
+    # every optimizer byte off the GPU); "states-long" is a sequence long enough that forward and
+    # backward, not the optimizer step, set the peak.
+    "states": [
+        Case("no offload", "qwen3_30b_a3b_proxy", PROXY),
+        Case(
+            "optimizer states offload", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=states")
+        ),
+        Case("HDO 100% + overlap", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=cpu_100")),
+    ],
+    "states-long": [
+        Case("seq 16k, no offload", "qwen3_30b_a3b_proxy", (*PROXY_LONG,), "seq 16k, no offload"),
+        Case(
+            "seq 16k, optimizer states offload",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY_LONG, "offload/optimizer=states"),
+            "seq 16k, no offload",
+        ),
+    ],
+    "states-det": [
+        Case(
+            "tiny, deterministic", "tiny", ("model.deterministic_mode=true",), "tiny, deterministic"
+        ),
+        Case(
+            "tiny, deterministic, optimizer states offload",
+            "tiny",
+            ("model.deterministic_mode=true", "offload/optimizer=states"),
+            "tiny, deterministic",
+        ),
+    ],
     "two-gpu": [
         Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
         Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),
@@ -104,6 +135,20 @@ SUITES: dict[str, list[Case]] = {
             nproc=2,
         ),
         Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
+        Case(
+            "proxy DP2 optimizer states offload",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "offload/optimizer=states"),
+            "proxy DP2",
+            nproc=2,
+        ),
+        Case(
+            "proxy DP2 HDO 100% + overlap",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "offload/optimizer=cpu_100"),
+            "proxy DP2",
+            nproc=2,
+        ),
     ],  # fmt: skip
 }
 
@@ -229,8 +274,9 @@ def render(files: list[Path]) -> str:
         "Produced by `bench/run_benchmarks.py` from real training runs (never edited by hand).",
         "Step time is the median over iterations 3..N (the first two include allocation and",
         "optimizer-state creation); peak GPU memory is `torch.cuda.max_memory_allocated()` over",
-        "the whole run; max |Δloss| compares the per-iteration global loss with the baseline run",
-        "of the same suite (same seed, same data).",
+        "the whole run (per phase, forward+backward and optimizer step, where recorded);",
+        "GB are GiB (2^30 bytes); max |Δloss| compares the per-iteration global loss with the",
+        "baseline run of the same suite (same seed, same data).",
         "",
         "Regenerate:",
         "",
@@ -253,9 +299,9 @@ def render(files: list[Path]) -> str:
             f"commit {env['commit']} · source {sources}",
             "",
             *(["> " + KNOWN_ISSUES[env["commit"]], ""] if env["commit"] in KNOWN_ISSUES else []),
-            "| config | status | step ms | slowdown | peak GPU GB | saved GB | pinned host GB "
-            "| final loss | max abs Δloss vs baseline |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| config | status | step ms | slowdown | peak GPU GB | saved GB "
+            "| peak fwd+bwd / step GB | pinned host GB | final loss | max abs Δloss vs baseline |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             s = r["summary"]
@@ -274,6 +320,12 @@ def render(files: list[Path]) -> str:
                 + (f"{peak:.2f}" if peak else "-")
                 + " | "
                 + (f"{base_peak - peak:+.2f}" if peak and base_peak and not same else "-")
+                + " | "
+                + (
+                    f"{s['gpu_peak_fwd_bwd_gb']:.2f} / {s['gpu_peak_step_gb']:.2f}"
+                    if s.get("gpu_peak_step_gb")
+                    else "-"
+                )
                 + " | "
                 + (f"{s['host_pinned_gb_max']:.2f}" if s else "-")
                 + " | "
