@@ -73,7 +73,7 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
 
 
 PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
-PROXY_LONG = ("train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_length=16384")
+PROXY_LONG = ("train.global_batch_size=1", "train.micro_batch_size=1", "model.seq_length=32768")
 SUITES: dict[str, list[Case]] = {
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
@@ -104,12 +104,12 @@ SUITES: dict[str, list[Case]] = {
         Case("HDO 100% + overlap", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=cpu_100")),
     ],
     "states-long": [
-        Case("seq 16k, no offload", "qwen3_30b_a3b_proxy", (*PROXY_LONG,), "seq 16k, no offload"),
+        Case("seq 32k, no offload", "qwen3_30b_a3b_proxy", (*PROXY_LONG,), "seq 32k, no offload"),
         Case(
-            "seq 16k, optimizer states offload",
+            "seq 32k, optimizer states offload",
             "qwen3_30b_a3b_proxy",
             (*PROXY_LONG, "offload/optimizer=states"),
-            "seq 16k, no offload",
+            "seq 32k, no offload",
         ),
     ],
     "states-det": [

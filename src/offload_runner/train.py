@@ -156,6 +156,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             step_peak, allocated = gpu_memory()
             peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
             pinned = host_pinned_bytes()
+            if offloader and pinned is not None:
+                pinned += offloader.host_bytes  # registered with cudaHostRegister, not torch's
             reporter.record(
                 StepMetrics(
                     iteration=iteration,

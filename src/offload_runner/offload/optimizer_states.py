@@ -58,11 +58,15 @@ def describe(run: RunConfig) -> OffloadSummary:
 
 @dataclass
 class _Slot:
-    """One offloaded tensor and its host buffer."""
+    """One offloaded tensor, its host buffer, and the event that marks its copy to the host."""
 
     tensor: object  # torch.Tensor on the GPU; its storage is resized to 0 while offloaded
-    host: object  # torch.Tensor, pinned where the tensor is on CUDA
+    host: object  # torch.Tensor (uint8) in a page-locked arena where the tensor is on CUDA
     nbytes: int
+    copied: object = None  # torch.cuda.Event recorded after the D2H copy
+
+
+ALIGN = 4096  # host slices start on page boundaries
 
 
 class OptimizerStateOffloader:
@@ -70,6 +74,10 @@ class OptimizerStateOffloader:
 
     ``optimizer`` is what ``get_megatron_optimizer`` returned (a DistributedOptimizer or a
     ChainedOptimizer of them, e.g. dense + expert parameters for MoE).
+
+    Host memory: one pageable arena per batch of new tensors (the masters at attach, the Adam
+    states after the first step), page-locked with ``cudaHostRegister``. torch's pinned-memory
+    allocator would round every buffer up to a power of two (up to 2x the bytes).
     """
 
     def __init__(self, optimizer) -> None:
@@ -81,6 +89,8 @@ class OptimizerStateOffloader:
                     f"{type(part).__name__}"
                 )
         self._host: dict[tuple[int, str], object] = {}
+        self._arenas: list[object] = []
+        self._registered: list[int] = []
         self._offloaded: list[_Slot] = []
         self._reloading = False
         self._streams = None
@@ -108,15 +118,38 @@ class OptimizerStateOffloader:
         seen.add(storage.data_ptr())
         yield key, tensor
 
-    def _host_buffer(self, key: tuple[int, str], tensor):
+    def _host_buffers(self, found: list[tuple[tuple[int, str], object]]) -> list[object]:
+        """The host buffer of each tensor; tensors seen for the first time share a new arena."""
         import torch
 
-        nbytes = tensor.untyped_storage().size()
-        buffer = self._host.get(key)
-        if buffer is None or buffer.numel() != nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=tensor.is_cuda)
-            self._host[key] = buffer
-        return buffer
+        def fits(key, tensor) -> bool:
+            buffer = self._host.get(key)
+            return buffer is not None and buffer.numel() == tensor.untyped_storage().size()
+
+        new = [(key, tensor) for key, tensor in found if not fits(key, tensor)]
+        if new:
+            sizes = [tensor.untyped_storage().size() for _, tensor in new]
+            offsets = [0]
+            for size in sizes:
+                offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
+            arena = torch.empty(offsets[-1], dtype=torch.uint8)
+            if new[0][1].is_cuda:
+                self._pin(arena)
+            self._arenas.append(arena)
+            for (key, _), start, size in zip(new, offsets, sizes, strict=False):
+                self._host[key] = arena[start : start + size]
+        return [self._host[key] for key, _ in found]
+
+    def _pin(self, arena) -> None:
+        import torch
+
+        status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        if int(status) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of {arena.numel() / 1e9:.1f} GB failed ({status}): not enough "
+                "page-lockable host memory for offload/optimizer=states (see ulimit -l)"
+            )
+        self._registered.append(arena.data_ptr())
 
     def _stream_pair(self, on_cuda: bool):
         import torch
@@ -133,27 +166,35 @@ class OptimizerStateOffloader:
         import torch
 
         self.wait_reload()
-        slots = []
-        for key, tensor in self._tensors():
-            host = self._host_buffer(key, tensor)
-            slots.append(_Slot(tensor, host, host.numel()))
-        if not slots:
+        found = list(self._tensors())
+        if not found:
             return
+        slots = [
+            _Slot(tensor, host, host.numel())
+            for (_, tensor), host in zip(found, self._host_buffers(found), strict=True)
+        ]
         streams = self._stream_pair(slots[0].tensor.is_cuda)
-        d2h = streams[0] if streams else None
-        if d2h is not None:
-            d2h.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(d2h) if d2h is not None else contextlib.nullcontext():
+        if streams is None:
             for slot in slots:
-                slot.host.copy_(_bytes_of(slot.tensor), non_blocking=d2h is not None)
-                if d2h is not None:
+                slot.host.copy_(_bytes_of(slot.tensor))
+        else:
+            d2h = streams[0]
+            d2h.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(d2h):
+                for slot in slots:
+                    slot.host.copy_(_bytes_of(slot.tensor), non_blocking=True)
                     slot.tensor.record_stream(d2h)
+                    slot.copied = torch.cuda.Event()
+                    slot.copied.record(d2h)
         for slot in slots:
             slot.tensor.untyped_storage().resize_(0)
         self._offloaded = slots
 
     def start_reload(self) -> None:
-        """Re-allocate on the compute stream, copy back on the side stream (no wait here)."""
+        """Re-allocate on the compute stream, copy back on the side stream (no wait here).
+
+        Each copy back waits only for its own copy out, so the two directions overlap when the
+        reload starts before the offload has finished."""
         import torch
 
         if not self._offloaded or self._reloading:
@@ -165,11 +206,11 @@ class OptimizerStateOffloader:
             for slot in self._offloaded:
                 _bytes_of(slot.tensor).copy_(slot.host)
         else:
-            d2h, h2d = streams
-            h2d.wait_stream(d2h)
+            h2d = streams[1]
             h2d.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(h2d):
                 for slot in self._offloaded:
+                    h2d.wait_event(slot.copied)
                     _bytes_of(slot.tensor).copy_(slot.host, non_blocking=True)
         self._reloading = True
 
@@ -210,13 +251,20 @@ class OptimizerStateOffloader:
 
     @property
     def host_bytes(self) -> int:
-        return sum(buffer.numel() for buffer in self._host.values())
+        return sum(arena.numel() for arena in self._arenas)
 
     def remove(self) -> None:
-        """Bring everything back and detach from the optimizer."""
+        """Bring everything back, detach from the optimizer, unpin the host arenas."""
+        import torch
+
         self.wait_reload()
         for handle in self._hooks:
             handle.remove()
+        if self._registered:
+            torch.cuda.synchronize()
+            for pointer in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(pointer)
+        self._registered, self._arenas, self._host = [], [], {}
 
 
 def _bytes_of(tensor):
