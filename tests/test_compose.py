@@ -151,6 +151,7 @@ def test_bridge_recipe_alias() -> None:
 def test_config_groups_lists_offload_groups_and_recipes() -> None:
     groups = config_groups()
     assert groups["offload/optimizer"] == [
+        "auto",
         "cpu_100",
         "cpu_25",
         "cpu_50",
@@ -158,7 +159,7 @@ def test_config_groups_lists_offload_groups_and_recipes() -> None:
         "disabled",
         "states",
     ]
-    assert groups["offload/activation"] == ["disabled", "enabled"]
+    assert groups["offload/activation"] == ["auto", "disabled", "enabled"]
     assert groups["offload/weight"] == ["disabled", "enabled"]
     assert "qwen3_30b_a3b_proxy" in groups["recipe"]
 

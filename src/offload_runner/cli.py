@@ -14,6 +14,7 @@ with its fix), with nothing written.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from rich.markup import escape
 
 from offload_runner import console
 from offload_runner.config.compose import (
@@ -37,7 +39,8 @@ from offload_runner.config.compose import (
     to_run_config,
 )
 from offload_runner.config.schema import RunConfig
-from offload_runner.offload import apply_runtime_environment, summarize
+from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
+from offload_runner.plan import choose_offload, make_plan
 from offload_runner.rundir import create_run_dir
 from offload_runner.validation import Environment, errors, validate
 
@@ -47,13 +50,20 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 class Mode(str, Enum):
     train = "train"
     dry_run = "dry_run"
+    plan = "plan"
+    plan_json = "plan_json"
+    verify = "verify"
 
 
 @dataclass
 class CliOptions:
     mode: Mode = Mode.train
     list_recipes: bool = False
+    collect: Path | None = None
     extra_recipe_dirs: list[Path] = field(default_factory=list)
+
+
+MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.verify}
 
 
 class UsageError(Exception):
@@ -65,12 +75,22 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     options = CliOptions()
     hydra_args: list[str] = []
     args = list(argv)
+    json_output = False
     while args:
         arg = args.pop(0)
-        if arg == "--dry-run":
-            options.mode = Mode.dry_run
+        if arg in MODE_FLAGS:
+            if options.mode not in (Mode.train, MODE_FLAGS[arg]):
+                raise UsageError(f"{arg} can not be combined with --{options.mode.value}")
+            options.mode = MODE_FLAGS[arg]
+        elif arg == "--json":
+            json_output = True
         elif arg == "--list-recipes":
             options.list_recipes = True
+        elif arg == "--collect" or arg.startswith("--collect="):
+            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            if not value or not Path(value).is_dir():
+                raise UsageError(f"--collect needs a sweep folder (multirun/...), got {value!r}")
+            options.collect = Path(value)
         elif arg == "--recipe" or arg.startswith("--recipe="):
             value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
             if not value or value.startswith("-"):
@@ -80,6 +100,10 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             hydra_args.append(f"recipe={_recipe_choice(arg.partition('=')[2], options)}")
         else:
             hydra_args.append(arg)
+    if json_output:
+        if options.mode != Mode.plan:
+            raise UsageError("--json goes with --plan (python run_recipe.py ... --plan --json)")
+        options.mode = Mode.plan_json
     return options, hydra_args
 
 
@@ -98,6 +122,7 @@ def _recipe_choice(value: str, options: CliOptions) -> str:
 class _Outcome:
     started: bool = False
     code: int = EXIT_OK
+    sweep_dir: str | None = None
 
 
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
@@ -107,13 +132,40 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
-    if mode == Mode.train:
+    world = _planned_world(run)
+    auto = None
+    if run.planner.auto_optimizer or run.planner.auto_activation:
+        try:
+            choice = choose_offload(run, world)
+        except ValueError as err:
+            console.fail(
+                str(err),
+                "add GPUs (parallel layout), shorten model.seq_length or train.micro_batch_size, "
+                "or set planner.gpu_memory_gb / planner.host_memory_gb",
+            )
+            return EXIT_USAGE
+        for key, value in choice.overrides.items():
+            OmegaConf.update(cfg, key, value)
+        run = to_run_config(cfg)
+        auto = choice.description
+        if mode != Mode.plan_json:
+            console.console.print(f"[bold]auto:[/] {escape(auto)}")
+    launching = mode in (Mode.train, Mode.verify)
+    if launching:
         apply_runtime_environment(run)  # before Transformer Engine is first imported
-    env = env or Environment.detect(launching=mode == Mode.train)
+    env = env or Environment.detect(launching=launching, world_size=world)
     violations = validate(run, env)
     if errors(violations):
         console.print_violations(violations)
         return EXIT_USAGE
+
+    if mode in (Mode.plan, Mode.plan_json):
+        plan = make_plan(run, world)
+        if mode == Mode.plan_json:
+            print(json.dumps({**plan.as_dict(), "auto": auto}, indent=1))
+        else:
+            console.print_plan(plan, run.name)
+        return EXIT_OK if plan.limiting is None else EXIT_FAILED
 
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if mode == Mode.dry_run:
@@ -123,29 +175,47 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides())
         console.console.print(f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]")
         return EXIT_OK
+    if mode == Mode.verify and not any_enabled(run):
+        console.fail(
+            "--verify compares a run with offload against one without, and nothing is offloaded",
+            "add an offload option, e.g. offload/optimizer=cpu_50 or offload/activation=enabled",
+        )
+        return EXIT_USAGE
+    if not _gpu_visible():
+        return EXIT_FAILED
+    console.print_offload_summary(summarize(run))
+    if mode == Mode.verify:
+        from offload_runner.verify import verify
 
-    return _train(run, resolved)
+        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides())
+        return verify(run, cfg, run_dir, _task_overrides())
+    from offload_runner.launch import launch
+
+    return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir))
 
 
-def _train(run: RunConfig, resolved: dict) -> int:
-    """Check the GPUs and the world size they give, then hand over to the launcher."""
+def _planned_world(run: RunConfig) -> int | None:
+    """Ranks of the job: torchrun's world, or nodes x GPUs per node (None while unknown)."""
     import torch
 
-    from offload_runner.launch import in_torchrun, launch, planned_world_size
+    from offload_runner.launch import planned_world_size
 
-    if not in_torchrun() and not torch.cuda.is_available():
-        console.fail(
-            "no CUDA device is visible on this machine; training needs at least one GPU",
-            "run it on a GPU node, or add --dry-run to see the resolved config and offload plan",
-        )
-        return EXIT_FAILED
-    world = planned_world_size(run.launcher, torch.cuda.device_count())
-    violations = validate(run, Environment.detect(launching=True, world_size=world))
-    if errors(violations):
-        console.print_violations(violations)
-        return EXIT_USAGE
-    console.print_offload_summary(summarize(run))
-    return launch(run, resolved, _task_overrides())
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return planned_world_size(run.launcher, visible) or None
+
+
+def _gpu_visible() -> bool:
+    import torch
+
+    from offload_runner.launch import in_torchrun
+
+    if in_torchrun() or torch.cuda.is_available():
+        return True
+    console.fail(
+        "no CUDA device is visible on this machine; training needs at least one GPU",
+        "run it on a GPU node; --dry-run shows the resolved config, --plan the memory per rank",
+    )
+    return False
 
 
 def _run_dir(configured: str) -> str:
@@ -166,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         console.fail(str(err), "run_recipe.py --list-recipes shows the recipes")
         return EXIT_USAGE
+    if options.collect:
+        from offload_runner.sweep import collect_and_report
+
+        return collect_and_report(options.collect)
     register_all(options.extra_recipe_dirs)
     if options.list_recipes:
         paths = recipe_paths(options.extra_recipe_dirs)
@@ -183,6 +257,7 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             job_cfg = HydraConfig.get().job
             console.console.rule(f"job {job_cfg.num}: {job_cfg.override_dirname or 'defaults'}")
+            outcome.sweep_dir = HydraConfig.get().sweep.dir
         outcome.code = max(outcome.code, execute(cfg, options.mode))
 
     GlobalHydra.instance().clear()  # a compose() earlier in this process must not linger
@@ -196,4 +271,8 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         return EXIT_USAGE if code == 1 and not outcome.started else code
     finally:
         sys.argv = saved_argv
+    if outcome.sweep_dir and options.mode in (Mode.train, Mode.verify):
+        console.console.print(
+            f"sweep done; its table and plot: python run_recipe.py --collect {outcome.sweep_dir}"
+        )
     return outcome.code

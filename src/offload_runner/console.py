@@ -99,3 +99,62 @@ def log_line(text: str) -> None:
     import logging
 
     logging.getLogger("offload_runner").info(text)
+
+
+def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
+    """Components down, one column per pipeline stage (its ranks plan alike), then per-node
+    host memory and the verdict."""
+    from offload_runner.plan import GiB
+
+    stages: dict[int, list] = {}
+    for r in plan.ranks:
+        stages.setdefault(r.stage, []).append(r)
+    worst = {stage: max(ranks, key=lambda x: x.gpu_peak) for stage, ranks in stages.items()}
+    table = Table(title=f"memory plan: {recipe} on {len(plan.ranks)} rank(s), GB per rank",
+                  title_justify="left")  # fmt: skip
+    table.add_column("")
+    for stage, ranks in stages.items():
+        table.add_column(f"stage {stage}\nranks {_span([x.rank for x in ranks])}", justify="right")
+    rows = (
+        ("bf16 weights", lambda r: r.weights),
+        ("gradient buffer", lambda r: r.grads),
+        ("fp32 master + Adam (GPU)", lambda r: r.optimizer_gpu),
+        ("... during the step only", lambda r: r.optimizer_step_only),
+        ("activations", lambda r: r.activations),
+        ("... moved by activation offload", lambda r: r.activations_offloaded),
+        ("logits + loss", lambda r: r.logits),
+        ("workspace", lambda r: r.workspace),
+        ("peak in forward + backward", lambda r: r.fwd_bwd_peak),
+        ("peak in the optimizer step", lambda r: r.step_peak),
+        ("[bold]GPU peak[/]", lambda r: r.gpu_peak),
+        ("host: pinned", lambda r: r.host_pinned),
+        ("host: CPU optimizer", lambda r: r.host_pageable),
+    )
+    for label, value in rows:
+        table.add_row(label, *(f"{value(r) / GiB:.2f}" for r in worst.values()))
+    console.print(table)
+    nodes = plan.node_host_gb()
+    console.print(
+        f"host per node: {', '.join(f'node {n} {gb:.1f} GB' for n, gb in nodes.items())} "
+        f"of {plan.host_capacity_gb:.0f} GB; GPU {plan.gpu_capacity_gb:.1f} GB "
+        f"({plan.gpu_capacity_source}), margin {plan.margin_gb:.1f} GB",
+        highlight=False,
+    )
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    worst = plan.worst.gpu_peak / GiB
+    if plan.limiting is None:
+        console.print(
+            f"[green]fits:[/] peak {worst:.1f} GB on rank {plan.worst.rank}", highlight=False
+        )
+    else:
+        runs_out = "GPU memory" if plan.limiting == "gpu" else "host RAM"
+        console.print(
+            f"[bold red]does not fit:[/] {runs_out} runs out first (GPU peak {worst:.1f} GB on "
+            f"rank {plan.worst.rank}); offload/optimizer=auto picks the least offload that fits",
+            highlight=False,
+        )
+
+
+def _span(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"

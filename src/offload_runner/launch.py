@@ -17,7 +17,7 @@ from typing import Any
 
 from offload_runner import console
 from offload_runner.config.schema import LauncherConfig, RunConfig
-from offload_runner.rundir import create_run_dir, rank_log
+from offload_runner.rundir import create_run_dir, rank_log, write_status
 
 WORKER_MODULE = "offload_runner.worker"
 
@@ -64,12 +64,15 @@ def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) 
     return [*args, "--module", WORKER_MODULE, "--run-dir", str(run_dir)]
 
 
-def launch(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]) -> int:
-    """Train ``run``; returns the process exit code."""
+def launch(
+    run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str], run_dir: str | Path
+) -> int:
+    """Train ``run`` into ``run_dir``; returns the process exit code. The run directory gets a
+    status.json either way (``ok``, ``oom`` or ``failed``, with the rank that failed)."""
     if in_torchrun():
         from offload_runner.worker import train_in_place
 
-        return train_in_place(run, resolved, overrides)
+        return train_in_place(run, resolved, overrides, run_dir)
 
     import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -77,7 +80,7 @@ def launch(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]
     from torch.distributed.run import run as torchrun
 
     nproc = gpus_per_node(run.launcher, torch.cuda.device_count())
-    run_dir = create_run_dir(run.output_dir, resolved, overrides)
+    run_dir = create_run_dir(run_dir, resolved, overrides)
     console.console.print(
         f"launching {nproc} process(es) per node x {run.launcher.nnodes} node(s); "
         f"run directory [bold]{run_dir}[/]"
@@ -86,9 +89,23 @@ def launch(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]
         torchrun(parse_args(torchrun_args(run.launcher, nproc, run_dir)))
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        oom = ran_out_of_memory(rank_log(run_dir, rank))
+        write_status(run_dir, "oom" if oom else "failed", rank=rank, exitcode=failure.exitcode)
         console.fail(
-            f"rank {rank} failed (exit code {failure.exitcode}); the job was stopped",
-            f"see {rank_log(run_dir, rank)}",
+            f"rank {rank} {'ran out of GPU memory' if oom else 'failed'} (exit code "
+            f"{failure.exitcode}); the job was stopped",
+            f"see {rank_log(run_dir, rank)}"
+            + ("; python run_recipe.py ... --plan shows what fits" if oom else ""),
         )
         return 1
+    write_status(run_dir, "ok")
     return 0
+
+
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def ran_out_of_memory(log: Path) -> bool:
+    """Whether a rank's log shows a GPU out-of-memory error."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return any(marker in text for marker in OOM_MARKERS)

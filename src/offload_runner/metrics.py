@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from offload_runner import console
-from offload_runner.rundir import metrics_file
+from offload_runner.rundir import SUMMARY_FILE, metrics_file
 
 GB = 1024**3
 
@@ -123,7 +123,7 @@ class MetricsReporter:
     def write_summary(self, extra: dict) -> dict:
         summary = {**self.summary(), **extra}
         if self.is_writer and summary:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             table = Table(title="run summary", title_justify="left")
             table.add_column("metric")
             table.add_column("value", justify="right")

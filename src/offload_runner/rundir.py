@@ -6,6 +6,7 @@ Layout: ``config.yaml`` (resolved), ``overrides.yaml``, ``rank<N>.log``, ``metri
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from omegaconf import OmegaConf
 
 CONFIG_FILE = "config.yaml"
 OVERRIDES_FILE = "overrides.yaml"
+STATUS_FILE = "status.json"
+SUMMARY_FILE = "summary.json"
 
 
 def create_run_dir(path: str | Path, resolved: Mapping[str, Any], overrides: Sequence[str]) -> Path:
@@ -31,6 +34,15 @@ def rank_log(run_dir: Path, rank: int) -> Path:
 
 def metrics_file(run_dir: Path) -> Path:
     return Path(run_dir) / "metrics.jsonl"
+
+
+def write_status(run_dir: Path, status: str, **details: Any) -> None:
+    """How the run ended: ``ok``, ``oom`` or ``failed`` (sweep tables read it)."""
+    (Path(run_dir) / STATUS_FILE).write_text(json.dumps({"status": status, **details}))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_resolved(run_dir: Path):  # -> RunConfig

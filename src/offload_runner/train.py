@@ -145,6 +145,9 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                 forward_only=False,
             )
             fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
+            if offloader and offloader.peak_before_reload is not None:
+                # the states came back at the end of backward: the phase's own peak is before
+                fwd_bwd_peak = offloader.peak_before_reload / GB
             torch.cuda.reset_peak_memory_stats()
             _, grad_norm, _ = optimizer.step()
             if offloader:

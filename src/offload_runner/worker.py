@@ -67,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(run, args.run_dir, int(os.environ.get("RANK", 0)))
 
 
-def train_in_place(run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str]) -> int:
+def train_in_place(
+    run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str], run_dir: str | Path
+) -> int:
     """The user started torchrun around run_recipe.py: rank 0 makes the run directory and every
     rank takes its path from rank 0."""
     import torch
@@ -75,9 +77,7 @@ def train_in_place(run: RunConfig, resolved: Mapping[str, Any], overrides: Seque
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    path = (
-        [str(create_run_dir(run.output_dir, resolved, overrides))] if dist.get_rank() == 0 else [""]
-    )
+    path = [str(create_run_dir(run_dir, resolved, overrides))] if dist.get_rank() == 0 else [""]
     dist.broadcast_object_list(path, src=0)
     return _train(run, Path(path[0]), dist.get_rank())
 

@@ -260,6 +260,27 @@ class LauncherConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """``--plan`` and ``offload/*=auto``: the machine to plan for and the headroom to keep."""
+
+    gpu_memory_gb: Optional[float] = None  # null: the visible GPU's size (80 when none is visible)
+    host_memory_gb: Optional[float] = None  # null: this machine's RAM
+    margin_gb: float = 2.0  # GPU memory auto keeps free
+    auto_optimizer: bool = False  # offload/optimizer=auto
+    auto_activation: bool = False  # offload/activation=auto
+
+
+@dataclass
+class VerifyConfig:
+    """``--verify``: the same recipe without and with offload, compared iteration by iteration."""
+
+    iters: int = 10
+    loss_tolerance: float = 1e-3  # PASS needs max |delta loss| below this
+    deterministic: bool = True  # model.deterministic_mode for both runs
+    repeat_baseline: bool = False  # a second baseline run measures the noise floor
+
+
+@dataclass
 class RunConfig:
     """The root of a composed run."""
 
@@ -275,6 +296,8 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
 def register_configs() -> None:

@@ -38,6 +38,18 @@ def summarize(run: RunConfig) -> list[OffloadSummary]:
     ]
 
 
+def any_enabled(run: RunConfig) -> bool:
+    return any(row.enabled for row in summarize(run))
+
+
+def disabled_overrides() -> dict[str, object]:
+    """Dotted keys that switch every offload mechanism off: the --verify baseline."""
+    from offload_runner.offload import activation, optimizer, optimizer_states, weight
+
+    return {**activation.DISABLED, **weight.DISABLED, **optimizer.DISABLED,
+            **optimizer_states.DISABLED}  # fmt: skip
+
+
 def te_offload_environment(run: RunConfig) -> dict[str, str]:
     """Environment variables Transformer Engine must see before it is imported.
 

@@ -11,6 +11,13 @@ from __future__ import annotations
 from offload_runner.config.schema import RunConfig
 from offload_runner.offload import OffloadSummary
 
+# The keys that switch this mechanism off (a --verify baseline).
+DISABLED = {
+    "model.cpu_offloading": False,
+    "model.cpu_offloading_num_layers": 0,
+    "model.fine_grained_activation_offloading": False,
+}
+
 
 def describe(run: RunConfig) -> OffloadSummary:
     m = run.model

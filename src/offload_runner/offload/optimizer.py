@@ -13,6 +13,12 @@ from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary
 
+DISABLED = {
+    "optimizer.optimizer_cpu_offload": False,
+    "optimizer.optimizer_offload_fraction": 0.0,
+    "optimizer.overlap_cpu_optimizer_d2h_h2d": False,
+}
+
 
 def describe(run: RunConfig) -> OffloadSummary:
     o = run.optimizer

@@ -40,6 +40,9 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
 
 
+DISABLED = {"optimizer.offload_optimizer_states": False}
+
+
 def describe(run: RunConfig) -> OffloadSummary:
     enabled = run.optimizer.offload_optimizer_states
     if not enabled:
@@ -94,6 +97,7 @@ class OptimizerStateOffloader:
         self._offloaded: list[_Slot] = []
         self._reloading = False
         self._streams = None
+        self.peak_before_reload: int | None = None  # GPU peak of forward + backward, in bytes
         self._hooks = [p.optimizer.register_step_pre_hook(self._before_adam) for p in self.parts]
 
     # -- which tensors -------------------------------------------------------------------
@@ -199,6 +203,8 @@ class OptimizerStateOffloader:
 
         if not self._offloaded or self._reloading:
             return
+        if self._offloaded[0].tensor.is_cuda:
+            self.peak_before_reload = torch.cuda.max_memory_allocated()
         for slot in self._offloaded:
             slot.tensor.untyped_storage().resize_(slot.nbytes)
         streams = self._stream_pair(self._offloaded[0].tensor.is_cuda)

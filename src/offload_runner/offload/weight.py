@@ -13,6 +13,9 @@ from offload_runner.offload import OffloadSummary
 TE_V1_ENV = "NVTE_CPU_OFFLOAD_V1"
 
 
+DISABLED = {"model.cpu_offloading_weights": False}
+
+
 def needs_te_v1_path(run: RunConfig) -> bool:
     """Weight offload and double buffering exist only on TE's V1 offload path."""
     m = run.model

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""The memory planner against measured peaks: for every run in the benchmark result files, the
+planner's GPU peak for the same command line next to the run's torch.cuda.max_memory_allocated().
+
+    python bench/calibrate_planner.py bench/results/*.json            # Markdown table
+    python bench/calibrate_planner.py --max-error 0.10 bench/results/*.json  # exit 1 if worse
+
+Runs on any machine (the planner needs no GPU). Runs below ``--min-gb`` are listed but not held to
+the error bound: there fixed allocator and library overheads, not the model, set the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
+from offload_runner.plan import GiB, make_plan  # noqa: E402
+from offload_runner.report import markdown_table  # noqa: E402
+
+
+@dataclass
+class Calibration:
+    suite: str
+    case: str
+    nproc: int
+    measured_gb: float
+    planned_gb: float
+    measured_fwd_bwd_gb: float | None
+    planned_fwd_bwd_gb: float
+    measured_step_gb: float | None
+    planned_step_gb: float
+
+    @property
+    def error(self) -> float:
+        return (self.planned_gb - self.measured_gb) / self.measured_gb
+
+
+def overrides_of(command: list[str]) -> list[str]:
+    """Hydra overrides of a recorded `python run_recipe.py --recipe R ...` command."""
+    args = command[2:]
+    out = []
+    while args:
+        arg = args.pop(0)
+        if arg == "--recipe":
+            out.append(f"recipe={args.pop(0)}")
+        elif "=" in arg and not arg.startswith("-"):
+            out.append(arg)
+    return out
+
+
+def calibrate(files: list[Path]) -> list[Calibration]:
+    rows = []
+    for path in files:
+        data = json.loads(path.read_text())
+        for result in data["results"]:
+            s = result["summary"]
+            if result["status"] != "ok" or not s:
+                continue
+            nproc = result["case"].get("nproc", 1)
+            run = to_run_config(compose_config(overrides_of(result["command"])))
+            worst = make_plan(run, world=nproc, gpus_per_node=nproc).worst
+            rows.append(Calibration(
+                data["suite"], result["case"]["name"], nproc, s["gpu_peak_allocated_gb"],
+                worst.gpu_peak / GiB, s.get("gpu_peak_fwd_bwd_gb"), worst.fwd_bwd_peak / GiB,
+                s.get("gpu_peak_step_gb"), worst.step_peak / GiB,
+            ))  # fmt: skip
+    return rows
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def render(rows: list[Calibration], min_gb: float) -> str:
+    table = markdown_table(
+        ["suite", "case", "GPUs", "measured peak GB", "planned GB", "error",
+         "fwd+bwd measured / planned", "step measured / planned"],
+        [[r.suite, r.case, str(r.nproc), fmt(r.measured_gb), fmt(r.planned_gb),
+          f"{r.error:+.1%}" + ("" if r.measured_gb >= min_gb else " (overhead-bound)"),
+          f"{fmt(r.measured_fwd_bwd_gb)} / {fmt(r.planned_fwd_bwd_gb)}",
+          f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}"] for r in rows],
+    )  # fmt: skip
+    return "\n".join(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--max-error", type=float, default=None)
+    parser.add_argument("--min-gb", type=float, default=0.1)
+    args = parser.parse_args()
+    rows = calibrate(args.files)
+    print(render(rows, args.min_gb))
+    held = [r for r in rows if r.measured_gb >= args.min_gb]
+    if args.max_error is not None and any(abs(r.error) > args.max_error for r in held):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

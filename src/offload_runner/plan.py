@@ -1,0 +1,381 @@
+"""The memory planner: GPU and host memory per rank before the job starts, and the least offload
+that fits (``offload/optimizer=auto``, ``offload/activation=auto``). Pure arithmetic, no GPU.
+
+Per rank (its pipeline stage, its share of TP/EP and its distributed-optimizer shard):
+
+- bf16 weights (2 B/param) and the DDP gradient buffer (4 B/param with grad_reduce_in_fp32);
+- fp32 master weights + Adam exp_avg + exp_avg_sq (12 B per parameter of the optimizer shard:
+  dense parameters sharded over DP x CP, experts over the expert-data-parallel group);
+  HybridDeviceOptimizer keeps (1 - fraction) of them on the GPU; state offload keeps none of
+  them on the GPU during forward and backward, all of them during the step;
+- activations per layer and micro-batch (bf16 tensors saved for backward with flash attention;
+  routed MoE tokens counted top-k times) x the micro-batches in flight (1F1B: PP - stage), minus
+  what layer-level activation offload takes, plus the output layer's logits and loss;
+- a fixed allowance for workspaces (cuBLAS, NCCL, allocator rounding).
+
+The GPU peak is the larger of the forward/backward phase and the optimizer-step phase (the
+optimizer-state offload moves memory from one to the other). Host memory per rank: HDO's CPU
+Adam (12 B/param) and pinned transfer buffers, the state-offload arena (12 B/param), activation
+offload's pinned buffers; summed per node. Constants were fitted to the runs in
+docs/BENCHMARKS.md; ``bench/calibrate_planner.py`` prints the error for each run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from offload_runner.config.schema import RunConfig
+from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
+
+GiB = 1024**3
+ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
+WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
+# Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
+# the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
+ACTIVATION_OFFLOAD_EFFICIENCY = 0.55
+ASSUMED_GPU_GB = 80.0  # when no GPU is visible and planner.gpu_memory_gb is unset
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ways each parallel dimension splits the model, for ``world`` ranks."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int  # data-parallel size of dense parameters (their optimizer shards over DP x CP)
+    edp: int  # expert-data-parallel size (experts' optimizer shard)
+    world: int
+
+    @classmethod
+    def of(cls, run: RunConfig, world: int | None = None) -> Layout:
+        m = run.model
+        tp, pp, cp = (
+            m.tensor_model_parallel_size,
+            m.pipeline_model_parallel_size,
+            m.context_parallel_size,
+        )
+        ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+        world = world or minimal_world_size(run)
+        return cls(tp, pp, cp, ep, etp, dp=world // (tp * pp * cp), edp=world // (ep * etp * pp),
+                   world=world)  # fmt: skip
+
+
+def minimal_world_size(run: RunConfig) -> int:
+    """The fewest ranks the parallel layout needs (data-parallel size 1)."""
+    m = run.model
+    dense = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    experts = (
+        m.expert_model_parallel_size
+        * (m.expert_tensor_parallel_size or m.tensor_model_parallel_size)
+        * m.pipeline_model_parallel_size
+    )
+    return math.lcm(dense, experts)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters held by one rank of a pipeline stage."""
+
+    dense: int  # everything but routed experts (split over TP)
+    experts: int  # routed experts (split over EP x ETP)
+
+
+def stage_params(run: RunConfig, layout: Layout, stage: int) -> StageParams:
+    m = run.model
+    counts = count_parameters(m)
+    layers = m.num_layers // layout.pp
+    per_layer_dense = (
+        counts.attention + counts.dense_mlp + counts.router + counts.norms
+    ) / m.num_layers
+    dense = layers * per_layer_dense / layout.tp
+    embedding = padded_vocab_size(m) * m.hidden_size / layout.tp
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        dense += embedding
+    if last and (not m.share_embeddings_and_output_weights or layout.pp > 1):
+        dense += embedding  # untied output layer, or the tied copy on the last stage
+    experts = layers * (counts.experts / m.num_layers) / (layout.ep * layout.etp)
+    return StageParams(int(dense), int(experts))
+
+
+def activation_bytes_per_token(run: RunConfig) -> float:
+    """Bytes one transformer layer keeps for backward per token (bf16, flash attention)."""
+    m = run.model
+    h, kv = m.hidden_size, kv_channels(m)
+    q_width = m.num_attention_heads * kv
+    kv_width = (m.num_query_groups or m.num_attention_heads) * kv
+    up = 2 if m.gated_linear_unit else 1
+    attention = 4 * h + 2 * (q_width + 2 * kv_width) + 2 * q_width
+    if m.qk_layernorm:
+        attention += 2 * (q_width + kv_width)
+    if m.num_moe_experts:
+        f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        per_copy = 4 * h + 2 * up * f + 2 * f  # permuted input, fc1 out, activation, unpermute
+        mlp = 4 * h + 8 * m.num_moe_experts + m.moe_router_topk * per_copy
+    else:
+        f = m.ffn_hidden_size
+        mlp = 4 * h + 2 * up * f + 2 * f
+    return attention + mlp
+
+
+@dataclass
+class RankPlan:
+    """Memory of one rank, in bytes."""
+
+    rank: int
+    node: int
+    stage: int
+    weights: int
+    grads: int
+    optimizer_gpu: int  # masters + Adam states resident on the GPU between steps
+    optimizer_step_only: int  # ... brought back only for the step (state offload)
+    activations: int  # micro-batches in flight x layers, after activation offload
+    activations_offloaded: int
+    logits: int
+    workspace: int
+    host_pinned: int
+    host_pageable: int
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer_gpu + self.workspace
+
+    @property
+    def fwd_bwd_peak(self) -> int:
+        return self.static + self.activations + self.logits
+
+    @property
+    def step_peak(self) -> int:
+        return self.static + self.optimizer_step_only
+
+    @property
+    def gpu_peak(self) -> int:
+        return max(self.fwd_bwd_peak, self.step_peak)
+
+    @property
+    def host(self) -> int:
+        return self.host_pinned + self.host_pageable
+
+    def as_dict(self) -> dict:
+        gb = {
+            k: round(v / GiB, 3)
+            for k, v in asdict(self).items()
+            if k not in ("rank", "node", "stage")
+        }
+        return {
+            "rank": self.rank, "node": self.node, "stage": self.stage,
+            "gpu_peak_gb": round(self.gpu_peak / GiB, 3),
+            "gpu_fwd_bwd_peak_gb": round(self.fwd_bwd_peak / GiB, 3),
+            "gpu_step_peak_gb": round(self.step_peak / GiB, 3),
+            "host_gb": round(self.host / GiB, 3),
+            "breakdown_gb": gb,
+        }  # fmt: skip
+
+
+def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
+    m, o, t = run.model, run.optimizer, run.train
+    stage = rank // (layout.world // layout.pp)
+    params = stage_params(run, layout, stage)
+    total = params.dense + params.experts
+    weights = total * (2 if m.bf16 else 4)
+    grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
+    if o.use_distributed_optimizer:
+        shard = params.dense / (layout.dp * layout.cp) + params.experts / layout.edp
+    else:
+        shard = total
+    adam = int(shard * (ADAM_BYTES if m.bf16 else ADAM_BYTES - 4))
+    hdo = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
+    on_cpu = int(adam * hdo)
+    resident, step_only = adam - on_cpu, 0
+    if o.offload_optimizer_states:
+        resident, step_only = 0, adam
+
+    tokens = t.micro_batch_size * m.seq_length / layout.cp
+    layers = m.num_layers // layout.pp
+    dp = layout.world // (layout.tp * layout.pp * layout.cp)
+    micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    in_flight = min(layout.pp - stage, micro_batches)
+    per_layer = activation_bytes_per_token(run) * tokens / layout.tp
+    offloaded_layers = (
+        m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0
+    )
+    offloaded = int(offloaded_layers * per_layer * ACTIVATION_OFFLOAD_EFFICIENCY)
+    activations = int(in_flight * layers * per_layer) - offloaded
+    last = stage == layout.pp - 1
+    logits = int(6 * padded_vocab_size(m) / layout.tp * tokens) if last else 0
+
+    return RankPlan(
+        rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights),
+        grads=int(grads), optimizer_gpu=resident, optimizer_step_only=step_only,
+        activations=activations, activations_offloaded=offloaded, logits=logits,
+        workspace=WORKSPACE_BYTES,
+        host_pinned=int(shard * HDO_PINNED_BYTES * hdo)
+        + (adam if o.offload_optimizer_states else 0)
+        + int(offloaded_layers * per_layer),
+        host_pageable=on_cpu,
+    )  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """Every rank's plan, the capacities it was compared with, and the verdict."""
+
+    ranks: list[RankPlan]
+    gpu_capacity_gb: float
+    gpu_capacity_source: str
+    host_capacity_gb: float
+    gpus_per_node: int
+    margin_gb: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.gpu_peak)
+
+    def node_host_gb(self) -> dict[int, float]:
+        nodes: dict[int, float] = {}
+        for r in self.ranks:
+            nodes[r.node] = nodes.get(r.node, 0.0) + r.host / GiB
+        return nodes
+
+    @property
+    def max_node_host_gb(self) -> float:
+        return max(self.node_host_gb().values())
+
+    @property
+    def limiting(self) -> str | None:
+        """Which resource runs out first (None: both fit)."""
+        gpu_use = (self.worst.gpu_peak / GiB + self.margin_gb) / self.gpu_capacity_gb
+        host_use = self.max_node_host_gb / self.host_capacity_gb
+        if gpu_use <= 1 and host_use <= 1:
+            return None
+        return "gpu" if gpu_use >= host_use else "host"
+
+    def as_dict(self) -> dict:
+        return {
+            "world_size": len(self.ranks),
+            "gpus_per_node": self.gpus_per_node,
+            "gpu_capacity_gb": self.gpu_capacity_gb,
+            "gpu_capacity_source": self.gpu_capacity_source,
+            "gpu_margin_gb": self.margin_gb,
+            "host_capacity_gb": self.host_capacity_gb,
+            "fits": self.limiting is None,
+            "limiting": self.limiting,
+            "ranks": [r.as_dict() for r in self.ranks],
+            "nodes": [{"node": n, "host_gb": round(v, 3)} for n, v in self.node_host_gb().items()],
+            "notes": self.notes,
+        }
+
+
+def detect_gpu_gb() -> float | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GiB
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime means "not detected"
+        return None
+    return None
+
+
+def detect_host_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | None = None) -> Plan:
+    """Plan every rank of ``run`` on ``world`` ranks (default: the smallest world it allows)."""
+    notes = []
+    layout = Layout.of(run, world)
+    per_node = gpus_per_node or run.launcher.nproc_per_node or min(layout.world, 8)
+    if run.planner.gpu_memory_gb:
+        capacity, source = run.planner.gpu_memory_gb, "planner.gpu_memory_gb"
+    elif (detected := detect_gpu_gb()) is not None:
+        capacity, source = detected, "detected"
+    else:
+        capacity, source = ASSUMED_GPU_GB, "assumed"
+        notes.append(
+            f"no GPU visible: assuming {ASSUMED_GPU_GB:.0f} GB per GPU (set planner.gpu_memory_gb)"
+        )
+    host = run.planner.host_memory_gb or detect_host_gb()
+    ranks = [plan_rank(run, layout, r, per_node) for r in range(layout.world)]
+    return Plan(
+        ranks, round(capacity, 2), source, round(host, 1), per_node, run.planner.margin_gb, notes
+    )
+
+
+# --- auto: the least offload that fits ------------------------------------------------------
+
+OPTIMIZER_LADDER: tuple[tuple[str, dict], ...] = (
+    ("disabled", {"optimizer.optimizer_cpu_offload": False,
+                  "optimizer.optimizer_offload_fraction": 0.0}),
+    *(
+        (f"cpu_{int(f * 100)}", {"optimizer.optimizer_cpu_offload": True,
+                                  "optimizer.optimizer_offload_fraction": f,
+                                  "optimizer.overlap_cpu_optimizer_d2h_h2d": f == 1.0})
+        for f in (0.25, 0.5, 0.75, 1.0)
+    ),
+)  # fmt: skip
+
+
+def _with(run: RunConfig, overrides: dict) -> RunConfig:
+    """A copy of ``run`` with dotted keys replaced."""
+    sections: dict[str, dict] = {}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    return replace(run, **{s: replace(getattr(run, s), **v) for s, v in sections.items()})
+
+
+@dataclass
+class AutoChoice:
+    overrides: dict  # dotted key -> value, to apply to the config
+    description: str
+    plan: Plan
+
+
+def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
+    """The cheapest combination that fits: activation offload layers first (cheaper per GB),
+    then HybridDeviceOptimizer fractions. Raises ValueError when nothing fits."""
+    p = run.planner
+    optimizer_steps = OPTIMIZER_LADDER if p.auto_optimizer else (("as configured", {}),)
+    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
+    layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
+    last = None
+    for opt_name, opt_overrides in optimizer_steps:
+        for layers in layer_counts:
+            overrides = dict(opt_overrides)
+            if p.auto_optimizer:
+                overrides["optimizer.offload_optimizer_states"] = False
+            if layers is not None:
+                overrides.update({"model.cpu_offloading": layers > 0,
+                                  "model.cpu_offloading_num_layers": layers,
+                                  "model.cpu_offloading_activations": True})  # fmt: skip
+            candidate = _with(run, overrides)
+            plan = make_plan(candidate, world)
+            last = plan
+            if plan.limiting == "host":
+                continue
+            if plan.limiting is None:
+                parts = []
+                if p.auto_optimizer:
+                    parts.append(f"offload/optimizer={opt_name}")
+                if layers is not None:
+                    parts.append(f"activation offload of {layers} layer(s)")
+                peak = plan.worst.gpu_peak / GiB
+                why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
+                       f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
+                       f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
+                return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+    assert last is not None
+    peak = last.worst.gpu_peak / GiB
+    raise ValueError(
+        f"no offload setting fits: the last one tried needs {peak:.1f} GB + "
+        f"{last.margin_gb:.1f} GB margin of a {last.gpu_capacity_gb:.1f} GB GPU and "
+        f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
+    )

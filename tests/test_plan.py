@@ -1,0 +1,181 @@
+"""The memory planner's arithmetic on configs small enough to work out by hand, auto, the CLI,
+and its error against the measured peaks in bench/results (the calibration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from offload_runner.model_size import count_parameters
+from offload_runner.plan import (
+    WORKSPACE_BYTES,
+    Layout,
+    activation_bytes_per_token,
+    choose_offload,
+    make_plan,
+    minimal_world_size,
+)
+from tests.conftest import compose_run
+
+ROOT = Path(__file__).resolve().parents[1]
+P_TINY = count_parameters(compose_run("recipe=tiny").model).total  # 5,245,440
+
+
+def test_tiny_parameter_count_by_hand() -> None:
+    # embedding + output 2 x 4096 x 256; per layer: qkv 256 x (256 + 2*128), proj 256 x 256,
+    # q/k norms 2 x 32, MLP 256 x 768 x 2 + 768 x 256, two norms 2 x 256; final norm 256
+    per_layer = 256 * 512 + 256 * 256 + 64 + 256 * 768 * 3 + 512
+    assert 2 * 4096 * 256 + 4 * per_layer + 256 == P_TINY
+
+
+def test_tiny_without_offload() -> None:
+    rank = make_plan(compose_run("recipe=tiny", "planner.gpu_memory_gb=80")).ranks[0]
+    assert (rank.weights, rank.grads, rank.optimizer_gpu) == (2 * P_TINY, 4 * P_TINY, 12 * P_TINY)
+    assert rank.optimizer_step_only == rank.host_pinned == rank.host_pageable == 0
+    # one micro-batch of 2 x 256 tokens in flight, 4 layers; logits 6 B x vocab per token
+    assert activation_bytes_per_token(compose_run("recipe=tiny")) == 3328 + 5632
+    assert rank.activations == 4 * 8960 * 512
+    assert rank.logits == 6 * 4096 * 512
+    assert rank.gpu_peak == 18 * P_TINY + WORKSPACE_BYTES + 4 * 8960 * 512 + 6 * 4096 * 512
+
+
+def test_hybrid_optimizer_moves_its_fraction_to_the_host() -> None:
+    rank = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_50")).ranks[0]
+    assert rank.optimizer_gpu == 6 * P_TINY
+    assert rank.host_pageable == 6 * P_TINY  # CPU Adam: master + 2 states for half the params
+    assert rank.host_pinned == 3 * P_TINY  # pinned grad + param copies, 6 B for half
+
+
+def test_state_offload_moves_the_optimizer_to_the_step_phase() -> None:
+    rank = make_plan(compose_run("recipe=tiny", "offload/optimizer=states")).ranks[0]
+    assert rank.optimizer_gpu == 0 and rank.optimizer_step_only == 12 * P_TINY
+    assert rank.host_pinned == 12 * P_TINY
+    assert rank.step_peak == 18 * P_TINY + WORKSPACE_BYTES
+    assert rank.fwd_bwd_peak == 6 * P_TINY + WORKSPACE_BYTES + rank.activations + rank.logits
+
+
+def test_distributed_optimizer_shards_over_data_parallel_ranks() -> None:
+    run = compose_run("recipe=tiny")
+    plan = make_plan(run, world=4, gpus_per_node=2)
+    assert [r.optimizer_gpu for r in plan.ranks] == [12 * P_TINY // 4] * 4
+    assert [r.node for r in plan.ranks] == [0, 0, 1, 1]
+    # gbs 4 / (mbs 2 x DP 4) rounds up to one micro-batch per rank: same activations
+    assert plan.ranks[0].activations == 4 * 8960 * 512
+
+
+def test_experts_split_over_ep_and_shard_over_expert_data_parallel() -> None:
+    run = compose_run("recipe=tiny_moe", "parallel=ep2")
+    layout = Layout.of(run, 4)
+    assert (layout.dp, layout.edp) == (4, 2)
+    counts = count_parameters(run.model)
+    rank = make_plan(run, world=4).ranks[0]
+    experts_per_rank = counts.experts // 2
+    assert rank.weights == 2 * (counts.non_expert + experts_per_rank)
+    assert rank.optimizer_gpu == int(12 * (counts.non_expert / 4 + experts_per_rank / 2))
+
+
+def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches() -> None:
+    run = compose_run("recipe=tiny", "model.pipeline_model_parallel_size=2",
+                      "train.global_batch_size=8")  # fmt: skip
+    plan = make_plan(run, world=2)
+    first, last = plan.ranks
+    per_layer = 8960 * 512
+    assert first.activations == 2 * 2 * per_layer  # 2 layers x 2 micro-batches in flight (1F1B)
+    assert last.activations == 2 * 1 * per_layer
+    assert first.logits == 0 and last.logits == 6 * 4096 * 512
+
+
+def test_activation_offload_takes_layers_off_the_peak() -> None:
+    base = make_plan(compose_run("recipe=tiny")).ranks[0]
+    off = make_plan(compose_run("recipe=tiny", "offload/activation=enabled",
+                                "model.cpu_offloading_num_layers=2")).ranks[0]  # fmt: skip
+    assert 0 < off.activations_offloaded < 2 * 8960 * 512
+    assert off.activations == base.activations - off.activations_offloaded
+
+
+def test_minimal_world_of_the_full_recipe() -> None:
+    assert minimal_world_size(compose_run("recipe=qwen3_30b_a3b")) == 8  # TP4 x PP2, EP4 x PP2
+
+
+def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+                      "offload/optimizer=auto", "planner.gpu_memory_gb=48",
+                      "planner.host_memory_gb=512")  # fmt: skip
+    choice = choose_offload(run)
+    assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
+    assert "offload/optimizer=cpu_50" in choice.description
+
+
+def test_auto_tries_activation_layers_before_the_optimizer() -> None:
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+                      "offload/optimizer=auto", "offload/activation=auto",
+                      "planner.host_memory_gb=512")  # fmt: skip
+    base = make_plan(run).worst.gpu_peak / 1024**3
+    run.planner.gpu_memory_gb = base + 2.0 - 0.2  # just short: one offloaded layer is enough
+    choice = choose_offload(run)
+    assert choice.overrides["model.cpu_offloading_num_layers"] == 1
+    assert choice.overrides["optimizer.optimizer_cpu_offload"] is False
+
+
+def test_auto_refuses_when_nothing_fits() -> None:
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=auto",
+                      "planner.gpu_memory_gb=10", "planner.host_memory_gb=512")  # fmt: skip
+    with pytest.raises(ValueError, match="no offload setting fits"):
+        choose_offload(run)
+
+
+def test_auto_skips_options_that_exhaust_host_ram() -> None:
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+                      "offload/optimizer=auto", "planner.gpu_memory_gb=48",
+                      "planner.host_memory_gb=16")  # fmt: skip
+    with pytest.raises(ValueError, match="host RAM"):
+        choose_offload(run)
+
+
+def test_plan_json_has_gpu_and_host_per_rank(capsys) -> None:
+    code = main(["--recipe", "tiny", "launcher.nproc_per_node=2", "--plan", "--json",
+                 "planner.gpu_memory_gb=80"])  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert code == EXIT_OK and data["fits"] and data["world_size"] == 2
+    assert [set(r) >= {"gpu_peak_gb", "host_gb"} for r in data["ranks"]] == [True, True]
+
+
+def test_plan_table_and_verdict(capsys) -> None:
+    assert main(["--recipe", "qwen3_30b_a3b_proxy", "--plan", "planner.gpu_memory_gb=40",
+                 "planner.host_memory_gb=512"]) == EXIT_FAILED  # fmt: skip
+    out = capsys.readouterr().out
+    assert "GPU peak" in out and "does not fit" in out and "GPU memory runs out first" in out
+
+
+def test_plan_with_auto_prints_its_choice(capsys) -> None:
+    assert main(["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=4", "--plan",
+                 "offload/optimizer=auto", "planner.gpu_memory_gb=48",
+                 "planner.host_memory_gb=512"]) == EXIT_OK  # fmt: skip
+    assert "auto: offload/optimizer=cpu_50" in capsys.readouterr().out
+
+
+def test_auto_that_cannot_fit_exits_2(capsys) -> None:
+    assert main(["--recipe", "qwen3_30b_a3b_proxy", "--plan", "offload/optimizer=auto",
+                 "planner.gpu_memory_gb=10"]) == EXIT_USAGE  # fmt: skip
+    assert "no offload setting fits" in capsys.readouterr().err
+
+
+def test_json_without_plan_is_a_usage_error(capsys) -> None:
+    assert main(["--recipe", "tiny", "--json"]) == EXIT_USAGE
+    assert "--json goes with --plan" in capsys.readouterr().err
+
+
+def test_planner_matches_every_measured_peak_within_10_percent() -> None:
+    """The calibration: every GPU run recorded in bench/results, planned from its command."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from calibrate_planner import calibrate
+
+    rows = calibrate(sorted((ROOT / "bench" / "results").glob("*.json")))
+    assert len(rows) >= 20
+    worst = max(rows, key=lambda r: abs(r.error))
+    assert abs(worst.error) < 0.10, f"{worst.suite}/{worst.case}: {worst.error:+.1%}"
