@@ -73,6 +73,13 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
 
 
 PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
+DENSE = (
+    "model.num_layers=4",
+    "model.seq_length=4096",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "scheduler.lr_warmup_iters=2",
+)
 PROXY_LONG = ("train.global_batch_size=1", "train.micro_batch_size=1", "model.seq_length=32768")
 SUITES: dict[str, list[Case]] = {
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
@@ -121,6 +128,28 @@ SUITES: dict[str, list[Case]] = {
             "tiny",
             ("model.deterministic_mode=true", "offload/optimizer=states"),
             "tiny, deterministic",
+        ),
+    ],
+    # A dense model of real width (Llama-3-8B layers, 4 of them) for the planner's calibration.
+    "dense": [
+        Case("llama3 4 layers, no offload", "llama3_8b", DENSE, "llama3 4 layers, no offload"),
+        Case(
+            "llama3 4 layers, activation offload 2 layers",
+            "llama3_8b",
+            (*DENSE, "offload/activation=enabled", "model.cpu_offloading_num_layers=2"),
+            "llama3 4 layers, no offload",
+        ),
+        Case(
+            "llama3 4 layers, HDO 50%",
+            "llama3_8b",
+            (*DENSE, "offload/optimizer=cpu_50"),
+            "llama3 4 layers, no offload",
+        ),
+        Case(
+            "llama3 4 layers, optimizer states offload",
+            "llama3_8b",
+            (*DENSE, "offload/optimizer=states"),
+            "llama3 4 layers, no offload",
         ),
     ],
     "two-gpu": [

@@ -40,6 +40,9 @@ def initialize(run: RunConfig) -> None:
     )
     torch.manual_seed(run.train.seed)
     model_parallel_cuda_manual_seed(run.train.seed)
+    if m.deterministic_mode:
+        # MoE token permutation scatters with atomics unless torch is told otherwise.
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _to_device(batch: dict) -> dict:

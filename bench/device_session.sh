@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU evidence of docs/BENCHMARKS.md, one step per device call (each under 10 minutes):
+#   bash bench/device_session.sh states|tests|verify|sweep|dense|two-gpu
+# Run from the project root on the GPU machine with megatron-core and TE importable; results go
+# to $OUT (default ./device-out). Every number comes from a real run_recipe.py training run.
+set -euo pipefail
+OUT=${OUT:-device-out}
+WORK=${WORK:-/tmp/offload-runner}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export OFFLOAD_RUNNER_COMMIT=${OFFLOAD_RUNNER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+PROXY=(--recipe qwen3_30b_a3b_proxy train.global_batch_size=4 train.micro_batch_size=1)
+bench() { python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" --work-dir "$WORK/bench"; }
+
+case "$1" in
+  states)  # optimizer-state offload: tiny parity, proxy vs baseline and HDO 100%, long sequence
+    bench states-det; bench states; bench states-long ;;
+  tests)  # the gpu-marked pytest tests, and MoE determinism with deterministic algorithms
+    python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15
+    bench proxy-det ;;
+  verify)  # --verify on the MoE proxy (with a repeated baseline: the noise floor) and tiny
+    python run_recipe.py "${PROXY[@]}" offload/optimizer=cpu_50 verify.repeat_baseline=true \
+      --verify output_dir="$WORK/verify-proxy-cpu50" | tail -40 || true
+    python run_recipe.py --recipe tiny offload/optimizer=states --verify \
+      output_dir="$WORK/verify-tiny-states" | tail -12 || true
+    for d in verify-proxy-cpu50 verify-tiny-states; do
+      cp "$WORK/$d/verify.md" "$OUT/$d.md"; cp "$WORK/$d/verify.json" "$OUT/$d.json"; done ;;
+  sweep)  # HDO fraction sweep through Hydra multirun, collected into a table and a plot
+    rm -rf "$WORK/sweep"
+    python run_recipe.py -m "${PROXY[@]}" train.train_iters=10 optimizer.optimizer_cpu_offload=true \
+      optimizer.optimizer_offload_fraction=0,0.25,0.5,0.75,1.0 hydra.sweep.dir="$WORK/sweep" \
+      2>&1 | grep -E "job|error|summary|step_time|gpu_peak" || true
+    python run_recipe.py --collect "$WORK/sweep"
+    cp "$WORK/sweep/sweep.md" "$WORK/sweep/sweep.json" "$WORK/sweep/sweep.png" "$OUT/" ;;
+  dense)  # a larger dense model for the planner's calibration
+    bench dense ;;
+  two-gpu)
+    bench two-gpu ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac
