@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 LATEST = "latest_checkpointed_iteration.txt"
+# Megatron-LM's default layout for the distributed optimizer's state (reshardable over DP); the
+# older default, fully_sharded_model_space, is refused by megatron-core 0.19's dist_checkpointing.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
+                      "chained_optim_avoid_prefix": True}  # fmt: skip
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -25,7 +29,9 @@ def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_load
     model_state = model[0].sharded_state_dict()
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        ),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
     }
