@@ -25,8 +25,13 @@ def resolve_load_dir(path: str | Path) -> Path:
 
 
 def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:
-    """What a checkpoint holds: sharded model and optimizer, plus schedule and iteration."""
-    model_state = model[0].sharded_state_dict()
+    """What a checkpoint holds: sharded model and optimizer, plus schedule and iteration.
+
+    The model's state comes from the bare GPTModel (as Megatron-LM does): DDP would prefix every
+    key with ``module.`` when saving but not when loading."""
+    from megatron.core.utils import unwrap_model
+
+    model_state = unwrap_model(model[0]).sharded_state_dict()
     return {
         "model": model_state,
         "optimizer": optimizer.sharded_state_dict(
@@ -56,11 +61,12 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
 def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     """Load model, optimizer and schedule in place; returns the iteration it was saved at."""
     from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
 
     load_dir = resolve_load_dir(path)
     state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, str(load_dir))
-    model[0].load_state_dict(loaded["model"])
+    unwrap_model(model[0]).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
