@@ -34,7 +34,8 @@ case "$1" in
     cp "$WORK/sweep/sweep.md" "$WORK/sweep/sweep.json" "$WORK/sweep/sweep.png" "$OUT/" ;;
   dense)  # a larger dense model for the planner's calibration
     bench dense ;;
-  two-gpu)
-    bench two-gpu ;;
+  two-gpu)  # checkpoint resume on 2 GPUs (DP2), then DP2 with and without state offload
+    timeout 300 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true
+    bench two-gpu-states ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -152,6 +152,23 @@ SUITES: dict[str, list[Case]] = {
             "llama3 4 layers, no offload",
         ),
     ],
+    "two-gpu-states": [
+        Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
+        Case(
+            "proxy DP2 optimizer states offload",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "offload/optimizer=states"),
+            "proxy DP2",
+            nproc=2,
+        ),
+        Case(
+            "proxy DP2 HDO 100% + overlap",
+            "qwen3_30b_a3b_proxy",
+            (*PROXY, "offload/optimizer=cpu_100"),
+            "proxy DP2",
+            nproc=2,
+        ),
+    ],
     "two-gpu": [
         Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
         Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),
