@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# docs/BENCHMARKS.md from the recorded GPU results (no GPU needed):
+#   bash bench/build_docs.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+{
+  python bench/run_benchmarks.py report bench/results/*.json
+  echo "## Memory planner against the measured peaks"
+  echo
+  echo "Every run above, planned from its own command line by \`--plan\` arithmetic"
+  echo "(\`python bench/calibrate_planner.py bench/results/*.json\`; tests/test_plan.py holds the"
+  echo "error under 10%). GB are GiB."
+  echo
+  python bench/calibrate_planner.py bench/results/*.json
+  echo
+  echo "## Sweep: HybridDeviceOptimizer fraction on the Qwen3-30B-A3B proxy (one H200)"
+  echo
+  echo "\`python run_recipe.py -m --recipe qwen3_30b_a3b_proxy train.global_batch_size=4"
+  echo "train.micro_batch_size=1 train.train_iters=10 optimizer.optimizer_cpu_offload=true"
+  echo "optimizer.optimizer_offload_fraction=0,0.25,0.5,0.75,1.0\`, then"
+  echo "\`python run_recipe.py --collect <sweep dir>\` (bench/device_session.sh sweep, commit 5bd2591,"
+  echo "megatron-core 0.19.2, TE 2.20.2, torch 2.11.0+cu130)."
+  echo
+  tail -n +3 docs/evidence/sweep.md
+  echo
+  echo "![step time and peak memory against the offload fraction](evidence/sweep.png)"
+  echo
+  echo "## Verify reports"
+  echo
+  echo "\`python run_recipe.py --recipe qwen3_30b_a3b_proxy train.global_batch_size=4"
+  echo "train.micro_batch_size=1 offload/optimizer=cpu_50 verify.repeat_baseline=true --verify\` and"
+  echo "\`python run_recipe.py --recipe tiny offload/optimizer=states --verify\` (one H200, commit 5bd2591):"
+  echo
+  for f in docs/evidence/verify-*.md; do sed 's/^# /### /' "$f"; echo; done
+} > docs/BENCHMARKS.md
