@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from offload_runner.report import max_abs_delta  # noqa: E402
+
 ITERS = 20
 
 
@@ -81,6 +85,24 @@ DENSE = (
     "scheduler.lr_warmup_iters=2",
 )
 PROXY_LONG = ("train.global_batch_size=1", "train.micro_batch_size=1", "model.seq_length=32768")
+# Data parallel over two GPUs, with and without the optimizer-state offload (and HDO 100%).
+TWO_GPU_STATES = [
+    Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
+    Case(
+        "proxy DP2 optimizer states offload",
+        "qwen3_30b_a3b_proxy",
+        (*PROXY, "offload/optimizer=states"),
+        "proxy DP2",
+        nproc=2,
+    ),
+    Case(
+        "proxy DP2 HDO 100% + overlap",
+        "qwen3_30b_a3b_proxy",
+        (*PROXY, "offload/optimizer=cpu_100"),
+        "proxy DP2",
+        nproc=2,
+    ),
+]
 SUITES: dict[str, list[Case]] = {
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
@@ -152,23 +174,7 @@ SUITES: dict[str, list[Case]] = {
             "llama3 4 layers, no offload",
         ),
     ],
-    "two-gpu-states": [
-        Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
-        Case(
-            "proxy DP2 optimizer states offload",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "offload/optimizer=states"),
-            "proxy DP2",
-            nproc=2,
-        ),
-        Case(
-            "proxy DP2 HDO 100% + overlap",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "offload/optimizer=cpu_100"),
-            "proxy DP2",
-            nproc=2,
-        ),
-    ],
+    "two-gpu-states": TWO_GPU_STATES,
     "two-gpu": [
         Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
         Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),
@@ -180,21 +186,7 @@ SUITES: dict[str, list[Case]] = {
             "proxy EP2",
             nproc=2,
         ),
-        Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
-        Case(
-            "proxy DP2 optimizer states offload",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "offload/optimizer=states"),
-            "proxy DP2",
-            nproc=2,
-        ),
-        Case(
-            "proxy DP2 HDO 100% + overlap",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "offload/optimizer=cpu_100"),
-            "proxy DP2",
-            nproc=2,
-        ),
+        *TWO_GPU_STATES,
     ],  # fmt: skip
 }
 
@@ -287,12 +279,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # --- report -----------------------------------------------------------------------------------
-
-
-def max_abs_delta(a: list[float], b: list[float]) -> float | None:
-    if not a or not b:
-        return None
-    return max(abs(x - y) for x, y in zip(a, b, strict=False))
 
 
 # Result files recorded by a commit with a defect that affects some of their columns.

@@ -116,22 +116,22 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
     for stage, ranks in stages.items():
         table.add_column(f"stage {stage}\nranks {_span([x.rank for x in ranks])}", justify="right")
     rows = (
-        ("bf16 weights", lambda r: r.weights),
-        ("gradient buffer", lambda r: r.grads),
-        ("fp32 master + Adam (GPU)", lambda r: r.optimizer_gpu),
-        ("... during the step only", lambda r: r.optimizer_step_only),
-        ("activations", lambda r: r.activations),
-        ("... moved by activation offload", lambda r: r.activations_offloaded),
-        ("logits + loss", lambda r: r.logits),
-        ("workspace", lambda r: r.workspace),
-        ("peak in forward + backward", lambda r: r.fwd_bwd_peak),
-        ("peak in the optimizer step", lambda r: r.step_peak),
-        ("[bold]GPU peak[/]", lambda r: r.gpu_peak),
-        ("host: pinned", lambda r: r.host_pinned),
-        ("host: CPU optimizer", lambda r: r.host_pageable),
+        ("bf16 weights", "weights"),
+        ("gradient buffer", "grads"),
+        ("fp32 master + Adam (GPU)", "optimizer_gpu"),
+        ("... during the step only", "optimizer_step_only"),
+        ("activations", "activations"),
+        ("... moved by activation offload", "activations_offloaded"),
+        ("logits + loss", "logits"),
+        ("workspace", "workspace"),
+        ("peak in forward + backward", "fwd_bwd_peak"),
+        ("peak in the optimizer step", "step_peak"),
+        ("[bold]GPU peak[/]", "gpu_peak"),
+        ("host: pinned", "host_pinned"),
+        ("host: CPU optimizer", "host_pageable"),
     )
-    for label, value in rows:
-        table.add_row(label, *(f"{value(r) / GiB:.2f}" for r in worst.values()))
+    for label, attribute in rows:
+        table.add_row(label, *(f"{getattr(r, attribute) / GiB:.2f}" for r in worst.values()))
     console.print(table)
     nodes = plan.node_host_gb()
     console.print(

@@ -122,7 +122,7 @@ def plot(rows: list[SweepRow], path: Path, title: str) -> bool:
         if r.status != "ok":
             left.annotate(r.status.upper(), (x[i], 0), color="black", ha="center")
     left.set_xticks(x, labels)
-    left.set_xlabel(" ".join(rows[0].label.split("=")[:1]) if rows else "job")
+    left.set_xlabel(rows[0].label.partition("=")[0] if rows else "job")
     left.set_ylabel("step time (ms)", color="tab:blue")
     right.set_ylabel("peak GPU memory (GB)", color="tab:red")
     left.set_ylim(bottom=0)
