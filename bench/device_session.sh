@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU evidence of docs/BENCHMARKS.md, one step per device call (each under 10 minutes):
-#   bash bench/device_session.sh states|tests|verify|sweep|dense|two-gpu
+#   bash bench/device_session.sh STEP   (the steps are the cases below)
 # Run from the project root on the GPU machine with megatron-core and TE importable; results go
 # to $OUT (default ./device-out). Every number comes from a real run_recipe.py training run.
 set -euo pipefail
@@ -13,10 +13,15 @@ PROXY=(--recipe qwen3_30b_a3b_proxy train.global_batch_size=4 train.micro_batch_
 bench() { python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" --work-dir "$WORK/bench"; }
 
 case "$1" in
-  states)  # optimizer-state offload: tiny parity, proxy vs baseline and HDO 100%, long sequence
-    bench states-det; bench states; bench states-long ;;
-  tests)  # the gpu-marked pytest tests, and MoE determinism with deterministic algorithms
-    python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15 || true
+  tests)  # every gpu-marked pytest test (on all visible GPUs: data parallel over them)
+    timeout 560 python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15 || true ;;
+  resume)  # checkpoint resume only: GPU Adam, state offload, HybridDeviceOptimizer 50%
+    timeout 560 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true ;;
+  states)  # optimizer-state offload against the baseline and HDO 100%, and its loss parity
+    bench states-proxy-det; bench states ;;
+  states-extra)  # tiny bit-parity and a sequence long enough that forward/backward sets the peak
+    bench states-det; bench states-long ;;
+  determinism)  # MoE proxy twice with deterministic algorithms
     bench proxy-det ;;
   verify)  # --verify on the MoE proxy (with a repeated baseline: the noise floor) and tiny
     python run_recipe.py "${PROXY[@]}" offload/optimizer=cpu_50 verify.repeat_baseline=true \
@@ -34,8 +39,10 @@ case "$1" in
     cp "$WORK/sweep/sweep.md" "$WORK/sweep/sweep.json" "$WORK/sweep/sweep.png" "$OUT/" ;;
   dense)  # a larger dense model for the planner's calibration
     bench dense ;;
-  two-gpu)  # checkpoint resume on 2 GPUs (DP2), then DP2 with and without state offload
+  two-gpu)  # (two GPUs) resume on DP2, then tiny DP2 and proxy EP2 with and without HDO 50%
     timeout 300 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true
+    bench two-gpu ;;
+  two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
     bench two-gpu-states ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

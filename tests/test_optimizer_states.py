@@ -51,9 +51,11 @@ def _grads(step: int, sizes: list[int]) -> list[torch.Tensor]:
 SIZES = [64, 128, 32]
 
 
-def _train(steps: int, offload: bool) -> tuple[list[torch.Tensor], MiniDistributedOptimizer]:
+def _train(
+    steps: int, offload: bool, chunk_bytes: int = 0
+) -> tuple[list[torch.Tensor], MiniDistributedOptimizer]:
     opt = MiniDistributedOptimizer(SIZES)
-    offloader = OptimizerStateOffloader(opt) if offload else None
+    offloader = OptimizerStateOffloader(opt, chunk_bytes) if offload else None
     if offloader:
         offloader.offload()
     for step in range(steps):
@@ -72,9 +74,10 @@ def _train(steps: int, offload: bool) -> tuple[list[torch.Tensor], MiniDistribut
     return [p.clone() for p in opt.model], opt
 
 
-def test_offloaded_training_is_bit_identical() -> None:
+@pytest.mark.parametrize("chunk_bytes", [0, 100], ids=["whole-tensors", "100-byte-pieces"])
+def test_offloaded_training_is_bit_identical(chunk_bytes: int) -> None:
     reference, _ = _train(5, offload=False)
-    offloaded, opt = _train(5, offload=True)
+    offloaded, opt = _train(5, offload=True, chunk_bytes=chunk_bytes)
     for a, b in zip(reference, offloaded, strict=True):
         assert torch.equal(a, b)
     assert all(m.untyped_storage().size() == m.numel() * 4 for m in opt.masters)

@@ -259,12 +259,6 @@ CASES = [
         "offload_optimizer_states requires optimizer.optimizer=adam",
     ),
     Case(
-        "hybrid_optimizer_resume",
-        ("recipe=tiny", "offload/optimizer=cpu_50", "checkpoint.load=/ckpt/tiny"),
-        ("recipe=tiny", "offload/optimizer=states", "checkpoint.load=/ckpt/tiny"),
-        "resuming with optimizer_cpu_offload does not continue the saved run",
-    ),
-    Case(
         "heads_divisible_by_tp",
         ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
         ("recipe=tiny", "parallel=tp2"),

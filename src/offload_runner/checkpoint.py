@@ -63,10 +63,13 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
+    from offload_runner.offload import optimizer as hybrid_optimizer
+
     load_dir = resolve_load_dir(path)
     state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, str(load_dir))
     unwrap_model(model[0]).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
+    hybrid_optimizer.restore_after_load(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])

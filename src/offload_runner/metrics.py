@@ -34,6 +34,8 @@ class StepMetrics:
     host_pinned_gb: float | None
     gpu_peak_fwd_bwd_gb: float | None = None  # this iteration's peak in forward + backward
     gpu_peak_step_gb: float | None = None  # ... and in the optimizer step
+    fwd_bwd_time_s: float | None = None  # forward + backward + gradient reduction (GPU events)
+    optimizer_time_s: float | None = None  # the rest of the step: optimizer, offload waits
 
     def line(self) -> str:
         pinned = "n/a" if self.host_pinned_gb is None else f"{self.host_pinned_gb:.2f} GB"
@@ -58,6 +60,11 @@ def host_pinned_bytes() -> int | None:
         if key in stats:
             return int(stats[key])
     return None
+
+
+def _median(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def gpu_memory() -> tuple[float, float]:
@@ -108,6 +115,8 @@ class MetricsReporter:
         return {
             "iterations": len(self.history),
             "step_time_s_median": statistics.median(s.step_time_s for s in steady),
+            "fwd_bwd_time_s_median": _median(s.fwd_bwd_time_s for s in steady),
+            "optimizer_time_s_median": _median(s.optimizer_time_s for s in steady),
             "tokens_per_s_median": statistics.median(s.tokens_per_s for s in steady),
             "tflops_per_gpu_median": statistics.median(s.tflops_per_gpu for s in steady),
             "gpu_peak_allocated_gb": max(s.gpu_peak_allocated_gb for s in self.history),
@@ -127,7 +136,8 @@ class MetricsReporter:
             table = Table(title="run summary", title_justify="left")
             table.add_column("metric")
             table.add_column("value", justify="right")
-            for key in ("iterations", "step_time_s_median", "tokens_per_s_median",
+            for key in ("iterations", "step_time_s_median", "fwd_bwd_time_s_median",
+                        "optimizer_time_s_median", "tokens_per_s_median",
                         "tflops_per_gpu_median", "gpu_peak_allocated_gb", "gpu_peak_fwd_bwd_gb",
                         "gpu_peak_step_gb", "host_pinned_gb_max",
                         "first_loss", "final_loss"):  # fmt: skip

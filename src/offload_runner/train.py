@@ -135,6 +135,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             torch.cuda.current_stream().synchronize()
             torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
+            phase = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            phase[0].record()
             for chunk in model:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -147,6 +149,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                 micro_batch_size=t.micro_batch_size,
                 forward_only=False,
             )
+            phase[1].record()
             fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
             if offloader and offloader.peak_before_reload is not None:
                 # the states came back at the end of backward: the phase's own peak is before
@@ -159,6 +162,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             loss = global_loss(losses, m.pipeline_model_parallel_size)
             torch.cuda.current_stream().synchronize()
             elapsed = time.perf_counter() - began
+            fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000
             step_peak, allocated = gpu_memory()
             peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
             pinned = host_pinned_bytes()
@@ -171,6 +175,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                     lr=optimizer.param_groups[0]["lr"],
                     grad_norm=None if grad_norm is None else float(grad_norm),
                     step_time_s=elapsed,
+                    fwd_bwd_time_s=fwd_bwd_s,
+                    optimizer_time_s=max(elapsed - fwd_bwd_s, 0.0),
                     tokens_per_s=tokens / elapsed,
                     tflops_per_gpu=flops / elapsed / 1e12,
                     gpu_peak_allocated_gb=peak_so_far,

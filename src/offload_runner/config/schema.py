@@ -181,6 +181,9 @@ class OptimizerConfig:
 
     # offload-runner: states + fp32 master weights parked on the CPU between steps
     offload_optimizer_states: bool = False
+    # ... copied in pieces of this many MiB (0: one copy per tensor) so that the small copies of
+    # forward (MoE token counts) are not queued behind gigabytes of state on the copy engine
+    offload_states_chunk_mb: int = 64
 
 
 @dataclass

@@ -34,3 +34,30 @@ def describe(run: RunConfig) -> OffloadSummary:
         f"of ~{params / 1e9:.2f}B params (model total, before DP sharding), updated on the CPU",
         "D2H/H2D overlapped with the CPU step" if o.overlap_cpu_optimizer_d2h_h2d else "no overlap",
     )
+
+
+def hybrid_optimizers(optimizer) -> list:
+    """The HybridDeviceOptimizers inside what ``get_megatron_optimizer`` returned (one per part of
+    a ChainedOptimizer, e.g. dense and expert parameters)."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    inner = [getattr(part, "optimizer", None) for part in parts]
+    return [hdo for hdo in inner if isinstance(hdo, HybridDeviceOptimizer)]
+
+
+def restore_after_load(optimizer) -> None:
+    """Hand a loaded checkpoint to HybridDeviceOptimizer's sub-optimizers (Megatron-LM #1842).
+
+    Megatron-Core's ``dp_reshardable`` loader (the layout checkpoint.py saves) puts the loaded
+    fp32 masters and Adam states into ``HybridDeviceOptimizer.state`` only. Its other loaders then
+    call ``_sync_hdo_state_to_sub_optimizers``; this one does not, so the CPU and GPU Adam keep
+    stepping their pre-load fp32 copies and the second resumed step trains from those. Also, the
+    loaded param groups carry the checkpoint's ``step``, which HybridDeviceOptimizer copies into
+    the GPU FusedAdam's groups before every step, freezing its bias correction at the resumed
+    step; dropping it from the outer groups leaves the counter to FusedAdam (which was built from
+    the loaded groups, so it continues from the saved step)."""
+    for hdo in hybrid_optimizers(optimizer):
+        hdo._sync_hdo_state_to_sub_optimizers()
+        for group in hdo.param_groups:
+            group.pop("step", None)

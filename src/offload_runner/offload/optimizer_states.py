@@ -83,7 +83,8 @@ class OptimizerStateOffloader:
     allocator would round every buffer up to a power of two (up to 2x the bytes).
     """
 
-    def __init__(self, optimizer) -> None:
+    def __init__(self, optimizer, chunk_bytes: int = 0) -> None:
+        self.chunk_bytes = chunk_bytes  # copy granularity; 0: one copy per tensor
         self.parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         for part in self.parts:
             if not hasattr(part, "shard_fp32_from_float16_groups"):
@@ -180,13 +181,13 @@ class OptimizerStateOffloader:
         streams = self._stream_pair(slots[0].tensor.is_cuda)
         if streams is None:
             for slot in slots:
-                slot.host.copy_(_bytes_of(slot.tensor))
+                _copy_in_chunks(slot.host, _bytes_of(slot.tensor), self.chunk_bytes)
         else:
             d2h = streams[0]
             d2h.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(d2h):
                 for slot in slots:
-                    slot.host.copy_(_bytes_of(slot.tensor), non_blocking=True)
+                    _copy_in_chunks(slot.host, _bytes_of(slot.tensor), self.chunk_bytes)
                     slot.tensor.record_stream(d2h)
                     slot.copied = torch.cuda.Event()
                     slot.copied.record(d2h)
@@ -210,14 +211,14 @@ class OptimizerStateOffloader:
         streams = self._stream_pair(self._offloaded[0].tensor.is_cuda)
         if streams is None:
             for slot in self._offloaded:
-                _bytes_of(slot.tensor).copy_(slot.host)
+                _copy_in_chunks(_bytes_of(slot.tensor), slot.host, self.chunk_bytes)
         else:
             h2d = streams[1]
             h2d.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(h2d):
                 for slot in self._offloaded:
                     h2d.wait_event(slot.copied)
-                    _bytes_of(slot.tensor).copy_(slot.host, non_blocking=True)
+                    _copy_in_chunks(_bytes_of(slot.tensor), slot.host, self.chunk_bytes)
         self._reloading = True
 
     def wait_reload(self) -> None:
@@ -280,12 +281,23 @@ def _bytes_of(tensor):
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
+def _copy_in_chunks(dst, src, chunk_bytes: int) -> None:
+    """``dst.copy_(src, non_blocking=True)`` as copies of at most ``chunk_bytes`` (1-D uint8), so
+    the copy engine can run other streams' small copies (MoE routing's token counts) between
+    them instead of after the whole tensor."""
+    step = chunk_bytes or dst.numel()
+    for start in range(0, dst.numel(), step):
+        dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
+
+
 def attach(run: RunConfig, optimizer, transformer_config) -> OptimizerStateOffloader | None:
     """The offloader for ``run`` (None when off), wired into Megatron-Core's gradient finalize
     hook, with the masters already on their way to the host before the first forward."""
     if not run.optimizer.offload_optimizer_states:
         return None
-    offloader = OptimizerStateOffloader(optimizer)
+    offloader = OptimizerStateOffloader(
+        optimizer, chunk_bytes=run.optimizer.offload_states_chunk_mb * 1024**2
+    )
     transformer_config.finalize_model_grads_func = offloader.finalize_grads_with_prefetch(
         transformer_config.finalize_model_grads_func
     )
