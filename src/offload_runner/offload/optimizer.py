@@ -49,15 +49,29 @@ def hybrid_optimizers(optimizer) -> list:
 def restore_after_load(optimizer) -> None:
     """Hand a loaded checkpoint to HybridDeviceOptimizer's sub-optimizers (Megatron-LM #1842).
 
-    Megatron-Core's ``dp_reshardable`` loader (the layout checkpoint.py saves) puts the loaded
-    fp32 masters and Adam states into ``HybridDeviceOptimizer.state`` only. Its other loaders then
-    call ``_sync_hdo_state_to_sub_optimizers``; this one does not, so the CPU and GPU Adam keep
-    stepping their pre-load fp32 copies and the second resumed step trains from those. Also, the
-    loaded param groups carry the checkpoint's ``step``, which HybridDeviceOptimizer copies into
-    the GPU FusedAdam's groups before every step, freezing its bias correction at the resumed
-    step; dropping it from the outer groups leaves the counter to FusedAdam (which was built from
-    the loaded groups, so it continues from the saved step)."""
+    After Megatron-Core's ``dp_reshardable`` load (the layout checkpoint.py saves), three things
+    are stale in HybridDeviceOptimizer, each enough to bend the resumed run from its second step:
+
+    - the loaded fp32 masters and Adam states sit in ``HybridDeviceOptimizer.state`` only: its
+      other loaders then call ``_sync_hdo_state_to_sub_optimizers``, this one does not, so the
+      CPU and GPU Adam would keep stepping their pre-load fp32 copies;
+    - the CPU AdamW's per-parameter ``step`` is checkpointed as a local, non-persistent object,
+      so it comes back as the value of the throw-away step the loader ran to create the states
+      (1), not the saved step: the bias correction restarts;
+    - the loaded param groups carry the saved ``step``, which HybridDeviceOptimizer copies into
+      the GPU FusedAdam's groups before every step, freezing its bias correction there.
+
+    So: sync the sub-optimizers, give every CPU state the saved step, and leave the GPU counter to
+    FusedAdam (which was built from the loaded groups, so it continues from the saved step)."""
+    import torch
+
     for hdo in hybrid_optimizers(optimizer):
+        saved_steps = {group.pop("step") for group in hdo.param_groups if "step" in group}
         hdo._sync_hdo_state_to_sub_optimizers()
-        for group in hdo.param_groups:
-            group.pop("step", None)
+        if len(saved_steps) != 1:
+            continue
+        step = float(saved_steps.pop())
+        for state in hdo.state.values():
+            old = state.get("step")
+            if isinstance(old, torch.Tensor):  # one tensor each: fused AdamW adds to it in place
+                state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
