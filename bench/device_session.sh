@@ -40,7 +40,7 @@ case "$1" in
   dense)  # a larger dense model for the planner's calibration
     bench dense ;;
   two-gpu)  # (two GPUs) resume on DP2, then tiny DP2 and proxy EP2 with and without HDO 50%
-    timeout 300 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true
+    timeout 330 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true
     bench two-gpu ;;
   two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
     bench two-gpu-states ;;
