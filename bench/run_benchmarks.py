@@ -318,6 +318,37 @@ def _families(files: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
     return families
 
 
+HOST_LINK_GB_PER_S = 55.0  # pinned host<->GPU copies on the benchmark host (PCIe Gen5), each way
+
+
+def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
+    """For each optimizer-state offload case: its overhead against 2 x bytes moved / link speed,
+    split into forward+backward (copies out overlap it) and the rest (copies back, Adam)."""
+    lines = []
+    for r in results:
+        s = r["summary"]
+        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        if "offload/optimizer=states" not in r["case"]["overrides"] or r["status"] != "ok":
+            continue
+        if not (s.get("fwd_bwd_time_s_median") and base.get("fwd_bwd_time_s_median")):
+            continue
+        moved = s["host_pinned_gb_max"] * 1024**3 / 1e9  # the host arena: 12 B/param, GB
+        bound = 2 * moved / HOST_LINK_GB_PER_S * 1000
+        overhead = (s["step_time_s_median"] - base["step_time_s_median"]) * 1000
+        fwd_bwd = (s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]) * 1000
+        rest = (s["optimizer_time_s_median"] - base["optimizer_time_s_median"]) * 1000
+        lines.append(
+            f"- {r['case']['name']}: {moved:.1f} GB each way per step; transfer bound "
+            f"2 x {moved:.1f} GB / {HOST_LINK_GB_PER_S:.0f} GB/s = {bound:.0f} ms; overhead "
+            f"{overhead:.0f} ms ({overhead / bound:.2f}x the bound): forward+backward "
+            f"{fwd_bwd:+.0f} ms, rest of the step {rest:+.0f} ms"
+        )
+    if lines:
+        lines = ["", "Optimizer-state offload against the transfer bound (vs this suite's "
+                 "baseline; phases timed with CUDA events):", "", *lines]  # fmt: skip
+    return lines
+
+
 def render(files: list[Path]) -> str:
     lines = [
         "# Benchmarks",
@@ -391,6 +422,7 @@ def render(files: list[Path]) -> str:
                 + ("(baseline)" if same else (f"{delta:.2e}" if delta is not None else "-"))
                 + " |"
             )
+        lines += _transfer_bound_lines(results, by_name)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}

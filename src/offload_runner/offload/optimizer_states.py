@@ -7,8 +7,9 @@ released to the caching allocator (so forward and backward can use it). The time
 1. ``optimizer.step()`` runs as usual (Adam on the GPU: Transformer Engine's FusedAdam, or
    whatever Adam Megatron-Core picked), then copies the masters into the bf16 parameters.
 2. ``offload()``: the side stream ``d2h`` waits for that, copies every tensor into its pinned
-   buffer, and the GPU storage is released at once (``record_stream`` keeps the allocator from
-   reusing it before the copy has finished).
+   buffer (in ``chunk_bytes`` pieces, so forward's own small copies, e.g. MoE token counts, are
+   not queued behind gigabytes on the copy engine), and the GPU storage is released at once
+   (``record_stream`` keeps the allocator from reusing it before the copy has finished).
 3. Forward and backward of the next iteration run without the states.
 4. ``start_reload()`` (called when Megatron-Core finalizes the gradients, i.e. at the tail of
    backward, before the data-parallel gradient reduction): storage is re-allocated on the compute
