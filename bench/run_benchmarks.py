@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from offload_runner.launch import OOM_MARKERS  # noqa: E402
 from offload_runner.report import max_abs_delta  # noqa: E402
+from offload_runner.rundir import STATUS_FILE, read_json  # noqa: E402
 
 ITERS = 20
 
@@ -251,9 +253,10 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     summary_file = run_dir / "summary.json"
     text = proc.stdout + proc.stderr
     logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("rank*.log"))
+    recorded = read_json(run_dir / STATUS_FILE).get("status")  # what the launcher decided
     if proc.returncode == 0 and summary_file.is_file():
         status = "ok"
-    elif "out of memory" in (text + logs).lower():
+    elif recorded == "oom" or any(m in text for m in OOM_MARKERS):
         status = "OOM"
     else:
         status = f"failed ({proc.returncode})"
