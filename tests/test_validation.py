@@ -259,6 +259,12 @@ CASES = [
         "offload_optimizer_states requires optimizer.optimizer=adam",
     ),
     Case(
+        "states_chunk_non_negative",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_chunk_mb=-1"),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_chunk_mb=0"),
+        "offload_states_chunk_mb must be >= 0",
+    ),
+    Case(
         "heads_divisible_by_tp",
         ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
         ("recipe=tiny", "parallel=tp2"),

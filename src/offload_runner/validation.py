@@ -286,6 +286,12 @@ RULES: tuple[Rule, ...] = (
         "set optimizer.use_distributed_optimizer=true",
     ),
     Rule(
+        "states_chunk_non_negative",
+        lambda c, e: c.optimizer.offload_states_chunk_mb < 0,
+        "offload_states_chunk_mb must be >= 0 (MiB per copy; 0 copies each tensor whole)",
+        "e.g. optimizer.offload_states_chunk_mb=64",
+    ),
+    Rule(
         "states_need_adam",
         lambda c, e: (
             c.optimizer.offload_optimizer_states and c.optimizer.optimizer != OptimizerType.adam
