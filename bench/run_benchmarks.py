@@ -303,14 +303,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --- report -----------------------------------------------------------------------------------
 
 
-# Result files recorded by a commit with a defect that affects some of their columns.
-KNOWN_ISSUES = {
-    "7c72759": "Recorded before commit fb0d679 fixed the reported loss: each loss in this file is "
-    "the true loss divided by the micro-batches per step (tiny DP2: 1, so exact; proxy DP2/EP2: "
-    "2; proxy single GPU: 4). Step times and memory are unaffected; Δloss ratios are scaled alike.",
-}
-
-
 def _families(files: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
     """Suites split over several calls (proxy-1, proxy-2) render as one table."""
     families: dict[str, list[tuple[Path, dict]]] = {}
@@ -383,7 +375,6 @@ def render(files: list[Path]) -> str:
             f"{env['transformer_engine']} · Python {env['python']} · {env['date']} · "
             f"commit {env['commit']} · source {sources}",
             "",
-            *(["> " + KNOWN_ISSUES[env["commit"]], ""] if env["commit"] in KNOWN_ISSUES else []),
             "| config | status | step ms (fwd+bwd / rest) | slowdown | peak GPU GB | saved GB "
             "| peak fwd+bwd / step GB | pinned host GB | final loss | max abs Δloss vs baseline |",
             "|---|---|---|---|---|---|---|---|---|---|",
