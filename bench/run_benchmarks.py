@@ -244,6 +244,10 @@ def environment() -> dict:
     return info
 
 
+def _rank_logs(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("rank*.log")))
+
+
 def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     command = case.command(out_dir, iters)
     began = time.perf_counter()
@@ -252,7 +256,6 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     run_dir = out_dir / case.slug
     summary_file = run_dir / "summary.json"
     text = proc.stdout + proc.stderr
-    logs = "".join(p.read_text(errors="replace") for p in run_dir.glob("rank*.log"))
     recorded = read_json(run_dir / STATUS_FILE).get("status")  # what the launcher decided
     if proc.returncode == 0 and summary_file.is_file():
         status = "ok"
@@ -267,7 +270,7 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
         status=status,
         wall_s=wall,
         summary=json.loads(summary_file.read_text()) if summary_file.is_file() else {},
-        error_tail="" if status == "ok" else (text + logs)[-3000:],
+        error_tail="" if status == "ok" else (text + _rank_logs(run_dir))[-3000:],
     )
 
 

@@ -27,6 +27,12 @@ class OffloadSummary:
     note: str = ""
 
 
+def optimizer_parts(optimizer) -> list:
+    """The optimizers inside what ``get_megatron_optimizer`` returned: the parts of a
+    ChainedOptimizer (e.g. dense and expert parameters), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def summarize(run: RunConfig) -> list[OffloadSummary]:
     from offload_runner.offload import activation, optimizer, optimizer_states, weight
 

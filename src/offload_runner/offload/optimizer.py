@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary
+from offload_runner.offload import OffloadSummary, optimizer_parts
 
 DISABLED = {
     "optimizer.optimizer_cpu_offload": False,
@@ -41,8 +41,7 @@ def hybrid_optimizers(optimizer) -> list:
     a ChainedOptimizer, e.g. dense and expert parameters)."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    inner = [getattr(part, "optimizer", None) for part in parts]
+    inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
     return [hdo for hdo in inner if isinstance(hdo, HybridDeviceOptimizer)]
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary
+from offload_runner.offload import OffloadSummary, optimizer_parts
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
@@ -86,7 +86,7 @@ class OptimizerStateOffloader:
 
     def __init__(self, optimizer, chunk_bytes: int = 0) -> None:
         self.chunk_bytes = chunk_bytes  # copy granularity; 0: one copy per tensor
-        self.parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self.parts = optimizer_parts(optimizer)
         for part in self.parts:
             if not hasattr(part, "shard_fp32_from_float16_groups"):
                 raise TypeError(
