@@ -105,6 +105,20 @@ TWO_GPU_STATES = [
         nproc=2,
     ),
 ]
+# A long sequence split over two GPUs (CP2) against the batch split over them (DP2), both on the
+# same global batch; and CP2 with the optimizer states offloaded.
+LONG_2 = ("train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_length=32768")
+TWO_GPU_CP = [
+    Case("tiny DP2, deterministic", "tiny", ("model.deterministic_mode=true",),
+         "tiny DP2, deterministic", nproc=2),
+    Case("tiny CP2, deterministic", "tiny", ("model.deterministic_mode=true", "parallel=cp2"),
+         "tiny DP2, deterministic", nproc=2),
+    Case("proxy seq 32k DP2", "qwen3_30b_a3b_proxy", LONG_2, "proxy seq 32k DP2", nproc=2),
+    Case("proxy seq 32k CP2", "qwen3_30b_a3b_proxy", (*LONG_2, "parallel=cp2"),
+         "proxy seq 32k DP2", nproc=2),
+    Case("proxy seq 32k CP2 optimizer states offload", "qwen3_30b_a3b_proxy",
+         (*LONG_2, "parallel=cp2", "offload/optimizer=states"), "proxy seq 32k DP2", nproc=2),
+]  # fmt: skip
 SUITES: dict[str, list[Case]] = {
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
@@ -197,6 +211,7 @@ SUITES: dict[str, list[Case]] = {
         ),
     ],
     "two-gpu-states": TWO_GPU_STATES,
+    "two-gpu-cp": TWO_GPU_CP,
     "two-gpu": [
         Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
         Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),

@@ -5,7 +5,9 @@ the CLI, as a user runs it, in deterministic mode.
 - activation offload and optimizer-state offload give the baseline's losses;
 - a run resumed from a checkpoint continues the uninterrupted run within 1e-3: optimizer on the
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
-  offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume).
+  offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
+- on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
+  batch split over both) on the same global batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 
@@ -26,6 +29,8 @@ BASE = (
     "scheduler.lr_warmup_iters=2",
 )  # fmt: skip
 RESUME_TOLERANCE = 1e-3
+# Ring attention adds the two halves of each softmax in another order than one kernel does.
+CONTEXT_PARALLEL_TOLERANCE = 1e-2
 
 
 def train(out: Path, *overrides: str) -> dict:
@@ -87,3 +92,13 @@ def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, .
     resumed = train(Path(root) / f"resumed-{name}", *offload, f"checkpoint.load={ckpt}")
     assert resumed["iterations"] == ITERS - half
     assert max_delta(resumed["losses"], full["losses"][half:]) < RESUME_TOLERANCE
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
+def test_context_parallel_tracks_data_parallel(root: str) -> None:
+    cp = train(Path(root) / "cp2", "parallel=cp2")
+    base = baseline(root)  # all visible GPUs: DP2 on the same global batch
+    assert cp["world_size"] == base["world_size"] == 2
+    delta = max_delta(cp["losses"], base["losses"])
+    print(f"CP2 vs DP2: max |Δloss| {delta:.2e} over {ITERS} iterations")
+    assert delta < CONTEXT_PARALLEL_TOLERANCE

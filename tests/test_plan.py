@@ -179,3 +179,10 @@ def test_planner_matches_every_measured_peak_within_10_percent() -> None:
     assert len(rows) >= 20
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) < 0.10, f"{worst.suite}/{worst.case}: {worst.error:+.1%}"
+
+
+def test_context_parallel_halves_each_ranks_sequence_and_shards_over_dp_x_cp() -> None:
+    one = make_plan(compose_run("recipe=tiny"), world=1).ranks[0]
+    cp2 = make_plan(compose_run("recipe=tiny", "parallel=cp2"), world=2).ranks[0]
+    assert (cp2.activations, cp2.logits) == (one.activations // 2, one.logits // 2)
+    assert cp2.optimizer_gpu == one.optimizer_gpu // 2 and cp2.weights == one.weights

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from offload_runner.build.data import MicroBatchSampler, parse_blend
 from offload_runner.config.schema import LauncherConfig
 from offload_runner.launch import in_torchrun, nodes, torchrun_args
-from offload_runner.train import loss_func
+from offload_runner.train import context_parallel_slice, loss_func
 
 
 def test_reported_loss_survives_the_schedules_in_place_scaling() -> None:
@@ -19,6 +21,47 @@ def test_reported_loss_survives_the_schedules_in_place_scaling() -> None:
     assert loss.item() == 4.0
     loss /= 4  # what Megatron-Core's forward_step does with num_microbatches
     assert report["lm loss"].item() == 4.0
+
+
+def _context_parallel_rank(rank: int, world: int, tmp: Path) -> None:
+    """One CP rank: its slice of a micro-batch, its loss, the gradient DDP would average."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
+                            world_size=world)  # fmt: skip
+    torch.manual_seed(0)
+    per_token = torch.rand(2, 16)  # the whole micro-batch's token losses, as the model computes
+    mask = (torch.rand(2, 16) > 0.3).float()
+    positions = torch.arange(16).expand(2, 16)
+    leaf = per_token.clone().requires_grad_()
+    part = context_parallel_slice(
+        {"losses": leaf, "loss_mask": mask, "position_ids": positions}, dist.group.WORLD
+    )
+    loss, report = loss_func(part["loss_mask"], part["losses"], cp_group=dist.group.WORLD)
+    (loss * world).backward()  # what the schedule does with the CP size
+    grad = leaf.grad.clone()
+    dist.all_reduce(grad)
+    grad /= world  # DDP's mean over the DP x CP ranks
+    value = report["lm loss"].clone()
+    dist.all_reduce(value)
+    torch.save({"grad": grad, "loss": value, "positions": part["position_ids"][0]},
+               tmp / f"rank{rank}.pt")  # fmt: skip
+    dist.destroy_process_group()
+
+
+def test_context_parallel_loss_and_gradient_equal_the_whole_sequence(tmp_path: Path) -> None:
+    """Two gloo ranks hold chunks (0, 3) and (1, 2) of each sequence; their summed loss shares
+    and averaged gradients equal the single-rank loss and gradient of the whole sequence."""
+    mp.spawn(_context_parallel_rank, args=(2, tmp_path), nprocs=2)
+    torch.manual_seed(0)
+    per_token = torch.rand(2, 16).requires_grad_()
+    mask = (torch.rand(2, 16) > 0.3).float()
+    loss, _ = loss_func(mask, per_token)
+    loss.backward()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["positions"].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert ranks[1]["positions"].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], loss.detach())
+        torch.testing.assert_close(r["grad"], per_token.grad)
 
 
 def test_micro_batches_cover_each_global_batch_once() -> None:

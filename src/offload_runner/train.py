@@ -6,6 +6,7 @@ dist_checkpointing); this module wires them the way Megatron-LM's pretrain loop 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -49,33 +50,63 @@ def _to_device(batch: dict) -> dict:
     return {k: v.cuda(non_blocking=True) for k, v in batch.items()}
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean token loss, and its value for reporting.
+def context_parallel_slice(batch: dict, cp_group) -> dict:
+    """This CP rank's 2 of the sequence's 2 x CP chunks (Megatron-Core's load-balanced split).
 
-    The report is a copy: the pipeline schedule divides the returned loss in place by the number
-    of micro-batches, and a plain ``detach()`` would share that storage.
+    megatron-core 0.19 added a required ``is_hybrid_cp`` argument; both signatures are served.
+    """
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+    """Token-mean loss, and this rank's share of its value for reporting.
+
+    With context parallelism a rank sees part of each sequence: its token-loss sum is divided by
+    the token count of the whole CP group. The schedule multiplies the loss by the CP size and
+    DDP averages gradients over DP x CP ranks, which gives the gradient of the global token mean;
+    the reported shares of a CP group add up to that mean.
+
+    The report is a copy: the pipeline schedule scales the returned loss in place (CP size,
+    micro-batch count), and a plain ``detach()`` would share that storage.
     """
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    tokens = mask.sum()
+    if cp_group is not None:
+        dist.all_reduce(tokens, group=cp_group)
+    loss = torch.sum(losses * mask) / tokens.clamp(min=1)
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
+    from megatron.core import parallel_state
+
     batch = _to_device(next(data_iterator))
+    cp_group = None
+    if parallel_state.get_context_parallel_world_size() > 1:
+        cp_group = parallel_state.get_context_parallel_group()
+        batch = context_parallel_slice(batch, cp_group)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], cp_group=cp_group)
 
 
-def global_loss(losses: list[dict], pipeline_size: int) -> float:
-    """Mean LM loss over micro-batches and data-parallel replicas, known on every rank."""
+def global_loss(losses: list[dict], pipeline_size: int, context_size: int) -> float:
+    """Mean LM loss over micro-batches and data-parallel replicas, known on every rank.
+
+    Every last-stage rank holds its share; TP ranks hold the same value and the shares of a CP
+    group add up to the group's loss, so the world's sum counts each DP replica TP times.
+    """
     from megatron.core import parallel_state
 
     value = torch.zeros(1, device="cuda")
     if parallel_state.is_pipeline_last_stage() and losses:
         value += torch.stack([x["lm loss"] for x in losses]).mean()
     dist.all_reduce(value)
-    return value.item() / (dist.get_world_size() // pipeline_size)
+    return value.item() / (dist.get_world_size() // (pipeline_size * context_size))
 
 
 def train(run: RunConfig, run_dir: Path) -> dict:
@@ -117,8 +148,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     flops = training_flops_per_token(m) * tokens / dist.get_world_size()
     is_writer = dist.get_rank() == 0
     log.info(
-        "world %d (DP %d), %d micro-batch(es) of %d per step, %s",
-        dist.get_world_size(), dp_size, micro_batches, t.micro_batch_size,
+        "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s",
+        dist.get_world_size(), dp_size, m.context_parallel_size, micro_batches, t.micro_batch_size,
         type(optimizer).__name__,
     )  # fmt: skip
 
@@ -159,7 +190,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             if offloader:
                 offloader.offload()
             scheduler.step(increment=t.global_batch_size)
-            loss = global_loss(losses, m.pipeline_model_parallel_size)
+            loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
             torch.cuda.current_stream().synchronize()
             elapsed = time.perf_counter() - began
             fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000

@@ -23,6 +23,7 @@ from offload_runner.config.schema import (
     OffloadModule,
     OptimizerType,
     RunConfig,
+    TransformerImpl,
 )
 
 
@@ -76,6 +77,19 @@ def _data_parallel_size(c: RunConfig, env: Environment) -> int | None:
     if env.world_size is None or env.world_size % per_replica:
         return None
     return env.world_size // per_replica
+
+
+CP_COMM_TYPES = (None, "p2p", "all_gather", "a2a")
+
+
+def _heads_per_tp_rank(c: RunConfig) -> tuple[int, int]:
+    """Attention heads and query groups on one TP rank."""
+    m = c.model
+    groups = m.num_query_groups or m.num_attention_heads
+    return (
+        m.num_attention_heads // m.tensor_model_parallel_size,
+        groups // m.tensor_model_parallel_size,
+    )
 
 
 TE_INSTALL = "install Transformer Engine where the job runs: pip install 'offload-runner[te]'"
@@ -397,12 +411,55 @@ RULES: tuple[Rule, ...] = (
         "launcher.nnodes={c.launcher.nnodes} needs launcher.rdzv_endpoint (host:port on node 0)",
         "add launcher.rdzv_endpoint=node0:29400 (the same on every node)",
     ),
+    # --- context parallelism (the sequence split over CP ranks; attention in Transformer Engine)
     Rule(
-        "context_parallel_not_supported",
-        lambda c, e: c.model.context_parallel_size > 1,
-        "context_parallel_size > 1 is not supported by offload-runner's trainer yet (the loss "
-        "and the batch split over CP ranks are not wired)",
-        "set model.context_parallel_size=1 and use TP/PP/EP or a shorter sequence",
+        "context_parallel_sequence_split",
+        lambda c, e: c.model.seq_length % (2 * c.model.context_parallel_size) != 0,
+        "seq_length ({m.seq_length}) must be divisible by 2 x context_parallel_size "
+        "({m.context_parallel_size}): each CP rank takes 2 of 2 x CP equal chunks",
+        "change model.seq_length or model.context_parallel_size",
+    ),
+    Rule(
+        "context_parallel_needs_te_spec",
+        lambda c, e: (
+            c.model.context_parallel_size > 1 and c.model.transformer_impl == TransformerImpl.local
+        ),
+        "Context parallelism is only supported by TEDotProductAttention!",
+        "set model.transformer_impl=transformer_engine, or model.context_parallel_size=1",
+    ),
+    Rule(
+        "context_parallel_needs_te",
+        lambda c, e: c.model.context_parallel_size > 1 and not e.te_available,
+        "Context parallelism is only supported by TEDotProductAttention! (Transformer Engine is "
+        "not installed here)",
+        TE_INSTALL,
+        environment=True,
+    ),
+    Rule(
+        "cp_comm_type_known",
+        lambda c, e: c.model.cp_comm_type not in CP_COMM_TYPES,
+        "model.cp_comm_type={m.cp_comm_type} is not one of p2p, all_gather, a2a (a2a+p2p needs "
+        "hierarchical CP groups, which offload-runner does not build)",
+        "set model.cp_comm_type=p2p (Megatron-Core's default), all_gather or a2a",
+    ),
+    Rule(
+        "cp_a2a_heads_divisible",
+        lambda c, e: (
+            c.model.context_parallel_size > 1
+            and c.model.cp_comm_type == "a2a"
+            and any(h % c.model.context_parallel_size for h in _heads_per_tp_rank(c))
+        ),
+        "cp_comm_type=a2a splits attention heads over CP ranks: the heads ({m.num_attention_heads})"
+        " and query groups ({m.num_query_groups}) per TP rank must be divisible by "
+        "context_parallel_size ({m.context_parallel_size})",
+        "set model.cp_comm_type=p2p, or a context_parallel_size that divides the head counts",
+    ),
+    Rule(
+        "cp_comm_type_unused",
+        lambda c, e: c.model.cp_comm_type is not None and c.model.context_parallel_size == 1,
+        "model.cp_comm_type={m.cp_comm_type} has no effect while context_parallel_size=1",
+        "set model.context_parallel_size (e.g. parallel=cp2), or remove model.cp_comm_type",
+        Level.warning,
     ),
     # --- run-level -------------------------------------------------------------------------------
     Rule(

@@ -131,6 +131,9 @@ class ModelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # How attention talks across CP ranks (Transformer Engine): p2p, all_gather, a2a or a2a+p2p;
+    # None leaves Megatron-Core's default (p2p).
+    cp_comm_type: Optional[str] = None
     sequence_parallel: bool = False
 
     # Recompute and CUDA graphs (both interact with offloading)
