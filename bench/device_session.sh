@@ -42,8 +42,10 @@ case "$1" in
   two-gpu)  # (two GPUs) resume on DP2, then tiny DP2 and proxy EP2 with and without HDO 50%
     timeout 330 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true
     bench two-gpu ;;
-  two-gpu-cp)  # (two GPUs) context parallelism: the gpu tests (CP2 vs DP2 among them), then the bench
-    timeout 330 python -m pytest -q -rP -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu-h200x2.txt" | tail -8 || true
+  cp-tests)  # (two GPUs) context parallelism: the CP loss arithmetic on gloo, CP2 against DP2
+    timeout 330 python -m pytest -q -rP tests/test_train_cpu.py tests/test_gpu_training.py \
+      -k "context_parallel or same_seed" 2>&1 | tee "$OUT/pytest-gpu-cp-h200x2.txt" | tail -12 || true ;;
+  two-gpu-cp)  # (two GPUs) tiny and a 32k-token proxy: CP2 against DP2, and CP2 with state offload
     bench two-gpu-cp ;;
   two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
     bench two-gpu-states ;;
