@@ -44,7 +44,7 @@ case "$1" in
     bench two-gpu ;;
   cp-tests)  # (two GPUs) context parallelism: the CP loss arithmetic on gloo, CP2 against DP2
     timeout 330 python -m pytest -q -rP tests/test_train_cpu.py tests/test_gpu_training.py \
-      -k "context_parallel or same_seed" 2>&1 | tee "$OUT/pytest-gpu-cp-h200x2.txt" | tail -12 || true ;;
+      -k "context_parallel or same_seed or cp2" 2>&1 | tee "$OUT/pytest-gpu-cp-h200x2.txt" | tail -12 || true ;;
   two-gpu-cp)  # (two GPUs) tiny and a 32k-token proxy: CP2 against DP2, and CP2 with state offload
     bench two-gpu-cp ;;
   two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%

@@ -76,10 +76,17 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
     assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"]
 
 
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
+
+
 @pytest.mark.parametrize(
     "offload",
-    [(), ("offload/optimizer=states",), ("offload/optimizer=cpu_50",)],
-    ids=["gpu-adam", "states", "hybrid-50"],
+    [
+        pytest.param((), id="gpu-adam"),
+        pytest.param(("offload/optimizer=states",), id="states"),
+        pytest.param(("offload/optimizer=cpu_50",), id="hybrid-50"),
+        pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
+    ],
 )
 def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, ...]) -> None:
     name = "-".join(o.split("=")[-1] for o in offload) or "plain"
@@ -94,7 +101,7 @@ def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, .
     assert max_delta(resumed["losses"], full["losses"][half:]) < RESUME_TOLERANCE
 
 
-@pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
+@TWO_GPUS
 def test_context_parallel_tracks_data_parallel(root: str) -> None:
     cp = train(Path(root) / "cp2", "parallel=cp2")
     base = baseline(root)  # all visible GPUs: DP2 on the same global batch
