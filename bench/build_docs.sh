@@ -31,10 +31,15 @@ cd "$(dirname "$0")/.."
   echo "mode: same seed twice, activation and state offload against the baseline, and resume: 8"
   echo "iterations against 4 + 4 resumed from a checkpoint, the resumed losses within 1e-3 of the"
   echo "uninterrupted run's, for GPU Adam, optimizer-state offload and HybridDeviceOptimizer 50%)."
-  echo "On two GPUs torchrun starts one rank per GPU (data parallel). Last lines of each log:"
+  echo "On two GPUs torchrun starts one rank per GPU (data parallel). pytest-gpu-cp-h200x2.txt"
+  echo "(\`bash bench/device_session.sh cp-tests\`, commit 4b765b6) adds context parallelism: the"
+  echo "loss and gradient arithmetic on two gloo ranks (megatron-core 0.19.2's batch split), the"
+  echo "same seed twice on DP2, CP2 against DP2 on the same global batch (max |Δloss| below,"
+  echo "the test wants under 1e-2), and resume under CP2 with the optimizer states offloaded."
+  echo "Last lines of each log:"
   echo
   for f in docs/evidence/pytest-gpu*.txt; do
-    echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
+    echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
   done
   echo
   echo "pytest-gpu-h200.txt is commit 231d760, where HybridDeviceOptimizer resume still failed"
