@@ -42,9 +42,10 @@ cd "$(dirname "$0")/.."
     echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
   done
   echo
-  echo "pytest-gpu-h200.txt is commit 231d760, where HybridDeviceOptimizer resume still failed"
-  echo "(the CPU AdamW step counter came back as 1); commit a324fad restores it, and the two later"
-  echo "logs (commit 69aa678) pass."
+  echo "pytest-gpu-h200.txt is every gpu-marked test on one H200 at commit 2bdfa10"
+  echo "(\`bash bench/device_session.sh tests\`; the two-GPU tests skip there). The resume logs are"
+  echo "commit 69aa678, after a324fad restored HybridDeviceOptimizer resume (its CPU AdamW step"
+  echo "counter had come back as 1)."
   echo
   echo "## Verify reports"
   echo
