@@ -62,20 +62,13 @@ class Layout:
         )
         ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
         world = world or minimal_world_size(run)
-        return cls(tp, pp, cp, ep, etp, dp=world // (tp * pp * cp), edp=world // (ep * etp * pp),
-                   world=world)  # fmt: skip
+        return cls(tp, pp, cp, ep, etp, dp=world // m.model_parallel_size,
+                   edp=world // m.expert_layout_size, world=world)  # fmt: skip
 
 
 def minimal_world_size(run: RunConfig) -> int:
     """The fewest ranks the parallel layout needs (data-parallel size 1)."""
-    m = run.model
-    dense = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-    experts = (
-        m.expert_model_parallel_size
-        * (m.expert_tensor_parallel_size or m.tensor_model_parallel_size)
-        * m.pipeline_model_parallel_size
-    )
-    return math.lcm(dense, experts)
+    return math.lcm(run.model.model_parallel_size, run.model.expert_layout_size)
 
 
 @dataclass(frozen=True)
@@ -198,8 +191,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
 
     tokens = t.micro_batch_size * m.seq_length / layout.cp
     layers = m.num_layers // layout.pp
-    dp = layout.world // (layout.tp * layout.pp * layout.cp)
-    micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * layout.dp))
     in_flight = min(layout.pp - stage, micro_batches)
     per_layer = activation_bytes_per_token(run) * tokens / layout.tp
     offloaded_layers = (

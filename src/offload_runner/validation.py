@@ -71,9 +71,7 @@ def te_available() -> bool:
 
 
 def _data_parallel_size(c: RunConfig, env: Environment) -> int | None:
-    m = c.model
-    per_replica = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-    per_replica *= m.context_parallel_size
+    per_replica = c.model.model_parallel_size
     if env.world_size is None or env.world_size % per_replica:
         return None
     return env.world_size // per_replica
@@ -383,13 +381,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, e: (
             e.world_size is not None
             and bool(c.model.num_moe_experts)
-            and e.world_size
-            % (
-                c.model.expert_model_parallel_size
-                * (c.model.expert_tensor_parallel_size or c.model.tensor_model_parallel_size)
-                * c.model.pipeline_model_parallel_size
-            )
-            != 0
+            and e.world_size % c.model.expert_layout_size != 0
         ),
         "{env.world_size} GPUs can not hold EP{m.expert_model_parallel_size} x "
         "PP{m.pipeline_model_parallel_size} expert groups",

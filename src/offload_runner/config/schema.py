@@ -154,6 +154,21 @@ class ModelConfig:
     offload_modules: list[OffloadModule] = field(default_factory=list)
     min_offloaded_tensor_size: int = 1024 * 1024
 
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs one replica of the dense layers spans: TP x PP x CP."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    @property
+    def expert_layout_size(self) -> int:
+        """GPUs one copy of the experts spans: EP x ETP x PP (ETP defaults to TP)."""
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        return self.expert_model_parallel_size * etp * self.pipeline_model_parallel_size
+
 
 @dataclass
 class OptimizerConfig:
