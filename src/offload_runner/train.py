@@ -10,7 +10,7 @@ import inspect
 import logging
 import os
 import time
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -50,16 +50,19 @@ def _to_device(batch: dict) -> dict:
     return {k: v.cuda(non_blocking=True) for k, v in batch.items()}
 
 
-def context_parallel_slice(batch: dict, cp_group) -> dict:
-    """This CP rank's 2 of the sequence's 2 x CP chunks (Megatron-Core's load-balanced split).
-
-    megatron-core 0.19 added a required ``is_hybrid_cp`` argument; both signatures are served.
-    """
+@cache
+def _batch_on_this_cp_rank():
+    """Megatron-Core's ``get_batch_on_this_cp_rank``; 0.19 added a required ``is_hybrid_cp``."""
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+        return partial(get_batch_on_this_cp_rank, is_hybrid_cp=False)
+    return get_batch_on_this_cp_rank
+
+
+def context_parallel_slice(batch: dict, cp_group) -> dict:
+    """This CP rank's 2 of the sequence's 2 x CP chunks (Megatron-Core's load-balanced split)."""
+    return _batch_on_this_cp_rank()(batch, cp_group=cp_group)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
