@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
-from offload_runner.report import max_abs_delta  # noqa: E402
-from offload_runner.rundir import STATUS_FILE, read_json  # noqa: E402
+from offload_runner.report import fmt, markdown_table, max_abs_delta, ratio, saved  # noqa: E402
+from offload_runner.rundir import STATUS_FILE, SUMMARY_FILE, read_json  # noqa: E402
 
 ITERS = 20
 
@@ -275,10 +275,10 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - began
     run_dir = out_dir / case.slug
-    summary_file = run_dir / "summary.json"
+    summary = read_json(run_dir / SUMMARY_FILE)
     text = proc.stdout + proc.stderr
     recorded = read_json(run_dir / STATUS_FILE).get("status")  # what the launcher decided
-    if proc.returncode == 0 and summary_file.is_file():
+    if proc.returncode == 0 and summary:
         status = "ok"
     elif recorded == "oom" or any(m in text for m in OOM_MARKERS):
         status = "OOM"
@@ -290,7 +290,7 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
         returncode=proc.returncode,
         status=status,
         wall_s=wall,
-        summary=json.loads(summary_file.read_text()) if summary_file.is_file() else {},
+        summary=summary,
         error_tail="" if status == "ok" else (text + _rank_logs(run_dir))[-3000:],
     )
 
@@ -298,6 +298,7 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
 def cmd_run(args: argparse.Namespace) -> int:
     cases = SUITES[args.suite]
     out_dir = Path(args.work_dir)
+    env = environment()
     results = []
     for case in cases:
         result = run_case(case, out_dir, args.iters)
@@ -314,7 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "suite": args.suite,
-                    "environment": environment(),
+                    "environment": env,
                     "iters": args.iters,
                     "results": results,
                 },
@@ -399,60 +400,52 @@ def render(files: list[Path]) -> str:
             f"{env['transformer_engine']} · Python {env['python']} · {env['date']} · "
             f"commit {env['commit']} · source {sources}",
             "",
-            "| config | status | step ms (fwd+bwd / rest) | slowdown | peak GPU GB | saved GB "
-            "| peak fwd+bwd / step GB | pinned host GB | final loss | max abs Δloss vs baseline |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
+        rows = []
         for r in results:
             s = r["summary"]
             base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
-            step = s.get("step_time_s_median")
-            base_step = base.get("step_time_s_median")
-            peak, base_peak = s.get("gpu_peak_allocated_gb"), base.get("gpu_peak_allocated_gb")
-            delta = max_abs_delta(s.get("losses", []), base.get("losses", []))
+            step, peak = s.get("step_time_s_median"), s.get("gpu_peak_allocated_gb")
             same = r["case"]["name"] == r["case"]["baseline"]
-            lines.append(
-                f"| {r['case']['name']} | {r['status']} | "
-                + (f"{step * 1000:.1f}" if step else "-")
-                + (
-                    f" ({s['fwd_bwd_time_s_median'] * 1000:.0f} / "
-                    f"{s['optimizer_time_s_median'] * 1000:.0f})"
-                    if s.get("fwd_bwd_time_s_median")
-                    else ""
-                )
-                + " | "
-                + (f"{step / base_step:.2f}x" if step and base_step else "-")
-                + " | "
-                + (f"{peak:.2f}" if peak else "-")
-                + " | "
-                + (f"{base_peak - peak:+.2f}" if peak and base_peak and not same else "-")
-                + " | "
-                + (
-                    f"{s['gpu_peak_fwd_bwd_gb']:.2f} / {s['gpu_peak_step_gb']:.2f}"
-                    if s.get("gpu_peak_step_gb")
-                    else "-"
-                )
-                + " | "
-                + (f"{s['host_pinned_gb_max']:.2f}" if s else "-")
-                + " | "
-                + (f"{s['final_loss']:.4f}" if s else "-")
-                + " | "
-                + ("(baseline)" if same else (f"{delta:.2e}" if delta is not None else "-"))
-                + " |"
+            phases = (
+                f" ({s['fwd_bwd_time_s_median'] * 1000:.0f} / "
+                f"{s['optimizer_time_s_median'] * 1000:.0f})"
+                if s.get("fwd_bwd_time_s_median")
+                else ""
             )
+            delta = max_abs_delta(s.get("losses", []), base.get("losses", []))
+            rows.append([
+                r["case"]["name"],
+                r["status"],
+                fmt(step * 1000 if step else None, ".1f") + phases,
+                fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
+                fmt(peak),
+                fmt(None if same else saved(peak, base.get("gpu_peak_allocated_gb")), "+.2f"),
+                f"{s['gpu_peak_fwd_bwd_gb']:.2f} / {s['gpu_peak_step_gb']:.2f}"
+                if s.get("gpu_peak_step_gb")
+                else "-",
+                fmt(s.get("host_pinned_gb_max")),
+                fmt(s.get("final_loss"), ".4f"),
+                "(baseline)" if same else fmt(delta, ".2e"),
+            ])  # fmt: skip
+        lines += markdown_table(
+            ["config", "status", "step ms (fwd+bwd / rest)", "slowdown", "peak GPU GB", "saved GB",
+             "peak fwd+bwd / step GB", "pinned host GB", "final loss",
+             "max abs Δloss vs baseline"],
+            rows,
+        )  # fmt: skip
         lines += _transfer_bound_lines(results, by_name)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
         longest = max((len(v) for v in losses.values()), default=0)
         if longest:
-            names = list(losses)
-            lines += ["", "<details><summary>loss curves</summary>", "",
-                      "| iter | " + " | ".join(names) + " |",
-                      "|---" * (len(names) + 1) + "|"]  # fmt: skip
-            for i in range(longest):
-                row = [f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
-                lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
+            curves = [[f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
+                      for i in range(longest)]  # fmt: skip
+            lines += ["", "<details><summary>loss curves</summary>", ""]
+            lines += markdown_table(
+                ["iter", *losses], [[str(i + 1), *row] for i, row in enumerate(curves)]
+            )
             lines += ["", "</details>"]
         failed = [r for r in results if r["status"] != "ok"]
         for r in failed:
