@@ -87,12 +87,12 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         elif arg == "--list-recipes":
             options.list_recipes = True
         elif arg == "--collect" or arg.startswith("--collect="):
-            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            value = _option_value(arg, args)
             if not value or not Path(value).is_dir():
                 raise UsageError(f"--collect needs a sweep folder (multirun/...), got {value!r}")
             options.collect = Path(value)
         elif arg == "--recipe" or arg.startswith("--recipe="):
-            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            value = _option_value(arg, args)
             if not value or value.startswith("-"):
                 raise UsageError("--recipe needs a name, e.g. --recipe qwen3_30b_a3b_proxy")
             hydra_args.append(f"recipe={_recipe_choice(value, options)}")
@@ -105,6 +105,13 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             raise UsageError("--json goes with --plan (python run_recipe.py ... --plan --json)")
         options.mode = Mode.plan_json
     return options, hydra_args
+
+
+def _option_value(arg: str, rest: list[str]) -> str:
+    """The value of ``--flag=VALUE`` or ``--flag VALUE`` (taken off ``rest``); "" when missing."""
+    if "=" in arg:
+        return arg.partition("=")[2]
+    return rest.pop(0) if rest else ""
 
 
 def _recipe_choice(value: str, options: CliOptions) -> str:
