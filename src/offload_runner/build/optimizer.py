@@ -20,18 +20,18 @@ def build_scheduler(run: RunConfig, optimizer):
 
     o, s, t = run.optimizer, run.scheduler, run.train
     batch = t.global_batch_size
-    decay_iters = s.lr_decay_iters or t.train_iters
+    decay_steps = max(s.lr_decay_iters or t.train_iters, s.lr_warmup_iters + 1) * batch
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if s.lr_warmup_iters else o.lr,
         max_lr=o.lr,
         min_lr=o.min_lr if s.lr_decay_style != LRDecayStyle.constant else o.lr,
         lr_warmup_steps=s.lr_warmup_iters * batch,
-        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1) * batch,
+        lr_decay_steps=decay_steps,
         lr_decay_style=s.lr_decay_style.value,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
-        wd_incr_steps=max(decay_iters, s.lr_warmup_iters + 1) * batch,
+        wd_incr_steps=decay_steps,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=(
             s.use_checkpoint_opt_param_scheduler and not s.override_opt_param_scheduler
