@@ -49,5 +49,15 @@ case "$1" in
     bench two-gpu-cp ;;
   two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
     bench two-gpu-states ;;
+  cpu-adam)  # the CPU-Adam engine at GBS 1 and 4 beside the baseline and HDO 100% + overlap
+    bench cpu-adam-1; bench cpu-adam-4 ;;
+  cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: HDO, cpu_adam and cpu_adam_delayed
+    bench cpu-adam-sweep ;;
+  cpu-adam-long)  # 200 iterations, delayed against exact
+    python bench/run_benchmarks.py run --suite cpu-adam-long --iters 200 \
+      --out "$OUT/results-cpu-adam-long.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
+    timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
+      | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -125,7 +125,65 @@ TWO_GPU_CP = [
     Case("proxy seq 32k CP2 optimizer states offload", "qwen3_30b_a3b_proxy",
          (*LONG_2, "parallel=cp2", "offload/optimizer=states"), "proxy seq 32k DP2", nproc=2),
 ]  # fmt: skip
+# The CPU-Adam engine on the proxy at global batch 1 and 4, each beside its no-offload baseline
+# and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
+PROXY_RECIPE = "qwen3_30b_a3b_proxy"
+DELAY = ("optimizer.cpu_adam_exact_steps=2",)
+
+
+def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = ()) -> list[Case]:
+    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    base = f"GBS{gbs} no offload"
+    return [
+        Case(base, PROXY_RECIPE, batch, base),
+        Case(f"GBS{gbs} HDO 100% + overlap", PROXY_RECIPE,
+             (*batch, "offload/optimizer=cpu_100"), base),
+        Case(f"GBS{gbs} cpu_adam 100%", PROXY_RECIPE, (*batch, "offload/optimizer=cpu_adam"), base),
+        Case(f"GBS{gbs} cpu_adam_delayed 100%", PROXY_RECIPE,
+             (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY), base),
+        *(Case(f"GBS{gbs} cpu_adam_delayed {f:.0%}", PROXY_RECIPE,
+               (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY,
+                f"optimizer.optimizer_offload_fraction={f}"), base)
+          for f in delayed_fractions),
+    ]  # fmt: skip
+
+
+def _fraction_sweep(gbs: int, fractions: tuple[float, ...]) -> list[Case]:
+    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    base = f"sweep GBS{gbs} no offload"
+    cases = [Case(base, PROXY_RECIPE, batch, base)]
+    for f in fractions:
+        frac = f"optimizer.optimizer_offload_fraction={f}"
+        cases += [
+            Case(f"sweep HDO {f:.0%} + overlap", PROXY_RECIPE,
+                 (*batch, "offload/optimizer=cpu_100", frac), base),
+            Case(f"sweep cpu_adam {f:.0%}", PROXY_RECIPE,
+                 (*batch, "offload/optimizer=cpu_adam", frac), base),
+            Case(f"sweep cpu_adam_delayed {f:.0%}", PROXY_RECIPE,
+                 (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY, frac), base),
+        ]  # fmt: skip
+    return cases
+
+
 SUITES: dict[str, list[Case]] = {
+    "cpu-adam-1": _cpu_adam_cases(1),
+    "cpu-adam-4": _cpu_adam_cases(4, (0.25, 0.4)),
+    "cpu-adam-sweep": _fraction_sweep(4, (0.25, 0.5, 0.75)),
+    # Delayed against exact over many iterations (run with --iters 200): the loss curves.
+    "cpu-adam-long": [
+        Case(
+            "long cpu_adam 100%",
+            PROXY_RECIPE,
+            (*PROXY, "offload/optimizer=cpu_adam"),
+            "long cpu_adam 100%",
+        ),
+        Case(
+            "long cpu_adam_delayed 100%",
+            PROXY_RECIPE,
+            (*PROXY, "offload/optimizer=cpu_adam_delayed", *DELAY),
+            "long cpu_adam 100%",
+        ),
+    ],  # fmt: skip
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
         Case(
@@ -265,6 +323,30 @@ def environment() -> dict:
     return info
 
 
+def cpu_adam_reference(threads: int, numel: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """torch.optim.AdamW(fused=True) alone on the CPU: params/s at ``threads`` threads (median of
+    ``repeats`` steps on ``numel`` fp32 params, far past the caches)."""
+    import statistics
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.nn.Parameter(torch.randn(numel) * 0.02)
+        param.grad = torch.randn(numel) * 1e-3
+        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1, fused=True)
+        times = []
+        for i in range(repeats + 2):
+            began = time.perf_counter()
+            opt.step()
+            if i >= 2:
+                times.append(time.perf_counter() - began)
+        return numel / statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _rank_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("rank*.log")))
 
@@ -299,6 +381,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     cases = SUITES[args.suite]
     out_dir = Path(args.work_dir)
     env = environment()
+    if any("cpu_adam" in " ".join(c.overrides) for c in cases):
+        cores = len(os.sched_getaffinity(0))
+        env["cpu_adam_reference_params_per_s"] = {
+            str(n): cpu_adam_reference(n) for n in sorted({cores, max(1, cores - 2)})
+        }
+        print(f"torch AdamW(fused=True) alone: {env['cpu_adam_reference_params_per_s']}")
     results = []
     for case in cases:
         result = run_case(case, out_dir, args.iters)
@@ -369,6 +457,47 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
     return lines
 
 
+def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict], env: dict) -> list[str]:
+    """Each CPU-Adam run against its bound: exact, baseline step + offloaded params / its CPU Adam
+    rate; delayed, the larger of the two. Its rate against torch's fused AdamW alone, and its
+    speed-up over HybridDeviceOptimizer 100% of the same batch."""
+    reference = env.get("cpu_adam_reference_params_per_s", {})
+    lines = []
+    for r in results:
+        s = r["summary"]
+        if r["status"] != "ok" or not s.get("cpu_adam_params_per_s"):
+            continue
+        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        base_step = base.get("step_time_s_median")
+        if not base_step:
+            continue
+        cpu = s["cpu_offloaded_params"] / s["cpu_adam_params_per_s"]
+        delayed = s.get("cpu_adam_mode") == "delayed"
+        bound = max(base_step, cpu) if delayed else base_step + cpu
+        step = s["step_time_s_median"]
+        ref = reference.get(str(s.get("cpu_adam_threads")))
+        hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
+        hdo = by_name.get(hdo_name, {}).get("summary", {}).get("step_time_s_median")
+        parts = [
+            f"- {r['case']['name']}: {s['cpu_offloaded_params'] / 1e9:.2f}B params on the CPU at "
+            f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
+            + (f"; {s['cpu_adam_params_per_s'] / ref:.2f}x torch's fused AdamW alone, "
+               f"{ref / 1e9:.2f} G/s)" if ref else ")"),
+            f"bound {'max' if delayed else 'sum'}({base_step * 1000:.0f}, {cpu * 1000:.0f}) = "
+            f"{bound * 1000:.0f} ms, step {step * 1000:.0f} ms = {step / bound:.2f}x the bound",
+            f"CPU worker {s['cpu_adam_wall_s_median'] * 1000:.0f} ms (Adam "
+            f"{s['cpu_adam_busy_s_median'] * 1000:.0f}, waiting for gradients "
+            f"{s['cpu_adam_wait_s_median'] * 1000:.0f})",
+        ]  # fmt: skip
+        if hdo and r["case"]["name"] != hdo_name:
+            parts.append(f"{hdo / step:.2f}x faster than HDO 100% + overlap")
+        lines.append("; ".join(parts))
+    if lines:
+        lines = ["", "CPU-Adam engine against its bounds (this suite's baseline; CPU rate from "
+                 "the engine's own timing of its Adam and bf16 rounding):", "", *lines]  # fmt: skip
+    return lines
+
+
 def render(files: list[Path]) -> str:
     lines = [
         "# Benchmarks",
@@ -435,6 +564,7 @@ def render(files: list[Path]) -> str:
             rows,
         )  # fmt: skip
         lines += _transfer_bound_lines(results, by_name)
+        lines += _cpu_adam_lines(results, by_name, env)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}

@@ -125,7 +125,10 @@ def test_list_recipes(capsys) -> None:
 def test_help_lists_groups_options_and_recipes(capsys) -> None:
     assert main(["--help"]) == EXIT_OK
     printed = capsys.readouterr().out
-    assert "offload/optimizer: auto, cpu_100, cpu_25, cpu_50, cpu_75, disabled, states" in printed
+    assert (
+        "offload/optimizer: auto, cpu_100, cpu_25, cpu_50, cpu_75, cpu_adam, cpu_adam_delayed, "
+        "disabled, states" in printed
+    )
     assert "offload/activation: auto, disabled, enabled" in printed
     for flag in ("--plan", "--json", "--verify", "--collect"):
         assert flag in printed

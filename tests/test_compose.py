@@ -86,6 +86,21 @@ def test_optimizer_cpu_options(choice: str, fraction: float, overlap: bool) -> N
     assert o.use_precision_aware_optimizer  # follows optimizer_cpu_offload
 
 
+@pytest.mark.parametrize(("choice", "delayed"), [("cpu_adam", False), ("cpu_adam_delayed", True)])
+def test_cpu_adam_options(choice: str, delayed: bool) -> None:
+    o = compose_run("recipe=tiny", f"offload/optimizer={choice}").optimizer
+    assert o.optimizer_cpu_offload and o.cpu_offload_engine.value == "cpu_adam"
+    assert o.optimizer_offload_fraction == 1.0 and o.cpu_adam_delayed_update is delayed
+    assert o.use_precision_aware_optimizer  # Megatron-Core's path without GPU fp32 masters
+    # a Megatron-Bridge fraction key still applies, and other options reset the engine
+    quarter = compose_run(
+        "recipe=tiny", f"offload/optimizer={choice}", "optimizer.optimizer_offload_fraction=0.25"
+    ).optimizer
+    assert quarter.optimizer_offload_fraction == 0.25
+    hybrid = compose_run("recipe=tiny", "offload/optimizer=cpu_50").optimizer
+    assert hybrid.cpu_offload_engine.value == "hybrid"
+
+
 def test_states_option() -> None:
     o = compose_run("recipe=tiny", "offload/optimizer=states").optimizer
     assert o.offload_optimizer_states and not o.optimizer_cpu_offload
@@ -156,6 +171,8 @@ def test_config_groups_lists_offload_groups_and_recipes() -> None:
         "cpu_25",
         "cpu_50",
         "cpu_75",
+        "cpu_adam",
+        "cpu_adam_delayed",
         "disabled",
         "states",
     ]

@@ -6,6 +6,8 @@ the CLI, as a user runs it, in deterministic mode.
 - a run resumed from a checkpoint continues the uninterrupted run within 1e-3: optimizer on the
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
+- the CPU-Adam engine tracks GPU Adam (exact mode), and its delayed mode is exact until the
+  warmup ends, then one step stale; both resume;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
   batch split over both) on the same global batch.
 """
@@ -76,6 +78,29 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
     assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"]
 
 
+def test_cpu_adam_tracks_gpu_adam_and_reports_its_rate(root: str) -> None:
+    """Exact mode: the whole Adam step on the CPU, within 1e-3 of GPU Adam over 20 iterations."""
+    iters = ("train.train_iters=20",)
+    base = train(Path(root) / "base20", *iters)
+    run = train(Path(root) / "cpu-adam", *iters, "offload/optimizer=cpu_adam")
+    delta = max_delta(run["losses"], base["losses"])
+    print(f"cpu_adam vs GPU Adam: max |Δloss| {delta:.2e}; {run['cpu_adam_params_per_s']:.3g} "
+          f"params/s on {run['cpu_adam_threads']} threads")  # fmt: skip
+    assert delta < 1e-3
+    assert run["cpu_offloaded_params"] > 0 and run["cpu_adam_params_per_s"] > 0
+    assert run["host_pinned_gb_max"] > 0
+
+
+def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:
+    """Delayed mode: exact until the warmup ends (identical losses), then one step stale."""
+    run = train(Path(root) / "cpu-adam-delayed", "offload/optimizer=cpu_adam_delayed")
+    base = baseline(root)
+    exact = 2  # scheduler.lr_warmup_iters: the first delayed step is 3, whose update lands at 4
+    assert max_delta(run["losses"][: exact + 2], base["losses"][: exact + 2]) < 1e-3
+    assert run["losses"][exact + 2 :] != base["losses"][exact + 2 :]
+    assert run["final_loss"] < run["first_loss"]
+
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
 
 
@@ -85,6 +110,12 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exac
         pytest.param((), id="gpu-adam"),
         pytest.param(("offload/optimizer=states",), id="states"),
         pytest.param(("offload/optimizer=cpu_50",), id="hybrid-50"),
+        pytest.param(("offload/optimizer=cpu_adam",), id="cpu-adam"),
+        pytest.param(("offload/optimizer=cpu_adam_delayed",), id="cpu-adam-delayed"),
+        pytest.param(
+            ("offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=0.5"),
+            id="cpu-adam-50",
+        ),
         pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
     ],
 )

@@ -253,6 +253,58 @@ CASES = [
         "offload_optimizer_states requires the distributed optimizer",
     ),
     Case(
+        "cpu_adam_needs_cpu_offload",
+        ("recipe=tiny", "optimizer.cpu_offload_engine=cpu_adam"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam"),
+        "optimizer.cpu_offload_engine=cpu_adam has no effect while optimizer_cpu_offload=false",
+    ),
+    Case(
+        "delayed_update_needs_cpu_adam",
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.cpu_adam_delayed_update=true"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed"),
+        "optimizer.cpu_adam_delayed_update needs offload-runner's CPU-Adam engine",
+    ),
+    Case(
+        "cpu_adam_needs_bf16",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "model.bf16=false", "optimizer.bf16=false"),
+        ("recipe=tiny", "offload/optimizer=cpu_100", "model.bf16=false", "optimizer.bf16=false"),
+        "the CPU-Adam engine sends bf16 parameters back to the GPU",
+    ),
+    Case(
+        "cpu_adam_needs_fp32_grads",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "ddp.grad_reduce_in_fp32=false"),
+        ("recipe=tiny", "offload/optimizer=cpu_100", "ddp.grad_reduce_in_fp32=false"),
+        "the CPU-Adam engine reads fp32 gradients from the DDP buffer",
+    ),
+    Case(
+        "cpu_adam_overlap_flag_unused",
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_adam",
+            "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+        ),
+        ("recipe=tiny", "offload/optimizer=cpu_adam"),
+        "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's",
+    ),
+    Case(
+        "cpu_adam_threads_positive",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_threads=0"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_threads=4"),
+        "optimizer.cpu_adam_threads must be at least 1",
+    ),
+    Case(
+        "cpu_adam_chunk_positive",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=0"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=16"),
+        "optimizer.cpu_adam_chunk_mb must be at least 1",
+    ),
+    Case(
+        "cpu_adam_exact_steps_non_negative",
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_steps=-1"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_steps=0"),
+        "optimizer.cpu_adam_exact_steps must be >= 0",
+    ),
+    Case(
         "states_need_adam",
         ("recipe=tiny", "offload/optimizer=states", "optimizer.optimizer=sgd"),
         ("recipe=tiny", "optimizer.optimizer=sgd"),

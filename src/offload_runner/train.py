@@ -123,13 +123,15 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from offload_runner.build.megatron_config import build_transformer_config
     from offload_runner.build.model import build_model
     from offload_runner.build.optimizer import build_optimizer, build_scheduler
-    from offload_runner.offload import optimizer_states
+    from offload_runner.offload import cpu_adam, optimizer_states
 
     initialize(run)
     t, m = run.train, run.model
     config = build_transformer_config(m)
     model = build_model(run, config)
-    optimizer = build_optimizer(run, model)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cpu_engines = cpu_adam.engines(optimizer)
     scheduler = build_scheduler(run, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
@@ -157,6 +159,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     )  # fmt: skip
 
     def save(iteration: int) -> None:
+        for engine in cpu_engines:
+            engine.finish()  # a delayed update's masters and states are complete, not landed
         with optimizer_states.resident(offloader):
             checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
 
@@ -200,8 +204,9 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             step_peak, allocated = gpu_memory()
             peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
             pinned = host_pinned_bytes()
-            if offloader and pinned is not None:
-                pinned += offloader.host_bytes  # registered with cudaHostRegister, not torch's
+            if pinned is not None:  # registered with cudaHostRegister, not torch's
+                pinned += offloader.host_bytes if offloader else 0
+                pinned += sum(engine.pinned_bytes for engine in cpu_engines)
             reporter.record(
                 StepMetrics(
                     iteration=iteration,
@@ -226,6 +231,14 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                 saved_at = iteration
         if run.checkpoint.save and start < t.train_iters and saved_at != t.train_iters:
             save(t.train_iters)
-    return reporter.write_summary(
-        {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
-    )
+        for engine in cpu_engines:
+            engine.flush()  # the last delayed update lands: the model in memory is final
+    extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
+    if cpu_engines:
+        extra.update(cpu_adam.metrics(optimizer))
+        extra["cpu_adam_host_gb"] = sum(e.host_bytes for e in cpu_engines) / GB
+        extra["cpu_adam_mode"] = "delayed" if run.optimizer.cpu_adam_delayed_update else "exact"
+    summary = reporter.write_summary(extra)
+    for engine in cpu_engines:
+        engine.close()
+    return summary

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from offload_runner.config.schema import (
+    CpuOffloadEngine,
     CudaGraphImpl,
     OffloadModule,
     OptimizerType,
@@ -68,6 +69,14 @@ class Violation:
 
 def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _cpu_adam_selected(c: RunConfig) -> bool:
+    return c.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+
+
+def _cpu_adam_on(c: RunConfig) -> bool:
+    return _cpu_adam_selected(c) and c.optimizer.optimizer_cpu_offload
 
 
 def _data_parallel_size(c: RunConfig, env: Environment) -> int | None:
@@ -282,12 +291,72 @@ RULES: tuple[Rule, ...] = (
         TE_INSTALL,
         environment=True,
     ),
+    # --- CPU-Adam engine (offload-runner; the optimizer_cpu_offload rules above apply too) ------
+    Rule(
+        "cpu_adam_needs_cpu_offload",
+        lambda c, e: _cpu_adam_selected(c) and not c.optimizer.optimizer_cpu_offload,
+        "optimizer.cpu_offload_engine=cpu_adam has no effect while optimizer_cpu_offload=false",
+        "add offload/optimizer=cpu_adam (or optimizer.optimizer_cpu_offload=true)",
+        Level.warning,
+    ),
+    Rule(
+        "delayed_update_needs_cpu_adam",
+        lambda c, e: (
+            c.optimizer.cpu_adam_delayed_update
+            and c.optimizer.cpu_offload_engine != CpuOffloadEngine.cpu_adam
+        ),
+        "optimizer.cpu_adam_delayed_update needs offload-runner's CPU-Adam engine "
+        "(HybridDeviceOptimizer has no delayed update)",
+        "use offload/optimizer=cpu_adam_delayed (or optimizer.cpu_offload_engine=cpu_adam)",
+    ),
+    Rule(
+        "cpu_adam_needs_bf16",
+        lambda c, e: _cpu_adam_on(c) and not c.model.bf16,
+        "the CPU-Adam engine sends bf16 parameters back to the GPU; model.bf16=false trains in "
+        "fp32",
+        "set model.bf16=true, or use offload/optimizer=cpu_100 (HybridDeviceOptimizer)",
+    ),
+    Rule(
+        "cpu_adam_needs_fp32_grads",
+        lambda c, e: _cpu_adam_on(c) and not c.ddp.grad_reduce_in_fp32,
+        "the CPU-Adam engine reads fp32 gradients from the DDP buffer "
+        "(ddp.grad_reduce_in_fp32=false makes them bf16)",
+        "set ddp.grad_reduce_in_fp32=true",
+    ),
+    Rule(
+        "cpu_adam_overlap_flag_unused",
+        lambda c, e: _cpu_adam_on(c) and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
+        "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's: the CPU-Adam engine "
+        "always overlaps its copies with the CPU step",
+        "remove optimizer.overlap_cpu_optimizer_d2h_h2d",
+        Level.warning,
+    ),
+    Rule(
+        "cpu_adam_threads_positive",
+        lambda c, e: c.optimizer.cpu_adam_threads is not None and c.optimizer.cpu_adam_threads < 1,
+        "optimizer.cpu_adam_threads must be at least 1 (null: this rank's share of the cores)",
+        "e.g. optimizer.cpu_adam_threads=14, or optimizer.cpu_adam_threads=null",
+    ),
+    Rule(
+        "cpu_adam_chunk_positive",
+        lambda c, e: c.optimizer.cpu_adam_chunk_mb < 1,
+        "optimizer.cpu_adam_chunk_mb must be at least 1 (MiB of gradients per pipeline piece)",
+        "e.g. optimizer.cpu_adam_chunk_mb=64",
+    ),
+    Rule(
+        "cpu_adam_exact_steps_non_negative",
+        lambda c, e: (
+            c.optimizer.cpu_adam_exact_steps is not None and c.optimizer.cpu_adam_exact_steps < 0
+        ),
+        "optimizer.cpu_adam_exact_steps must be >= 0 (exact steps before delayed updates start)",
+        "e.g. optimizer.cpu_adam_exact_steps=100, or null for the end of the learning-rate warmup",
+    ),
     # --- optimizer-state offload (offload-runner) ----------------------------------------------
     Rule(
         "states_xor_cpu_offload",
         lambda c, e: c.optimizer.offload_optimizer_states and c.optimizer.optimizer_cpu_offload,
         "offload_optimizer_states can not be used with optimizer_cpu_offload.",
-        "pick one: offload/optimizer=states, or offload/optimizer=cpu_50 (cpu_25 ... cpu_100)",
+        "pick one: offload/optimizer=states, or offload/optimizer=cpu_adam (or cpu_25 ... cpu_100)",
     ),
     Rule(
         "states_need_distributed_optimizer",

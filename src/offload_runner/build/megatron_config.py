@@ -11,7 +11,13 @@ import dataclasses
 from enum import Enum
 from typing import Any
 
-from offload_runner.config.schema import ActivationFunc, ModelConfig, OptimizerConfig, RunConfig
+from offload_runner.config.schema import (
+    ActivationFunc,
+    CpuOffloadEngine,
+    ModelConfig,
+    OptimizerConfig,
+    RunConfig,
+)
 
 
 def _plain(value: Any) -> Any:
@@ -60,6 +66,10 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
 
     values = dataclasses.asdict(optimizer)
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
+    if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
+        # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
+        # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
+        values["optimizer_cpu_offload"] = False
     return _known_kwargs(MCoreOptimizerConfig, values)
 
 

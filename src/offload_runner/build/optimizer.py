@@ -1,17 +1,23 @@
-"""The optimizer (get_megatron_optimizer: distributed optimizer, HybridDeviceOptimizer when
-optimizer_cpu_offload is on) and its learning-rate schedule."""
+"""The optimizer (get_megatron_optimizer: distributed optimizer, HybridDeviceOptimizer or the
+CPU-Adam engine when optimizer_cpu_offload is on) and its learning-rate schedule."""
 
 from __future__ import annotations
 
 from offload_runner.config.schema import LRDecayStyle, RunConfig
 
 
-def build_optimizer(run: RunConfig, model: list):
+def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_world: int = 1):
+    """Megatron-Core's optimizer; with offload/optimizer=cpu_adam* its inner optimizers are
+    offload-runner's CPU-Adam engines (``local_rank``/``local_world`` pick the rank's cores)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from offload_runner.build.megatron_config import build_optimizer_config
+    from offload_runner.offload import cpu_adam
 
-    return get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
+    optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
+    if cpu_adam.enabled(run):
+        cpu_adam.attach(run, optimizer, local_rank, local_world)
+    return optimizer
 
 
 def build_scheduler(run: RunConfig, optimizer):

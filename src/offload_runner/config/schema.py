@@ -72,6 +72,13 @@ class OptimizerType(str, Enum):
     sgd = "sgd"
 
 
+class CpuOffloadEngine(str, Enum):
+    """Who runs the CPU share of Adam when ``optimizer.optimizer_cpu_offload`` is on."""
+
+    hybrid = "hybrid"  # Megatron-Core's HybridDeviceOptimizer
+    cpu_adam = "cpu_adam"  # offload-runner's pipelined CPU-Adam engine (offload/cpu_adam.py)
+
+
 class LRDecayStyle(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -196,6 +203,21 @@ class OptimizerConfig:
     use_torch_optimizer_for_cpu_offload: bool = False
     pin_cpu_grads: bool = True
     pin_cpu_params: bool = True
+
+    # offload-runner's CPU-Adam engine instead of HybridDeviceOptimizer (same fraction key):
+    # grads stream to the host in pieces, fused CPU AdamW updates each piece as it lands, bf16
+    # params stream back; the engine owns the host-side fp32 masters and Adam states.
+    cpu_offload_engine: CpuOffloadEngine = CpuOffloadEngine.hybrid
+    # Delayed parameter update (ZeRO-Offload's DPU): step t's CPU update runs during step t+1's
+    # forward and backward and lands before step t+2. Only after cpu_adam_exact_steps exact steps
+    # (null: scheduler.lr_warmup_iters).
+    cpu_adam_delayed_update: bool = False
+    cpu_adam_exact_steps: Optional[int] = None
+    # CPU threads of one rank's Adam (null: its share of the node's cores, less 2 in delayed mode
+    # for the training thread and data loading)
+    cpu_adam_threads: Optional[int] = None
+    # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
+    cpu_adam_chunk_mb: int = 64
 
     # offload-runner: states + fp32 master weights parked on the CPU between steps
     offload_optimizer_states: bool = False

@@ -3,6 +3,7 @@
 - ``activation``: layer-level activation offload (Transformer Engine's CPU offload context).
 - ``weight``: layer-level weight offload (Transformer Engine's V1 offload path).
 - ``optimizer``: Megatron-Core's HybridDeviceOptimizer (a fraction of Adam on the CPU).
+- ``cpu_adam``: offload-runner's CPU-Adam engine (the same fraction, pipelined; exact or delayed).
 - ``optimizer_states``: Adam on the GPU, states and fp32 master weights parked on the CPU.
 
 Each module describes what it moves for the offload summary, and holds what the worker needs to
@@ -34,12 +35,13 @@ def optimizer_parts(optimizer) -> list:
 
 
 def summarize(run: RunConfig) -> list[OffloadSummary]:
-    from offload_runner.offload import activation, optimizer, optimizer_states, weight
+    from offload_runner.offload import activation, cpu_adam, optimizer, optimizer_states, weight
 
     return [
         activation.describe(run),
         weight.describe(run),
         optimizer.describe(run),
+        cpu_adam.describe(run),
         optimizer_states.describe(run),
     ]
 

@@ -9,7 +9,7 @@ parameter H2D copies with the CPU step.
 
 from __future__ import annotations
 
-from offload_runner.config.schema import RunConfig
+from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, optimizer_parts
 
@@ -22,7 +22,11 @@ DISABLED = {
 
 def describe(run: RunConfig) -> OffloadSummary:
     o = run.optimizer
-    enabled = o.optimizer_cpu_offload and o.optimizer_offload_fraction > 0
+    enabled = (
+        o.optimizer_cpu_offload
+        and o.optimizer_offload_fraction > 0
+        and o.cpu_offload_engine == CpuOffloadEngine.hybrid
+    )
     if not enabled:
         return OffloadSummary("optimizer (hybrid)", "offload/optimizer=cpu_*", False, "-")
     params = count_parameters(run.model).total * o.optimizer_offload_fraction
@@ -38,11 +42,18 @@ def describe(run: RunConfig) -> OffloadSummary:
 
 def hybrid_optimizers(optimizer) -> list:
     """The HybridDeviceOptimizers inside what ``get_megatron_optimizer`` returned (one per part of
-    a ChainedOptimizer, e.g. dense and expert parameters)."""
+    a ChainedOptimizer, e.g. dense and expert parameters); not the CPU-Adam engine, which is one
+    by type only."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+    from offload_runner.offload.cpu_adam import CpuAdam
+
     inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
-    return [hdo for hdo in inner if isinstance(hdo, HybridDeviceOptimizer)]
+    return [
+        hdo
+        for hdo in inner
+        if isinstance(hdo, HybridDeviceOptimizer) and not isinstance(hdo, CpuAdam)
+    ]
 
 
 def restore_after_load(optimizer) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, optimizer_parts
+from offload_runner.offload.host_memory import HostArenas, aligned
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
@@ -70,9 +71,6 @@ class _Slot:
     copied: object = None  # torch.cuda.Event recorded after the D2H copy
 
 
-ALIGN = 4096  # host slices start on page boundaries
-
-
 class OptimizerStateOffloader:
     """Moves the optimizer states and fp32 masters of Megatron-Core distributed optimizers.
 
@@ -94,8 +92,7 @@ class OptimizerStateOffloader:
                     f"{type(part).__name__}"
                 )
         self._host: dict[tuple[int, str], object] = {}
-        self._arenas: list[object] = []
-        self._registered: list[int] = []
+        self._arenas = HostArenas()
         self._offloaded: list[_Slot] = []
         self._reloading = False
         self._streams = None
@@ -126,7 +123,6 @@ class OptimizerStateOffloader:
 
     def _host_buffers(self, found: list[tuple[tuple[int, str], object]]) -> list[object]:
         """The host buffer of each tensor; tensors seen for the first time share a new arena."""
-        import torch
 
         def fits(key, tensor) -> bool:
             buffer = self._host.get(key)
@@ -137,25 +133,13 @@ class OptimizerStateOffloader:
             sizes = [tensor.untyped_storage().size() for _, tensor in new]
             offsets = [0]
             for size in sizes:
-                offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
-            arena = torch.empty(offsets[-1], dtype=torch.uint8)
-            if new[0][1].is_cuda:
-                self._pin(arena)
-            self._arenas.append(arena)
+                offsets.append(offsets[-1] + aligned(size))
+            arena = self._arenas.allocate(
+                offsets[-1], pin=new[0][1].is_cuda, what="offload/optimizer=states"
+            )
             for (key, _), start, size in zip(new, offsets, sizes, strict=False):
                 self._host[key] = arena[start : start + size]
         return [self._host[key] for key, _ in found]
-
-    def _pin(self, arena) -> None:
-        import torch
-
-        status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        if int(status) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of {arena.numel() / 1e9:.1f} GB failed ({status}): not enough "
-                "page-lockable host memory for offload/optimizer=states (see ulimit -l)"
-            )
-        self._registered.append(arena.data_ptr())
 
     def _stream_pair(self, on_cuda: bool):
         import torch
@@ -259,20 +243,15 @@ class OptimizerStateOffloader:
 
     @property
     def host_bytes(self) -> int:
-        return sum(arena.numel() for arena in self._arenas)
+        return self._arenas.nbytes
 
     def remove(self) -> None:
         """Bring everything back, detach from the optimizer, unpin the host arenas."""
-        import torch
-
         self.wait_reload()
         for handle in self._hooks:
             handle.remove()
-        if self._registered:
-            torch.cuda.synchronize()
-            for pointer in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(pointer)
-        self._registered, self._arenas, self._host = [], [], {}
+        self._arenas.release()
+        self._host = {}
 
 
 def _bytes_of(tensor):

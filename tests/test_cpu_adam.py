@@ -1,0 +1,232 @@
+"""The CPU-Adam engine on the CPU: the same update as torch's AdamW(fused=True).
+
+The engine calls the same fused kernel on pieces of the flat shard, the reference on whole
+tensors; the kernel's vector loop and its scalar tail round one multiply-add differently, so an
+element that is a tail in one split and not in the other may differ by one ulp. Everything else is
+bit-identical, and the bf16 parameters are exactly the rounded masters.
+
+The engine is driven as Megatron-Core's DistributedOptimizer drives it: its parameters are bf16
+views of one flat parameter buffer, their gradients (already clipped) fp32 views of one flat grad
+buffer in ``decoupled_grad``, and the scheduler writes ``lr`` into the param groups between steps.
+Without CUDA every copy is synchronous, so the pieces, groups, delays and state handling are what
+is tested here; the streams and timing are tested on the GPU (tests/test_gpu_training.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offload_runner.offload.cpu_adam import CpuAdam, part_fractions
+
+BETAS, EPS = (0.9, 0.95), 1e-8
+SIZES = [3000, 64, 5000, 64, 2500, 700, 64, 4100]  # weights and norms, interleaved
+DECAY = [0.1, 0.0, 0.1, 0.0, 0.1, 0.1, 0.0, 0.1]
+STEPS = 20
+CLIP = 1.0
+
+
+class Buffers:
+    """A DDP-like parameter buffer (bf16) and grad buffer (fp32), with 1-D views as params."""
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        total = sum(SIZES)
+        self.param = (torch.randn(total, generator=g) * 0.02).to(torch.bfloat16)
+        self.grad = torch.zeros(total, dtype=torch.float32)
+        self.views, start = [], 0
+        for n in SIZES:
+            self.views.append(self.param[start : start + n])
+            start += n
+
+    def groups(self, lr: float) -> list[dict]:
+        decay = [v for v, wd in zip(self.views, DECAY, strict=True) if wd]
+        no_decay = [v for v, wd in zip(self.views, DECAY, strict=True) if not wd]
+        return [
+            {"params": decay, "lr": lr, "weight_decay": 0.1, "betas": BETAS, "eps": EPS},
+            {"params": no_decay, "lr": lr, "weight_decay": 0.0, "betas": BETAS, "eps": EPS},
+        ]
+
+    def set_grads(self, values: torch.Tensor) -> None:
+        self.grad.copy_(values)
+        start = 0
+        for view, n in zip(self.views, SIZES, strict=True):
+            view.decoupled_grad = self.grad[start : start + n]
+            start += n
+
+
+def gradients(step: int) -> torch.Tensor:
+    """Step ``step``'s gradients, clipped to global norm CLIP as Megatron-Core clips them."""
+    g = torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(100 + step))
+    norm = g.norm().item()
+    coeff = CLIP / (norm + 1e-6)
+    return g * coeff if coeff < 1 else g
+
+
+def lr_at(step: int) -> float:
+    return 1e-3 * (0.5 + 0.5 * step / STEPS)  # a changing learning rate
+
+
+def engine(buffers: Buffers, fraction: float, **kwargs) -> CpuAdam:
+    return CpuAdam(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
+                   betas=BETAS, eps=EPS, chunk_bytes=4 * 1500, **kwargs)  # fmt: skip
+
+
+class Reference:
+    """torch.optim.AdamW(fused=True) on fp32 copies of the same parameters and gradients."""
+
+    def __init__(self, buffers: Buffers) -> None:
+        self.params = [torch.nn.Parameter(v.float().clone()) for v in buffers.views]
+        decay = [p for p, wd in zip(self.params, DECAY, strict=True) if wd]
+        no_decay = [p for p, wd in zip(self.params, DECAY, strict=True) if not wd]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=1e-3, betas=BETAS, eps=EPS, fused=True,
+        )  # fmt: skip
+
+    def step(self, step: int, grads: torch.Tensor) -> None:
+        start = 0
+        for p, n in zip(self.params, SIZES, strict=True):
+            p.grad = grads[start : start + n].clone()
+            start += n
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step)
+        self.opt.step()
+
+
+def drive(eng: CpuAdam, buffers: Buffers, step: int) -> torch.Tensor:
+    grads = gradients(step)
+    buffers.set_grads(grads)
+    for group in eng.param_groups:
+        group["lr"] = lr_at(step)
+    eng.step()
+    return grads
+
+
+def masters(eng: CpuAdam, buffers: Buffers) -> list[torch.Tensor]:
+    return [eng.state[v]["master_param"] for v in buffers.views]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+def test_exact_mode_is_bit_identical_to_torch_fused_adamw(fraction: float) -> None:
+    buffers = Buffers()
+    eng, ref = engine(buffers, fraction), Reference(buffers)
+    assert len(eng.offloaded) > 0 or fraction == 0
+    for step in range(1, STEPS + 1):
+        ref.step(step, drive(eng, buffers, step))
+        assert_matches(masters(eng, buffers), ref.params, step)
+        for mine, view in zip(masters(eng, buffers), buffers.views, strict=True):
+            assert torch.equal(view, mine.to(torch.bfloat16))
+    eng.close()
+
+
+def assert_matches(mine: list[torch.Tensor], reference: list, step: int) -> None:
+    """Within 1e-6 relative, and bit-identical but for at most one in a thousand elements."""
+    a, b = torch.cat(list(mine)), torch.cat([p.detach() for p in reference])
+    assert (a - b).abs().max() <= 1e-6 * b.abs().max(), f"step {step}"
+    assert (a != b).sum() <= a.numel() // 1000, f"step {step}"
+
+
+def test_pieces_respect_the_chunk_size_and_the_param_groups() -> None:
+    buffers = Buffers()
+    eng = engine(buffers, 1.0)
+    drive(eng, buffers, 1)
+    assert all(p.stop - p.start <= eng.chunk_numel for p in eng._pieces)
+    assert sum(p.stop - p.start for p in eng._pieces) == sum(SIZES)
+    assert len(eng._pieces) == -(-sum(SIZES) // eng.chunk_numel)  # one contiguous run
+    groups = {gi for p in eng._pieces for _, _, gi in p.groups}
+    assert groups == {0, 1}
+    eng.close()
+
+
+def test_fraction_takes_whole_shards_in_buffer_order() -> None:
+    buffers = Buffers()
+    eng = engine(buffers, 0.5)
+    offloaded = [p for _, p in eng.offloaded]
+    assert offloaded == buffers.views[: len(offloaded)]  # a prefix of the buffer
+    assert abs(eng.offloaded_numel / sum(SIZES) - 0.5) < 0.2
+    assert eng.host_bytes >= eng.offloaded_numel * 18
+    eng.close()
+
+
+def test_delayed_mode_lands_each_update_one_step_late() -> None:
+    exact = 3
+    buffers = Buffers()
+    eng, ref = engine(buffers, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
+    previous = [v.clone() for v in buffers.views]
+    for step in range(1, STEPS + 1):
+        before = [v.clone() for v in buffers.views]
+        ref.step(step, drive(eng, buffers, step))
+        eng.finish()
+        now = [m.to(torch.bfloat16) for m in masters(eng, buffers)]
+        if step <= exact:
+            assert all(torch.equal(v, n) for v, n in zip(buffers.views, now, strict=True))
+        elif step == exact + 1:  # the first delayed update is still on the CPU
+            assert all(torch.equal(v, b) for v, b in zip(buffers.views, before, strict=True))
+        else:  # the update of step - 1 has landed, not this step's
+            assert all(torch.equal(v, p) for v, p in zip(buffers.views, previous, strict=True))
+            assert not all(torch.equal(v, n) for v, n in zip(buffers.views, now, strict=True))
+        previous = [m.to(torch.bfloat16) for m in masters(eng, buffers)]
+        assert_matches(masters(eng, buffers), ref.params, step)
+    eng.finish()  # masters are current even before they land
+    assert_matches(masters(eng, buffers), ref.params, STEPS)
+    eng.flush()
+    assert all(torch.equal(v, p) for v, p in zip(buffers.views, previous, strict=True))
+    assert eng.metrics()["cpu_offloaded_params"] == sum(SIZES)
+    eng.close()
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_state_dict_round_trip_continues_the_same_run(delayed: bool) -> None:
+    """A checkpoint (masters and moments current, a delayed update not landed) loaded into a
+    fresh engine over the saved bf16 weights continues exactly as the original."""
+    kwargs = {"delayed": delayed, "exact_steps": 2}
+    a_buf = Buffers()
+    a = engine(a_buf, 0.6, **kwargs)
+    for step in range(1, 7):
+        drive(a, a_buf, step)
+    a.finish()
+    saved = copy.deepcopy(a.state_dict())
+    b_buf = Buffers(seed=1)
+    b_buf.param.copy_(a_buf.param)  # the model's own checkpoint: the bf16 weights as they are
+    b = engine(b_buf, 0.6, **kwargs)
+    b.load_state_dict(saved)
+    b.restore_after_load()
+    for step in range(7, 12):
+        drive(a, a_buf, step)
+        drive(b, b_buf, step)
+        assert torch.equal(a_buf.param, b_buf.param), f"step {step}"
+    a.finish()
+    b.finish()
+    assert all(torch.equal(x, y) for x, y in zip(masters(a, a_buf), masters(b, b_buf),
+                                                 strict=True))  # fmt: skip
+    assert b.param_groups[0]["step"] == 11
+    a.close()
+    b.close()
+
+
+def test_state_has_hybrid_device_optimizer_layout() -> None:
+    buffers = Buffers()
+    eng = engine(buffers, 0.5)
+    for view in buffers.views:
+        assert set(eng.state[view]) == {"master_param", "exp_avg", "exp_avg_sq"}
+        assert eng.state[view]["master_param"].dtype == torch.float32
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    assert isinstance(eng, HybridDeviceOptimizer)  # Megatron-Core checkpoints it as one
+    eng.close()
+
+
+def test_delayed_mode_offloads_experts_before_dense_parameters() -> None:
+    assert part_fractions([100, 300], [False, True], 0.5, experts_first=True) == [
+        0.0,
+        pytest.approx(200 / 300),
+    ]
+    assert part_fractions([100, 300], [False, True], 0.9, experts_first=True) == [
+        pytest.approx(60 / 100),
+        1.0,
+    ]
+    assert part_fractions([100, 300], [False, True], 1.0, experts_first=True) == [1.0, 1.0]
+    assert part_fractions([100, 300], [False, True], 0.5, experts_first=False) == [0.5, 0.5]
