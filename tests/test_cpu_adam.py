@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from offload_runner.offload.cpu_adam import CpuAdam, part_fractions
+from offload_runner.offload.cpu_adam import HOST_BYTES_PER_PARAM, CpuAdam, part_fractions
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 SIZES = [3000, 64, 5000, 64, 2500, 700, 64, 4100]  # weights and norms, interleaved
@@ -147,7 +147,7 @@ def test_fraction_takes_whole_shards_in_buffer_order() -> None:
     offloaded = [p for _, p in eng.offloaded]
     assert offloaded == buffers.views[: len(offloaded)]  # a prefix of the buffer
     assert abs(eng.offloaded_numel / sum(SIZES) - 0.5) < 0.2
-    assert eng.host_bytes >= eng.offloaded_numel * 18
+    assert eng.host_bytes >= eng.offloaded_numel * HOST_BYTES_PER_PARAM
     eng.close()
 
 
@@ -230,3 +230,25 @@ def test_delayed_mode_offloads_experts_before_dense_parameters() -> None:
     ]
     assert part_fractions([100, 300], [False, True], 1.0, experts_first=True) == [1.0, 1.0]
     assert part_fractions([100, 300], [False, True], 0.5, experts_first=False) == [0.5, 0.5]
+
+
+def test_host_arrays_are_not_inherited_by_forked_processes() -> None:
+    """Data loader workers fork after the engine allocated: its arrays must not follow them
+    (page-locked pages would be copied into every child, the rest doubled copy-on-write)."""
+    import ctypes
+    import os
+    import signal
+
+    buffers = Buffers()
+    eng = engine(buffers, 1.0)
+    address = eng.host_exp_avg.data_ptr() + 8192
+    pid = os.fork()
+    if pid == 0:  # the child: reading a page it did not inherit faults
+        import faulthandler
+
+        faulthandler.disable()
+        ctypes.string_at(address, 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    eng.close()

@@ -72,8 +72,12 @@ def te_offload_environment(run: RunConfig) -> dict[str, str]:
 
 def runtime_environment(run: RunConfig) -> dict[str, str]:
     """Everything the config asks of the environment before TE/torch kernels are loaded:
-    the TE offload path, and deterministic kernels for ``model.deterministic_mode``."""
+    the TE offload path, idle OpenMP threads that sleep (CPU-Adam engine), and deterministic
+    kernels for ``model.deterministic_mode``."""
+    from offload_runner.offload import cpu_adam
+
     env = te_offload_environment(run)
+    env.update(cpu_adam.runtime_environment(run))
     if run.model.deterministic_mode:
         env.update(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     return env

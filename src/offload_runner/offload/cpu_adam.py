@@ -9,29 +9,33 @@ all-gather) and checkpoints it with HybridDeviceOptimizer's layout (``state[para
 ``master_param``, ``exp_avg``, ``exp_avg_sq``; the step count lives in the param groups).
 
 What lives where, per rank: the GPU keeps the bf16 parameters and the fp32 gradient buffer. For
-the offloaded part the host keeps fp32 master, exp_avg and exp_avg_sq (12 B/param, pageable, only
-the CPU touches them) and two page-locked staging buffers the copy engines use: fp32 gradients
-(4 B/param) and bf16 parameters (2 B/param). The rest of Adam stays on the GPU (torch's fused
-AdamW on fp32 masters, the same kernel the CPU runs).
+the offloaded part the host keeps exp_avg and exp_avg_sq (8 B/param, pageable: only the CPU touches
+them), and, page-locked because the copy engines read or write them, the fp32 masters and a
+gradient staging buffer (8 B/param). The rest of Adam stays on the GPU (torch's fused AdamW on fp32
+masters, the same kernel the CPU runs).
 
 One step, exact mode (Megatron-Core calls ``step()`` after the norm and clipping):
 
 1. the side stream ``d2h`` copies the clipped gradients of the offloaded shard to the host in
    pieces of ``chunk_mb`` (one copy per piece: the shard is contiguous in the DDP buffer);
-2. a CPU worker thread takes the pieces in order as their copies complete, runs
+2. a CPU worker thread takes the pieces in order as their copies complete and runs
    ``torch._fused_adamw_`` on each (with the lr, weight decay and step captured when ``step()``
-   was called) and rounds the new masters to bf16 into the staging buffer;
-3. each finished piece goes back to the parameter buffer on the side stream ``h2d``;
+   was called);
+3. each finished piece's fp32 masters go up on the side stream ``h2d`` into a small GPU ring
+   buffer and are rounded to bf16 into the parameter buffer there (the same round-to-nearest-even
+   as on the CPU, but the CPU spends its memory bandwidth on Adam alone; the link carries 4 B/param
+   up instead of 2, and it is idle otherwise);
 4. meanwhile the GPU part of Adam runs on the compute stream; the compute stream waits for the
    last copy back before Megatron-Core's parameter all-gather.
 
 So the CPU step overlaps both copies; the cost over GPU Adam is about the CPU Adam time,
 ``offloaded params / rate`` (fused CPU AdamW: 4-6 G params/s on 16 cores).
 
-Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous update (its bf16
-pieces go up while this step's gradients go down, both directions at once), hands this step's
-update to the worker and returns: the worker runs during the next forward and backward, and its
-result lands at the next ``step()``: the forward of step t+1 sees the update of step t-1. The GPU
+Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous update piece by
+piece as the worker finishes each (its masters go up while this step's gradients of the same
+piece go down, both directions at once), hands this step's update to the worker and returns: the
+worker runs during the next forward and backward, and its result lands at the next ``step()``: the
+forward of step t+1 sees the update of step t-1. The GPU
 share of Adam stays exact. Checkpoints are taken with the worker finished but its result not
 landed, so the saved masters are one update ahead of the saved bf16 weights; after a load the
 first step lands them, which resumes the uninterrupted run exactly.
@@ -43,7 +47,7 @@ model is offloaded before the dense part: routed experts see a fraction of the t
 so one step of staleness costs them least.
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
-down and 2 B/param up against 50 GB/s each way); delayed step = max(GPU step + copy time not hidden,
+each way against 50 GB/s); delayed step = max(GPU step + copy time not hidden,
 params/rate). State offload (offload/optimizer=states) moves 12 B/param each way instead and keeps
 Adam on the GPU: on a PCIe host the CPU engine usually wins; on a link several times faster
 (Grace-Hopper class C2C) state offload does.
@@ -55,6 +59,7 @@ import concurrent.futures
 import logging
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -68,8 +73,8 @@ from offload_runner.offload.host_memory import HostArenas, aligned
 log = logging.getLogger("offload_runner")
 
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
-HOST_BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq, pageable
-PINNED_BYTES_PER_PARAM = 6  # fp32 gradient + bf16 parameter staging, page-locked
+HOST_BYTES_PER_PARAM = 16  # exp_avg + exp_avg_sq (pageable), fp32 master + gradient (pinned)
+PINNED_BYTES_PER_PARAM = 8  # fp32 master + fp32 gradient staging, page-locked
 RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
 HISTORY = 500  # CPU updates kept for the metrics
 
@@ -84,6 +89,16 @@ def exact_steps(run: RunConfig) -> int:
     return o.cpu_adam_exact_steps if o.cpu_adam_exact_steps is not None else (
         run.scheduler.lr_warmup_iters
     )  # fmt: skip
+
+
+def runtime_environment(run: RunConfig) -> dict[str, str]:
+    """OpenMP threads that sleep when idle: the worker's thread team would otherwise spin on every
+    core between its Adam calls and starve the training thread's kernel launches (measured: the
+    proxy's forward and backward took seconds instead of 0.3). Set before torch is imported
+    (torchrun's workers inherit it); a value the user exported wins."""
+    if not enabled(run) or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def describe(run: RunConfig) -> OffloadSummary:
@@ -188,6 +203,7 @@ class _Update:
     step: int
     hyper: list[dict]  # per param group: lr, weight_decay, beta1, beta2, eps
     land_in_worker: bool
+    done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
     busy_s: float = 0.0  # Adam + bf16 rounding, the worker's own work
     wait_s: float = 0.0  # waiting for gradient copies
     wall_s: float = 0.0
@@ -230,8 +246,9 @@ class CpuAdam(HybridDeviceOptimizer):
         self.threads = threads
         self._arenas = HostArenas()
         self._pieces: list[_Piece] | None = None
-        self._pending: concurrent.futures.Future | None = None
-        self._unlanded = False  # the staging buffer holds bf16 params not yet copied up
+        self._pending: _Update | None = None  # a delayed update, not landed
+        self._jobs: list[concurrent.futures.Future] = []
+        self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self.history: list[_Update] = []
 
@@ -276,13 +293,19 @@ class CpuAdam(HybridDeviceOptimizer):
         import torch
 
         n = self.offloaded_numel
-        self.host_master = torch.empty(n, dtype=torch.float32)
-        self.host_exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.host_exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        self.host_grad = _typed(self._arenas.allocate(aligned(4 * n), self.on_cuda, "cpu_adam"),
-                                torch.float32, n)  # fmt: skip
-        self.host_bf16 = _typed(self._arenas.allocate(aligned(2 * n), self.on_cuda, "cpu_adam"),
-                                torch.bfloat16, n)  # fmt: skip
+
+        def host(dtype, pin: bool):
+            arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, "cpu_adam")
+            return _typed(arena, dtype, n)
+
+        self.host_master = host(torch.float32, pin=self.on_cuda)
+        self.host_exp_avg = host(torch.float32, pin=False).zero_()
+        self.host_exp_avg_sq = host(torch.float32, pin=False).zero_()
+        self.host_grad = host(torch.float32, pin=self.on_cuda)
+        # two pieces of fp32 masters on the GPU, rounded into the bf16 params there
+        ring = min(self.chunk_numel, n) if self.on_cuda else 0
+        self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
+        self._landings = 0
         self._flat: dict[int, int] = {}  # id(param) -> start in the flat host arrays
         start = 0
         for _, p in self.offloaded:
@@ -313,7 +336,7 @@ class CpuAdam(HybridDeviceOptimizer):
 
     @property
     def host_bytes(self) -> int:
-        return self.offloaded_numel * HOST_BYTES_PER_PARAM + self._arenas.nbytes
+        return self._arenas.nbytes
 
     @property
     def pinned_bytes(self) -> int:
@@ -363,13 +386,27 @@ class CpuAdam(HybridDeviceOptimizer):
             log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
                      "were exact): the CPU update of step t lands before step t+2", step,
                      step - 1)  # fmt: skip
-        self._land_pending()
-        self._fetch_grads()
-        update = _Update(step, hyper, land_in_worker=not delayed)
+        self._start_fetch()
+        if self._pending is not None:  # land the last update and fetch behind the worker
+            previous, self._pending = self._pending, None
+            for piece, done in zip(self._pieces, previous.done, strict=True):
+                done.wait()
+                self._land(piece)
+                self._fetch(piece)
+            self._jobs.pop(0).result()
+        else:
+            for piece in self._pieces:
+                if self._unlanded:
+                    self._land(piece)
+                self._fetch(piece)
+        self._unlanded = False
+        update = _Update(step, hyper, land_in_worker=not delayed,
+                         done=[threading.Event() for _ in self._pieces])  # fmt: skip
         job = self._worker.submit(self._run_update, update)
         self._gpu_step(update)
         if delayed:
-            self._pending = job
+            self._pending = update
+            self._jobs.append(job)
         else:
             job.result()
         if self._streams is not None:
@@ -380,43 +417,41 @@ class CpuAdam(HybridDeviceOptimizer):
             group["step"] = step
         return None
 
-    def _fetch_grads(self) -> None:
+    def _start_fetch(self) -> None:
         import torch
 
+        if self._streams is not None:  # clipping wrote the grads on the compute stream
+            self._streams[0].wait_stream(torch.cuda.current_stream())
+
+    def _fetch(self, piece: _Piece) -> None:
+        """A piece's gradients down (on ``d2h``; synchronously without CUDA)."""
+        import torch
+
+        target = self.host_grad[piece.start : piece.stop]
         if self._streams is None:
-            for piece in self._pieces:
-                self.host_grad[piece.start : piece.stop].copy_(piece.grad)
+            target.copy_(piece.grad)
             return
-        d2h = self._streams[0]
-        d2h.wait_stream(torch.cuda.current_stream())  # clipping wrote the grads there
-        with torch.cuda.stream(d2h):
-            for piece in self._pieces:
-                self.host_grad[piece.start : piece.stop].copy_(piece.grad, non_blocking=True)
-                piece.fetched = torch.cuda.Event()
-                piece.fetched.record(d2h)
+        with torch.cuda.stream(self._streams[0]):
+            target.copy_(piece.grad, non_blocking=True)
+            piece.fetched = torch.cuda.Event(blocking=True)  # the worker sleeps on it
+            piece.fetched.record(self._streams[0])
 
     def _land(self, piece: _Piece) -> None:
-        """Copy a piece's bf16 parameters up (on ``h2d``; synchronously without CUDA)."""
+        """A piece's masters up and rounded into its bf16 parameters (on ``h2d``; on the CPU,
+        synchronously, without CUDA)."""
         import torch
 
-        source = self.host_bf16[piece.start : piece.stop]
+        source = self.host_master[piece.start : piece.stop]
         if self._streams is None:
             piece.param.copy_(source)
             return
-        with torch.cuda.stream(self._streams[1]):
-            piece.param.copy_(source, non_blocking=True)
-            piece.landed = torch.cuda.Event()
+        ring = self._ring[self._landings % 2][: piece.stop - piece.start]
+        self._landings += 1
+        with torch.cuda.stream(self._streams[1]):  # ring reuse is ordered on this stream
+            ring.copy_(source, non_blocking=True)
+            piece.param.copy_(ring)
+            piece.landed = torch.cuda.Event(blocking=True)
             piece.landed.record(self._streams[1])
-
-    def _land_pending(self) -> None:
-        """Wait for the worker's delayed update, then copy its result up."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        if self._unlanded:
-            for piece in self._pieces:
-                self._land(piece)
-            self._unlanded = False
 
     def _run_update(self, update: _Update) -> None:
         """The worker: Adam on each piece as its gradients arrive, rounded to bf16 staging."""
@@ -424,12 +459,12 @@ class CpuAdam(HybridDeviceOptimizer):
 
         began = time.perf_counter()
         steps = torch.tensor(float(update.step))
-        for piece in self._pieces:
+        for piece, done in zip(self._pieces, update.done, strict=True):
             t0 = time.perf_counter()
             if piece.fetched is not None:
                 piece.fetched.synchronize()
             if piece.landed is not None:
-                piece.landed.synchronize()  # the previous result has left the staging buffer
+                piece.landed.synchronize()  # the last update's masters have gone up
             t1 = time.perf_counter()
             for a, b, gi in piece.groups:
                 h = update.hyper[gi]
@@ -439,17 +474,13 @@ class CpuAdam(HybridDeviceOptimizer):
                     beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"],
                     amsgrad=False, maximize=False,
                 )  # fmt: skip
-            self.host_bf16[piece.start : piece.stop].copy_(
-                self.host_master[piece.start : piece.stop]
-            )
             t2 = time.perf_counter()
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
             if update.land_in_worker:
                 self._land(piece)
+            done.set()
         update.wall_s = time.perf_counter() - began
-        if not update.land_in_worker:
-            self._unlanded = True
         self.history.append(update)
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
@@ -483,17 +514,22 @@ class CpuAdam(HybridDeviceOptimizer):
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for a delayed update (checkpoints: masters and states consistent; not landed)."""
+        while self._jobs:
+            self._jobs.pop(0).result()
         if self._pending is not None:
-            self._pending.result()
             self._pending = None
+            self._unlanded = True
 
     def flush(self) -> None:
         """Wait for and land a delayed update: the bf16 parameters are the newest."""
         import torch
 
-        if self._pieces is None:
+        self.finish()
+        if self._pieces is None or not self._unlanded:
             return
-        self._land_pending()
+        for piece in self._pieces:
+            self._land(piece)
+        self._unlanded = False
         if self._streams is not None:
             torch.cuda.current_stream().wait_stream(self._streams[1])
 
@@ -509,19 +545,15 @@ class CpuAdam(HybridDeviceOptimizer):
                     own[key].copy_(loaded.reshape(-1))
             state.clear()
             state.update(own)
-        self._worker.submit(self._round_masters).result()
         for _, p in self.kept:
             p.detach().view(-1).copy_(self.state[p]["master_param"])
         if self.delayed:
-            return  # the next step() lands them
+            self._unlanded = True  # the next step() lands them
+            return
         for _, p in self.offloaded:
             a = self._flat[id(p)]
-            p.detach().view(-1).copy_(self.host_bf16[a : a + p.numel()])
+            p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
         self._unlanded = False
-
-    def _round_masters(self) -> None:
-        self.host_bf16.copy_(self.host_master)
-        self._unlanded = True
 
     def _views(self, p) -> dict:
         if id(p) in self._flat:

@@ -4,11 +4,18 @@ where the copy engines read or write them.
 torch's pinned-memory allocator rounds every block up to a power of two (34.8 GiB of optimizer
 state became 49 GiB); registering an ordinary allocation pins exactly the bytes asked for. One
 ``HostArenas`` owns the buffers of one engine and unpins them when it is released.
+
+Every arena is kept out of forked children (``MADV_DONTFORK``): the data loader forks its workers
+after the engines have allocated, and Linux copies page-locked pages into each child at fork
+(they cannot be shared copy-on-write) while the pageable ones become copy-on-write, doubling once
+the trainer writes them. Measured on the Qwen3-30B-A3B proxy: 52 GB of CPU-Adam host arrays and
+two loader workers exhausted a 128 GB host, and steps took 5-50 s instead of about one.
 """
 
 from __future__ import annotations
 
 ALIGN = 4096  # slices of an arena start on page boundaries
+MADV_DONTFORK = 10  # linux/mman.h
 
 
 def aligned(nbytes: int) -> int:
@@ -27,6 +34,7 @@ class HostArenas:
         import torch
 
         arena = torch.empty(nbytes, dtype=torch.uint8)
+        keep_from_children(arena.data_ptr(), nbytes)
         if pin and nbytes:
             status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
             if int(status) != 0:
@@ -59,3 +67,20 @@ class HostArenas:
             for pointer in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(pointer)
         self._arenas, self._registered = [], []
+
+
+def keep_from_children(address: int, nbytes: int) -> bool:
+    """``madvise(MADV_DONTFORK)`` on the whole pages of [address, address + nbytes): forked
+    processes (data loader workers) do not inherit them. False where the OS refuses."""
+    import ctypes
+
+    start = -(-address // ALIGN) * ALIGN
+    end = (address + nbytes) // ALIGN * ALIGN
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTFORK)
+    except (OSError, AttributeError):
+        return False
+    return done == 0
