@@ -49,8 +49,11 @@ case "$1" in
     bench two-gpu-cp ;;
   two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
     bench two-gpu-states ;;
-  cpu-adam)  # the CPU-Adam engine at GBS 1 and 4 beside the baseline and HDO 100% + overlap
-    bench cpu-adam-1; bench cpu-adam-4 ;;
+  cpu-adam-1)  # the CPU-Adam engine at GBS 1 beside the baseline and HDO 100% + overlap
+    bench cpu-adam-1 ;;
+  cpu-adam-4)  # ... at GBS 4, and delayed mode at 25% and 40%
+    python bench/run_benchmarks.py run --suite cpu-adam-4 --iters 15 \
+      --out "$OUT/results-cpu-adam-4.json" --work-dir "$WORK/bench" ;;
   cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: HDO, cpu_adam and cpu_adam_delayed
     bench cpu-adam-sweep ;;
   cpu-adam-long)  # 200 iterations, delayed against exact

@@ -129,6 +129,7 @@ TWO_GPU_CP = [
 # and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
 PROXY_RECIPE = "qwen3_30b_a3b_proxy"
 DELAY = ("optimizer.cpu_adam_exact_steps=2",)
+GBS1 = ("train.global_batch_size=1", "train.micro_batch_size=1")
 
 
 def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = ()) -> list[Case]:
@@ -174,13 +175,13 @@ SUITES: dict[str, list[Case]] = {
         Case(
             "long cpu_adam 100%",
             PROXY_RECIPE,
-            (*PROXY, "offload/optimizer=cpu_adam"),
+            (*GBS1, "offload/optimizer=cpu_adam"),
             "long cpu_adam 100%",
         ),
         Case(
             "long cpu_adam_delayed 100%",
             PROXY_RECIPE,
-            (*PROXY, "offload/optimizer=cpu_adam_delayed", *DELAY),
+            (*GBS1, "offload/optimizer=cpu_adam_delayed", *DELAY),
             "long cpu_adam 100%",
         ),
     ],  # fmt: skip
