@@ -26,12 +26,14 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from offload_runner.config.schema import RunConfig
+from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
 
 GiB = 1024**3
 ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
+CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
+CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
 # Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
 # the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
@@ -186,6 +188,13 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     hdo = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     on_cpu = int(adam * hdo)
     resident, step_only = adam - on_cpu, 0
+    # Host bytes per offloaded param: HybridDeviceOptimizer keeps 12 pageable (fp32 master +
+    # Adam) and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the
+    # grads (8) and keeps the moments pageable (8).
+    if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
+        pinned_per_param, on_cpu = CPU_ADAM_PINNED_BYTES, int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
+    else:
+        pinned_per_param = HDO_PINNED_BYTES
     if o.offload_optimizer_states:
         resident, step_only = 0, adam
 
@@ -207,7 +216,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         grads=int(grads), optimizer_gpu=resident, optimizer_step_only=step_only,
         activations=activations, activations_offloaded=offloaded, logits=logits,
         workspace=WORKSPACE_BYTES,
-        host_pinned=int(shard * HDO_PINNED_BYTES * hdo)
+        host_pinned=int(shard * pinned_per_param * hdo)
         + (adam if o.offload_optimizer_states else 0)
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
