@@ -495,7 +495,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict], env: dict) ->
         lines.append("; ".join(parts))
     if lines:
         lines = ["", "CPU-Adam engine against its bounds (this suite's baseline; CPU rate from "
-                 "the engine's own timing of its Adam and bf16 rounding):", "", *lines]  # fmt: skip
+                 "the engine's own timing of its Adam calls):", "", *lines]  # fmt: skip
     return lines
 
 

@@ -6,8 +6,8 @@ the CLI, as a user runs it, in deterministic mode.
 - a run resumed from a checkpoint continues the uninterrupted run within 1e-3: optimizer on the
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
-- the CPU-Adam engine tracks GPU Adam (exact mode), and its delayed mode is exact until the
-  warmup ends, then one step stale; both resume;
+- the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode), and its delayed
+  mode is exact until the warmup ends, then one step stale; both resume;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
   batch split over both) on the same global batch.
 """
@@ -78,15 +78,22 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
     assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"]
 
 
-def test_cpu_adam_tracks_gpu_adam_and_reports_its_rate(root: str) -> None:
-    """Exact mode: the whole Adam step on the CPU, within 1e-3 of GPU Adam over 20 iterations."""
+def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str) -> None:
+    """Exact mode, the whole Adam step on the CPU, over 20 iterations: the same losses as
+    Megatron-Core's HybridDeviceOptimizer at 100% (both run torch's fused AdamW kernel on fp32
+    masters), and so the same distance from GPU Adam (Transformer Engine's FusedAdam rounds its
+    arithmetic differently: 3.64e-3 for both on this recipe, the first iterations equal)."""
     iters = ("train.train_iters=20",)
     base = train(Path(root) / "base20", *iters)
+    hdo = train(Path(root) / "hdo100", *iters, "offload/optimizer=cpu_100")
     run = train(Path(root) / "cpu-adam", *iters, "offload/optimizer=cpu_adam")
     delta = max_delta(run["losses"], base["losses"])
-    print(f"cpu_adam vs GPU Adam: max |Δloss| {delta:.2e}; {run['cpu_adam_params_per_s']:.3g} "
+    print(f"cpu_adam vs GPU Adam: max |Δloss| {delta:.2e}; vs HDO 100%: "
+          f"{max_delta(run['losses'], hdo['losses']):.2e}; {run['cpu_adam_params_per_s']:.3g} "
           f"params/s on {run['cpu_adam_threads']} threads")  # fmt: skip
-    assert delta < 1e-3
+    assert run["losses"] == hdo["losses"]
+    assert max_delta(run["losses"][:3], base["losses"][:3]) < 1e-3
+    assert delta <= max_delta(hdo["losses"], base["losses"])
     assert run["cpu_offloaded_params"] > 0 and run["cpu_adam_params_per_s"] > 0
     assert run["host_pinned_gb_max"] > 0
 

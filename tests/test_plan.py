@@ -106,7 +106,25 @@ def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
                       "planner.host_memory_gb=512")  # fmt: skip
     choice = choose_offload(run)
     assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
-    assert "offload/optimizer=cpu_50" in choice.description
+    assert choice.overrides["optimizer.cpu_offload_engine"].value == "cpu_adam"
+    assert "offload/optimizer=cpu_adam optimizer.optimizer_offload_fraction=0.5" in (
+        choice.description
+    )
+    hybrid = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+                         "offload/optimizer=auto", "planner.auto_engine=hybrid",
+                         "planner.gpu_memory_gb=48", "planner.host_memory_gb=512")  # fmt: skip
+    assert "offload/optimizer=cpu_50" in choose_offload(hybrid).description
+
+
+def test_cpu_adam_engine_host_memory() -> None:
+    """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned)."""
+    engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
+    hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
+    params = count_parameters(compose_run("recipe=tiny").model).total
+    assert engine.host_pinned == pytest.approx(8 * params, rel=1e-6)
+    assert engine.host == pytest.approx(16 * params, rel=1e-6)
+    assert hdo.host == pytest.approx(18 * params, rel=1e-6)
+    assert engine.optimizer_gpu == hdo.optimizer_gpu == 0
 
 
 def test_auto_tries_activation_layers_before_the_optimizer() -> None:
@@ -154,7 +172,9 @@ def test_plan_with_auto_prints_its_choice(capsys) -> None:
     assert main(["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=4", "--plan",
                  "offload/optimizer=auto", "planner.gpu_memory_gb=48",
                  "planner.host_memory_gb=512"]) == EXIT_OK  # fmt: skip
-    assert "auto: offload/optimizer=cpu_50" in capsys.readouterr().out
+    assert "auto: offload/optimizer=cpu_adam optimizer.optimizer_offload_fraction=0.5" in (
+        capsys.readouterr().out
+    )
 
 
 def test_auto_that_cannot_fit_exits_2(capsys) -> None:

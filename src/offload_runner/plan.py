@@ -312,16 +312,36 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
 
 # --- auto: the least offload that fits ------------------------------------------------------
 
-OPTIMIZER_LADDER: tuple[tuple[str, dict], ...] = (
-    ("disabled", {"optimizer.optimizer_cpu_offload": False,
-                  "optimizer.optimizer_offload_fraction": 0.0}),
-    *(
-        (f"cpu_{int(f * 100)}", {"optimizer.optimizer_cpu_offload": True,
-                                  "optimizer.optimizer_offload_fraction": f,
-                                  "optimizer.overlap_cpu_optimizer_d2h_h2d": f == 1.0})
-        for f in (0.25, 0.5, 0.75, 1.0)
-    ),
-)  # fmt: skip
+AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def optimizer_ladder(engine: CpuOffloadEngine) -> tuple[tuple[str, dict], ...]:
+    """What offload/optimizer=auto tries, least first: nothing, then 25 ... 100% of Adam on the
+    CPU with ``engine`` (planner.auto_engine: the CPU-Adam engine by default, exact mode)."""
+    steps: list[tuple[str, dict]] = [
+        (
+            "disabled",
+            {"optimizer.optimizer_cpu_offload": False, "optimizer.optimizer_offload_fraction": 0.0},
+        )
+    ]
+    for f in AUTO_FRACTIONS:
+        common = {
+            "optimizer.optimizer_cpu_offload": True,
+            "optimizer.optimizer_offload_fraction": f,
+            "optimizer.cpu_offload_engine": engine,
+            "optimizer.cpu_adam_delayed_update": False,
+        }
+        if engine == CpuOffloadEngine.cpu_adam:
+            name = "cpu_adam" + ("" if f == 1.0 else f" optimizer.optimizer_offload_fraction={f}")
+            steps.append((name, {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": False}))
+        else:
+            steps.append(
+                (
+                    f"cpu_{int(f * 100)}",
+                    {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": f == 1.0},
+                )
+            )
+    return tuple(steps)  # fmt: skip
 
 
 def _with(run: RunConfig, overrides: dict) -> RunConfig:
@@ -342,9 +362,11 @@ class AutoChoice:
 
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     """The cheapest combination that fits: activation offload layers first (cheaper per GB),
-    then HybridDeviceOptimizer fractions. Raises ValueError when nothing fits."""
+    then optimizer CPU offload fractions. Raises ValueError when nothing fits."""
     p = run.planner
-    optimizer_steps = OPTIMIZER_LADDER if p.auto_optimizer else (("as configured", {}),)
+    optimizer_steps = (
+        optimizer_ladder(p.auto_engine) if p.auto_optimizer else (("as configured", {}),)
+    )
     max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
     layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
     last = None
