@@ -42,6 +42,16 @@ cd "$(dirname "$0")/.."
     echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
   done
   echo
+  echo "The CPU-Adam engine's gpu tests (\`bash bench/device_session.sh cpu-adam-tests\`, one H200):"
+  echo "pytest-gpu-cpu-adam-h200.txt (tree of e6974ad) stopped at its 560 s limit after four tests:"
+  echo "the resume tests of cpu_adam and cpu_adam_delayed passed (\`..\`); the two that failed"
+  echo "(\`FF\`) were a parity test asking 1e-3 of GPU Adam (cpu_adam gave 3.64e-3, exactly what"
+  echo "HybridDeviceOptimizer 100% gives on this recipe, suite \`tiny\` above: both run torch's fused"
+  echo "AdamW, GPU Adam is Transformer Engine's FusedAdam) and a delayed-mode test that compared one"
+  echo "loss too many. pytest-gpu-cpu-adam-2-h200.txt (tree of 51f2640) reran them: delayed mode and"
+  echo "resume at fraction 0.5 pass; the parity test now asks for HybridDeviceOptimizer's losses"
+  echo "(not yet run in that form: the session's device time was spent)."
+  echo
   echo "pytest-gpu-h200.txt is every gpu-marked test on one H200 at commit 2bdfa10"
   echo "(\`bash bench/device_session.sh tests\`; the two-GPU tests skip there). The resume logs are"
   echo "commit 69aa678, after a324fad restored HybridDeviceOptimizer resume (its CPU AdamW step"

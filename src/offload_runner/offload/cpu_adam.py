@@ -306,33 +306,28 @@ class CpuAdam(HybridDeviceOptimizer):
         ring = min(self.chunk_numel, n) if self.on_cuda else 0
         self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._landings = 0
-        self._flat: dict[int, int] = {}  # id(param) -> start in the flat host arrays
-        start = 0
-        for _, p in self.offloaded:
-            self._flat[id(p)] = start
-            view = slice(start, start + p.numel())
-            self.host_master[view].copy_(p.detach().view(-1))
-            self.state[p] = {
-                "master_param": self.host_master[view],
-                "exp_avg": self.host_exp_avg[view],
-                "exp_avg_sq": self.host_exp_avg_sq[view],
-            }
-            start += p.numel()
-        m = sum(p.numel() for _, p in self.kept)
-        on = self.device
+        self._own: dict[int, dict] = {}  # id(param) -> its views of the engine's arrays
+        self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
+                                   self.host_exp_avg_sq)  # fmt: skip
+        m, on = sum(p.numel() for _, p in self.kept), self.device
         self.gpu_master = torch.empty(m, dtype=torch.float32, device=on)
         self.gpu_exp_avg = torch.zeros(m, dtype=torch.float32, device=on)
         self.gpu_exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=on)
-        start = 0
-        for _, p in self.kept:
+        self._lay_out(self.kept, self.gpu_master, self.gpu_exp_avg, self.gpu_exp_avg_sq)
+
+    def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
+        """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
+        from the bf16 parameters; returns each parameter's start."""
+        starts, start = {}, 0
+        for _, p in params:
             view = slice(start, start + p.numel())
-            self.gpu_master[view].copy_(p.detach().view(-1))
-            self.state[p] = {
-                "master_param": self.gpu_master[view],
-                "exp_avg": self.gpu_exp_avg[view],
-                "exp_avg_sq": self.gpu_exp_avg_sq[view],
-            }
+            master[view].copy_(p.detach().view(-1))
+            self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
+                                "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
+            self.state[p] = self._views(p)
+            starts[id(p)] = start
             start += p.numel()
+        return starts
 
     @property
     def host_bytes(self) -> int:
@@ -556,19 +551,8 @@ class CpuAdam(HybridDeviceOptimizer):
         self._unlanded = False
 
     def _views(self, p) -> dict:
-        if id(p) in self._flat:
-            a = self._flat[id(p)]
-            view = slice(a, a + p.numel())
-            return {"master_param": self.host_master[view], "exp_avg": self.host_exp_avg[view],
-                    "exp_avg_sq": self.host_exp_avg_sq[view]}  # fmt: skip
-        a = 0
-        for _, q in self.kept:
-            if q is p:
-                break
-            a += q.numel()
-        view = slice(a, a + p.numel())
-        return {"master_param": self.gpu_master[view], "exp_avg": self.gpu_exp_avg[view],
-                "exp_avg_sq": self.gpu_exp_avg_sq[view]}  # fmt: skip
+        """``p``'s master and moments in the engine's own arrays (a fresh dict)."""
+        return dict(self._own[id(p)])
 
     # -- what Megatron-Core's DistributedOptimizer calls on a HybridDeviceOptimizer -------------
     def load_state_dict(self, state_dict: dict) -> None:
