@@ -14,6 +14,7 @@ from offload_runner.config.compose import compose_config, to_run_config
 from offload_runner.report import RunResult
 from offload_runner.rundir import create_run_dir, write_status
 from offload_runner.sweep import collect, collect_and_report
+from offload_runner.validation import Environment, validate
 from offload_runner.verify import compare, render_markdown, variant, write_report
 
 LOSSES = [10.0, 9.5, 9.1, 8.8]
@@ -34,6 +35,14 @@ def record_run(path: Path, overrides: list[str], losses: list[float] | None, pea
 
 def run_of(*overrides: str):
     return to_run_config(compose_config(["recipe=tiny", *overrides]))
+
+
+def test_verify_baseline_of_the_delayed_cpu_adam_engine_is_valid() -> None:
+    cfg = compose_config(["recipe=tiny", "offload/optimizer=cpu_adam_delayed"])
+    base = to_run_config(variant(cfg, to_run_config(cfg), offload=False))
+    assert not base.optimizer.optimizer_cpu_offload and not base.optimizer.cpu_adam_delayed_update
+    found = {v.rule for v in validate(base, Environment(te_available=True, launching=True))}
+    assert not found & {"delayed_update_needs_cpu_adam", "cpu_adam_needs_cpu_offload"}
 
 
 def test_verify_baseline_switches_every_offload_off() -> None:

@@ -52,9 +52,9 @@ def any_enabled(run: RunConfig) -> bool:
 
 def disabled_overrides() -> dict[str, object]:
     """Dotted keys that switch every offload mechanism off: the --verify baseline."""
-    from offload_runner.offload import activation, optimizer, optimizer_states, weight
+    from offload_runner.offload import activation, cpu_adam, optimizer, optimizer_states, weight
 
-    return {**activation.DISABLED, **weight.DISABLED, **optimizer.DISABLED,
+    return {**activation.DISABLED, **weight.DISABLED, **optimizer.DISABLED, **cpu_adam.DISABLED,
             **optimizer_states.DISABLED}  # fmt: skip
 
 

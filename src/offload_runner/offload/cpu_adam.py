@@ -79,6 +79,9 @@ RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the wo
 HISTORY = 500  # CPU updates kept for the metrics
 
 
+DISABLED = {"optimizer.cpu_offload_engine": "hybrid", "optimizer.cpu_adam_delayed_update": False}
+
+
 def enabled(run: RunConfig) -> bool:
     o = run.optimizer
     return o.optimizer_cpu_offload and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
