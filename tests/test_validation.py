@@ -268,7 +268,7 @@ CASES = [
         "cpu_adam_needs_bf16",
         ("recipe=tiny", "offload/optimizer=cpu_adam", "model.bf16=false", "optimizer.bf16=false"),
         ("recipe=tiny", "offload/optimizer=cpu_100", "model.bf16=false", "optimizer.bf16=false"),
-        "the CPU-Adam engine sends bf16 parameters back to the GPU",
+        "the CPU-Adam engine rounds its fp32 masters into bf16 parameters",
     ),
     Case(
         "cpu_adam_needs_fp32_grads",

@@ -234,10 +234,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
         for engine in cpu_engines:
             engine.flush()  # the last delayed update lands: the model in memory is final
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
-    if cpu_engines:
-        extra.update(cpu_adam.metrics(optimizer))
-        extra["cpu_adam_host_gb"] = sum(e.host_bytes for e in cpu_engines) / GB
-        extra["cpu_adam_mode"] = "delayed" if run.optimizer.cpu_adam_delayed_update else "exact"
+    extra.update(cpu_adam.metrics(optimizer))
     summary = reporter.write_summary(extra)
     for engine in cpu_engines:
         engine.close()

@@ -312,8 +312,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu_adam_needs_bf16",
         lambda c, e: _cpu_adam_on(c) and not c.model.bf16,
-        "the CPU-Adam engine sends bf16 parameters back to the GPU; model.bf16=false trains in "
-        "fp32",
+        "the CPU-Adam engine rounds its fp32 masters into bf16 parameters; model.bf16=false "
+        "trains in fp32",
         "set model.bf16=true, or use offload/optimizer=cpu_100 (HybridDeviceOptimizer)",
     ),
     Rule(

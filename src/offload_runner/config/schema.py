@@ -205,8 +205,9 @@ class OptimizerConfig:
     pin_cpu_params: bool = True
 
     # offload-runner's CPU-Adam engine instead of HybridDeviceOptimizer (same fraction key):
-    # grads stream to the host in pieces, fused CPU AdamW updates each piece as it lands, bf16
-    # params stream back; the engine owns the host-side fp32 masters and Adam states.
+    # grads stream to the host in pieces, fused CPU AdamW updates each piece as it lands, the fp32
+    # masters stream back and are rounded into the bf16 params on the GPU; the engine owns the
+    # host-side masters and Adam states.
     cpu_offload_engine: CpuOffloadEngine = CpuOffloadEngine.hybrid
     # Delayed parameter update (ZeRO-Offload's DPU): step t's CPU update runs during step t+1's
     # forward and backward and lands before step t+2. Only after cpu_adam_exact_steps exact steps

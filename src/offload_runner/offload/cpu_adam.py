@@ -69,12 +69,12 @@ from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, optimizer_parts
 from offload_runner.offload.host_memory import HostArenas, aligned
+from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES, GiB
 
 log = logging.getLogger("offload_runner")
 
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
-HOST_BYTES_PER_PARAM = 16  # exp_avg + exp_avg_sq (pageable), fp32 master + gradient (pinned)
-PINNED_BYTES_PER_PARAM = 8  # fp32 master + fp32 gradient staging, page-locked
+HOST_BYTES_PER_PARAM = CPU_ADAM_PINNED_BYTES + CPU_ADAM_PAGEABLE_BYTES  # the planner's figures
 RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
 HISTORY = 500  # CPU updates kept for the metrics
 
@@ -196,7 +196,7 @@ class _Piece:
     param: object  # the bf16 parameter elements, a view of the DDP parameter buffer
     groups: list[tuple[int, int, int]]  # (start, stop, param group index), flat coordinates
     fetched: object = None  # event: the gradient copy has reached the host
-    landed: object = None  # event: the bf16 copy has left the staging buffer
+    landed: object = None  # event: the masters' copy up has read the host buffer
 
 
 @dataclass
@@ -207,10 +207,9 @@ class _Update:
     hyper: list[dict]  # per param group: lr, weight_decay, beta1, beta2, eps
     land_in_worker: bool
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
-    busy_s: float = 0.0  # Adam + bf16 rounding, the worker's own work
+    busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
     wall_s: float = 0.0
-    timestamps: list[float] = field(default_factory=list)
 
 
 class CpuAdam(HybridDeviceOptimizer):
@@ -242,7 +241,6 @@ class CpuAdam(HybridDeviceOptimizer):
         # torch.optim.Optimizer only: none of HybridDeviceOptimizer's own machinery is used.
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         torch.optim.Optimizer.__init__(self, params, defaults)
-        self.fraction = fraction
         self.delayed = delayed
         self.exact_steps = exact_steps
         self.chunk_numel = max(1, chunk_bytes // 4)
@@ -452,7 +450,8 @@ class CpuAdam(HybridDeviceOptimizer):
             piece.landed.record(self._streams[1])
 
     def _run_update(self, update: _Update) -> None:
-        """The worker: Adam on each piece as its gradients arrive, rounded to bf16 staging."""
+        """The worker: Adam on each piece as its gradients arrive (landed from here in exact
+        mode; by ``step()`` in delayed mode, as each piece's ``done`` is set)."""
         import torch
 
         began = time.perf_counter()
@@ -492,12 +491,9 @@ class CpuAdam(HybridDeviceOptimizer):
         steps = torch.full((), float(update.step), device=self.device)
         by_group: dict[int, list] = {}
         for gi, p in self.kept:
-            grad = getattr(p, "decoupled_grad", None)
-            if grad is None:
-                grad = p.grad
-            if grad is None:
-                continue
-            by_group.setdefault(gi, []).append((p, self.state[p], grad))
+            grad = _grad_of(p)
+            if grad is not None:
+                by_group.setdefault(gi, []).append((p, self.state[p], grad))
         for gi, items in by_group.items():
             h = update.hyper[gi]
             masters = [s["master_param"] for _, s, _ in items]
@@ -535,14 +531,8 @@ class CpuAdam(HybridDeviceOptimizer):
         """After a checkpoint load: put the loaded masters and moments into the engine's own
         buffers (Megatron-Core's loaders replace the state's tensors), then land the masters
         (delayed mode: at the next step, as the uninterrupted run would)."""
-        for p, state in self.state.items():
-            own = self._views(p)
-            for key in STATE_KEYS:
-                loaded = state.get(key)
-                if loaded is not None and loaded is not own[key]:
-                    own[key].copy_(loaded.reshape(-1))
-            state.clear()
-            state.update(own)
+        for p, state in list(self.state.items()):
+            self._adopt(p, state)
         for _, p in self.kept:
             p.detach().view(-1).copy_(self.state[p]["master_param"])
         if self.delayed:
@@ -557,6 +547,16 @@ class CpuAdam(HybridDeviceOptimizer):
         """``p``'s master and moments in the engine's own arrays (a fresh dict)."""
         return dict(self._own[id(p)])
 
+    def _adopt(self, p, loaded: dict) -> None:
+        """Copy loaded tensors of ``p`` (any device) into the engine's arrays; its state becomes
+        those arrays' views again (a loaded ``step`` is dropped: the groups hold it)."""
+        own = self._views(p)
+        for key in STATE_KEYS:
+            value = loaded.get(key)
+            if value is not None and value is not own[key]:
+                own[key].copy_(value.reshape(-1))
+        self.state[p] = own
+
     # -- what Megatron-Core's DistributedOptimizer calls on a HybridDeviceOptimizer -------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a state dict into the engine's buffers, never onto the parameters' device/dtype
@@ -566,13 +566,7 @@ class CpuAdam(HybridDeviceOptimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for index, p in zip(ids, params, strict=True):
-            saved = state_dict["state"].get(index, {})
-            own = self._views(p)
-            for key in STATE_KEYS:
-                value = saved.get(key)
-                if value is not None and value is not own[key]:
-                    own[key].copy_(value.reshape(-1))
-            self.state[p] = own
+            self._adopt(p, state_dict["state"].get(index, {}))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -727,9 +721,10 @@ def _ranges(cpus: list[int]) -> str:
 
 
 def metrics(optimizer) -> dict:
-    """summary.json fields: offloaded params and the CPU Adam rate over all engines of a rank."""
-    found = [e.metrics() for e in engines(optimizer)]
-    found = [m for m in found if m]
+    """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
+    of a rank, and the mode."""
+    built = engines(optimizer)
+    found = [m for m in (e.metrics() for e in built) if m]
     if not found:
         return {}
     busy = sum(m["cpu_adam_busy_s_median"] for m in found)
@@ -742,4 +737,6 @@ def metrics(optimizer) -> dict:
         "cpu_adam_wait_s_median": sum(m["cpu_adam_wait_s_median"] for m in found),
         "cpu_adam_threads": found[0]["cpu_adam_threads"],
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
+        "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
+        "cpu_adam_mode": "delayed" if built[0].delayed else "exact",
     }
