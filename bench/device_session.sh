@@ -62,5 +62,15 @@ case "$1" in
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;
+  profile-4)  # GBS 4: baseline, its precision-aware twin and cpu_adam 100%, iterations 6-7 profiled
+    for c in "base|" "pao|optimizer.use_precision_aware_optimizer=true" "cpu_adam|offload/optimizer=cpu_adam"; do
+      name=${c%%|*}; extra=${c#*|}
+      python run_recipe.py "${PROXY[@]}" train.train_iters=8 $extra output_dir="$WORK/profile-$name" \
+        profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=7 \
+        2>&1 | grep -E "error|summary|step_time|fwd_bwd|profile" || true
+      cp "$WORK/profile-$name/profile/rank0-ops.txt" "$OUT/ops-$name.txt" || true
+      cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
+      python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" | tee "$OUT/trace-$name.txt" | head -20
+    done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -124,6 +124,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from offload_runner.build.model import build_model
     from offload_runner.build.optimizer import build_optimizer, build_scheduler
     from offload_runner.offload import cpu_adam, optimizer_states
+    from offload_runner.profiling import IterationProfiler
 
     initialize(run)
     t, m = run.train, run.model
@@ -167,8 +168,10 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval)
     peak_so_far = torch.cuda.max_memory_allocated() / GB
     saved_at = None
+    profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
     with reporter:
         for iteration in range(start + 1, t.train_iters + 1):
+            profiler.begin(iteration)
             # The compute stream only: offload copies on side streams may run into the next step.
             torch.cuda.current_stream().synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -225,10 +228,12 @@ def train(run: RunConfig, run_dir: Path) -> dict:
                     host_pinned_gb=None if pinned is None else pinned / 1024**3,
                 )
             )
+            profiler.end(iteration)
             interval = run.checkpoint.save_interval
             if run.checkpoint.save and interval and iteration % interval == 0:
                 save(iteration)
                 saved_at = iteration
+        profiler.close()
         if run.checkpoint.save and start < t.train_iters and saved_at != t.train_iters:
             save(t.train_iters)
         for engine in cpu_engines:

@@ -79,6 +79,10 @@ def _cpu_adam_on(c: RunConfig) -> bool:
     return _cpu_adam_selected(c) and c.optimizer.optimizer_cpu_offload
 
 
+def _profiling_on(c: RunConfig) -> bool:
+    return c.profiling.use_pytorch_profiler or c.profiling.use_nsys_profiler
+
+
 def _data_parallel_size(c: RunConfig, env: Environment) -> int | None:
     per_replica = c.model.model_parallel_size
     if env.world_size is None or env.world_size % per_replica:
@@ -535,6 +539,33 @@ RULES: tuple[Rule, ...] = (
         lambda c, e: c.dataset.kind.value == "indexed" and not c.dataset.data_path,
         "dataset.kind=indexed needs dataset.data_path (a .bin/.idx prefix or a blend)",
         "add dataset.data_path='[/data/my_text_document]', or data=mock",
+    ),
+    # --- profiling -------------------------------------------------------------------------------
+    Rule(
+        "profile_one_tool",
+        lambda c, e: c.profiling.use_pytorch_profiler and c.profiling.use_nsys_profiler,
+        "profiling.use_pytorch_profiler and profiling.use_nsys_profiler are exclusive",
+        "keep one: profiling.use_nsys_profiler=false (or use_pytorch_profiler=false)",
+    ),
+    Rule(
+        "profile_window",
+        lambda c, e: (
+            _profiling_on(c)
+            and not 1 <= c.profiling.profile_step_start <= c.profiling.profile_step_end
+        ),
+        "profiling window {c.profiling.profile_step_start}..{c.profiling.profile_step_end} is "
+        "empty (iterations count from 1)",
+        "set 1 <= profiling.profile_step_start <= profiling.profile_step_end",
+    ),
+    Rule(
+        "profile_window_after_end",
+        lambda c, e: (
+            _profiling_on(c)
+            and c.train.train_iters < c.profiling.profile_step_start <= c.profiling.profile_step_end
+        ),
+        "profiling starts at iteration {c.profiling.profile_step_start}, after the last one "
+        "({t.train_iters}): nothing would be profiled",
+        "set profiling.profile_step_start to at most {t.train_iters}",
     ),
 )
 

@@ -317,6 +317,24 @@ class PlannerConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """Megatron-Bridge's ``profiling`` section: profile a window of iterations.
+
+    ``use_pytorch_profiler`` writes ``profile/rank<r>.json.gz`` (a Chrome/Perfetto trace) and
+    ``profile/rank<r>-ops.txt`` (ops by GPU and CPU time) into the run directory;
+    ``use_nsys_profiler`` calls cudaProfilerStart/Stop around the window for
+    ``nsys profile --capture-range=cudaProfilerApi``.
+    """
+
+    use_pytorch_profiler: bool = False
+    use_nsys_profiler: bool = False
+    profile_step_start: int = 10  # first profiled iteration (1-based, as the log counts)
+    profile_step_end: int = 12  # last profiled iteration
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    record_shapes: bool = False
+
+
+@dataclass
 class VerifyConfig:
     """``--verify``: the same recipe without and with offload, compared iteration by iteration."""
 
@@ -343,6 +361,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
