@@ -52,16 +52,25 @@ case "$1" in
   cpu-adam-1)  # the CPU-Adam engine at GBS 1 beside the baseline and HDO 100% + overlap
     bench cpu-adam-1 ;;
   cpu-adam-4)  # ... at GBS 4, and delayed mode at 25% and 40%
-    python bench/run_benchmarks.py run --suite cpu-adam-4 --iters 15 \
+    python bench/run_benchmarks.py run --suite cpu-adam-4 --iters 12 \
       --out "$OUT/results-cpu-adam-4.json" --work-dir "$WORK/bench" ;;
-  cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: HDO, cpu_adam and cpu_adam_delayed
-    bench cpu-adam-sweep ;;
+  cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: cpu_adam, cpu_adam_delayed; HDO 50%
+    python bench/run_benchmarks.py run --suite cpu-adam-sweep --iters 8 \
+      --out "$OUT/results-cpu-adam-sweep.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-dp2)  # (two GPUs) the engine on DP2, and resume of both modes there
+    python bench/run_benchmarks.py run --suite cpu-adam-dp2 --iters 10 \
+      --out "$OUT/results-cpu-adam-dp2.json" --work-dir "$WORK/bench"
+    timeout 200 python -m pytest -q -rP -m gpu -k "resume and cpu-adam and not 50" tests/ 2>&1 \
+      | tee "$OUT/pytest-gpu-cpu-adam-dp2.txt" | tail -8 || true ;;
   cpu-adam-long)  # 200 iterations, delayed against exact
     python bench/run_benchmarks.py run --suite cpu-adam-long --iters 200 \
       --out "$OUT/results-cpu-adam-long.json" --work-dir "$WORK/bench" ;;
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;
+  cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
+    bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
+    bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
   profile-4)  # GBS 4: baseline, its precision-aware twin and cpu_adam 100%, iterations 6-7 profiled
     for c in "base|" "pao|optimizer.use_precision_aware_optimizer=true" "cpu_adam|offload/optimizer=cpu_adam"; do
       name=${c%%|*}; extra=${c#*|}

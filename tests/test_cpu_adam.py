@@ -252,3 +252,28 @@ def test_host_arrays_are_not_inherited_by_forked_processes() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
     eng.close()
+
+
+@pytest.mark.parametrize(
+    ("siblings", "expected"),
+    [
+        ({}, list(range(2, 8))),  # no SMT: two cores kept for the training thread
+        ({0: {0, 4}, 4: {0, 4}}, [1, 2, 3, 5, 6, 7]),  # SMT: a whole core, both its siblings
+    ],
+    ids=["no-smt", "smt"],
+)
+def test_delayed_mode_keeps_whole_cores_for_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch, siblings: dict[int, set[int]], expected: list[int]
+) -> None:
+    from offload_runner.config.schema import RunConfig
+    from offload_runner.offload import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "_thread_siblings", lambda c: siblings.get(c, {c}))
+    run = RunConfig()
+    cpus = list(range(8))
+    assert cpu_adam.worker_cpus(run, cpus) == cpus  # exact mode: the training thread waits
+    run.optimizer.cpu_adam_delayed_update = True
+    kept = cpu_adam.worker_cpus(run, cpus)
+    assert kept == expected
+    assert cpu_adam.default_threads(run, kept) == len(expected)
+    assert cpu_adam._ranges(kept) == ("1-3,5-7" if siblings else "2-7")

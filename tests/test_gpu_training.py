@@ -7,7 +7,8 @@ the CLI, as a user runs it, in deterministic mode.
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
 - the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode), and its delayed
-  mode is exact until the warmup ends, then one step stale; both resume;
+  mode is exact until the warmup ends, then one step stale; both resume, and a checkpoint moves
+  between it and HybridDeviceOptimizer 100% both ways;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
   batch split over both) on the same global batch.
 """
@@ -138,6 +139,30 @@ def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, .
     resumed = train(Path(root) / f"resumed-{name}", *offload, f"checkpoint.load={ckpt}")
     assert resumed["iterations"] == ITERS - half
     assert max_delta(resumed["losses"], full["losses"][half:]) < RESUME_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("saved_with", "loaded_with"),
+    [("cpu_100", "cpu_adam"), ("cpu_adam", "cpu_100")],
+    ids=["hybrid-to-cpu-adam", "cpu-adam-to-hybrid"],
+)
+def test_checkpoint_moves_between_hybrid_and_cpu_adam(
+    root: str, saved_with: str, loaded_with: str
+) -> None:
+    """Both engines store Adam in HybridDeviceOptimizer's layout at 100% (fp32 master, exp_avg,
+    exp_avg_sq on the host; the step in the param groups): a checkpoint of one resumes in the
+    other and continues the uninterrupted run of the first."""
+    ckpt = Path(root) / f"ckpt-{saved_with}-{loaded_with}"
+    half = ITERS // 2
+    full = train(Path(root) / f"full-x-{saved_with}", f"offload/optimizer={saved_with}")
+    train(Path(root) / f"first-x-{saved_with}", f"offload/optimizer={saved_with}",
+          f"train.train_iters={half}", f"checkpoint.save={ckpt}",
+          f"scheduler.lr_decay_iters={ITERS}")  # fmt: skip
+    resumed = train(Path(root) / f"resumed-x-{loaded_with}", f"offload/optimizer={loaded_with}",
+                    f"checkpoint.load={ckpt}")  # fmt: skip
+    delta = max_delta(resumed["losses"], full["losses"][half:])
+    print(f"{saved_with} -> {loaded_with}: max |Δloss| {delta:.2e}")
+    assert delta < RESUME_TOLERANCE
 
 
 @TWO_GPUS

@@ -434,6 +434,44 @@ CASES = [
         ("recipe=tiny", "data=indexed", "dataset.data_path=[/data/a_text_document]"),
         "dataset.kind=indexed needs dataset.data_path",
     ),
+    Case(
+        "profile_one_tool",
+        ("recipe=tiny", "profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"),
+        ("recipe=tiny", "profiling.use_pytorch_profiler=true"),
+        "profiling.use_pytorch_profiler and profiling.use_nsys_profiler are exclusive",
+    ),
+    Case(
+        "profile_window",
+        (
+            "recipe=tiny",
+            "profiling.use_pytorch_profiler=true",
+            "profiling.profile_step_start=5",
+            "profiling.profile_step_end=4",
+        ),
+        (
+            "recipe=tiny",
+            "profiling.use_pytorch_profiler=true",
+            "profiling.profile_step_start=4",
+            "profiling.profile_step_end=4",
+        ),
+        "profiling window 5..4 is empty",
+    ),  # fmt: skip
+    Case(
+        "profile_window_after_end",
+        (
+            "recipe=tiny",
+            "profiling.use_nsys_profiler=true",
+            "profiling.profile_step_start=50",
+            "profiling.profile_step_end=60",
+        ),
+        (
+            "recipe=tiny",
+            "profiling.use_nsys_profiler=true",
+            "profiling.profile_step_start=20",
+            "profiling.profile_step_end=60",
+        ),
+        "profiling starts at iteration 50, after the last one (20)",
+    ),  # fmt: skip
 ]
 
 

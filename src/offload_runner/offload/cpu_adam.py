@@ -176,11 +176,33 @@ def _gpu_numa_node(local_rank: int) -> int | None:
         return None
 
 
+def worker_cpus(run: RunConfig, cpus: list[int]) -> list[int]:
+    """The cores the CPU-Adam team runs on. Exact mode: all of the rank's (the training thread
+    waits for the update). Delayed mode: the team runs during forward and backward, whose kernel
+    launches come from one Python thread (on the MoE proxy the GPU waits for them over half of
+    forward+backward), so whole physical cores (every SMT sibling) are kept out of the team for
+    that thread and data loading: at least RESERVED_CORES_DELAYED logical CPUs."""
+    if not run.optimizer.cpu_adam_delayed_update or len(cpus) <= RESERVED_CORES_DELAYED:
+        return cpus
+    reserved: set[int] = set()
+    for cpu in cpus:
+        if len(reserved) >= RESERVED_CORES_DELAYED:
+            break
+        reserved |= _thread_siblings(cpu) & set(cpus) | {cpu}
+    return [c for c in cpus if c not in reserved] or cpus
+
+
+def _thread_siblings(cpu: int) -> set[int]:
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return set(_parse_cpulist(f.read()))
+    except (OSError, ValueError):
+        return {cpu}
+
+
 def default_threads(run: RunConfig, cpus: list[int]) -> int:
-    if run.optimizer.cpu_adam_threads:
-        return run.optimizer.cpu_adam_threads
-    reserve = RESERVED_CORES_DELAYED if run.optimizer.cpu_adam_delayed_update else 0
-    return max(1, len(cpus) - reserve)
+    """One OpenMP thread per core the team may use (``worker_cpus``), unless configured."""
+    return run.optimizer.cpu_adam_threads or len(cpus)
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -697,7 +719,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     sizes = [sum(q.numel() for g in p.optimizer.param_groups for q in g["params"]) for p in parts]
     fractions = part_fractions(sizes, [_is_expert_part(p) for p in parts],
                                o.optimizer_offload_fraction, o.cpu_adam_delayed_update)  # fmt: skip
-    cpus = rank_cpus(local_rank, local_world)
+    cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
     built = []
     for part, fraction in zip(parts, fractions, strict=True):
@@ -717,7 +739,14 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
 
 
 def _ranges(cpus: list[int]) -> str:
-    return f"{cpus[0]}-{cpus[-1]}" if cpus else "?"
+    """``0-3,6-7`` for [0, 1, 2, 3, 6, 7]."""
+    spans: list[list[int]] = []
+    for c in cpus:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans) or "?"
 
 
 def metrics(optimizer) -> dict:
