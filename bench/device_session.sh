@@ -68,6 +68,13 @@ case "$1" in
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;
+  cpu-adam-dp2-tests)  # (two GPUs) the engine's gpu tests on DP2, beside the long delayed run
+    python bench/run_benchmarks.py run --suite cpu-adam-long-2 --iters 200 \
+      --out "$OUT/results-cpu-adam-long-2.json" --work-dir "$WORK/bench" > "$OUT/long.log" 2>&1 &
+    timeout 540 python -m pytest -v -s -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
+      | grep -E "PASSED|FAILED|ERROR|max \|Δloss\||params/s|passed|failed|Error" \
+      | tee "$OUT/pytest-gpu-cpu-adam-dp2.txt" || true
+    wait; tail -3 "$OUT/long.log" ;;
   cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
     bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
     bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
