@@ -25,6 +25,57 @@ cd "$(dirname "$0")/.."
   echo
   echo "![step time and peak memory against the offload fraction](evidence/sweep.png)"
   echo
+  echo "## CPU-Adam engine: fraction sweep, long run, and why the proxy's step time wanders"
+  echo
+  echo "Slowdown and peak GPU memory against \`optimizer.optimizer_offload_fraction\` at GBS 4, from"
+  echo "suites \`cpu-adam\` (100%, delayed 25% and 40%) and \`cpu-adam-sweep\` (25-75%, HDO 50%), one"
+  echo "H200 (\`python bench/plot_cpu_adam_sweep.py docs/evidence/cpu-adam-sweep.png"
+  echo "bench/results/results-cpu-adam-4.json bench/results/results-cpu-adam-sweep.json\`):"
+  echo
+  echo "![CPU-Adam fraction sweep](evidence/cpu-adam-sweep.png)"
+  echo
+  echo "Each point is set against its own suite's no-offload run, and those differ: the proxy at"
+  echo "micro-batch 1 is bound by the Python thread that launches its kernels, not by the GPU. A"
+  echo "profile of two GBS 4 iterations (\`bash bench/device_session.sh profile-4\`,"
+  echo "\`profiling.use_pytorch_profiler=true\`, summarized by bench/profile_summary.py) shows"
+  echo "$(grep -o 'kernels busy [^,]*' docs/evidence/profile-gbs4-baseline.txt) of the window without"
+  echo "offload (evidence/profile-gbs4-baseline.txt; TE's grouped expert linears take milliseconds of"
+  echo "CPU per call; with cpu_adam: evidence/profile-gbs4-cpu-adam.txt). So forward+backward follows"
+  echo "the host's state, and the same no-offload command measured on the same day:"
+  echo
+  python - <<'PY'
+import json, pathlib
+for path in sorted(pathlib.Path("bench/results").glob("results-*.json")):
+    data = json.loads(path.read_text())
+    for r in data["results"]:
+        if r["case"]["name"].endswith("GBS4 no offload") and r["case"].get("nproc", 1) == 1:
+            s = r["summary"]
+            print(f"- `{path.name}` ({data['environment']['date'][:16]}): step "
+                  f"{s['step_time_s_median'] * 1000:.0f} ms, forward+backward "
+                  f"{s['fwd_bwd_time_s_median'] * 1000:.0f} ms")
+PY
+  echo
+  echo "A bar that is a ratio to one baseline run inherits that spread; compare rows of one suite."
+  echo
+  echo "Delayed against exact over 200 iterations at GBS 1 (suite \`cpu-adam-long\`; the two runs"
+  echo "shared their machines with gpu tests, so only their losses count; \`python"
+  echo "bench/plot_losses.py docs/evidence/cpu-adam-long.png bench/results/results-cpu-adam-long-*.json\`):"
+  echo
+  echo "![delayed against exact, 200 iterations](evidence/cpu-adam-long.png)"
+  echo
+  python - <<'PY'
+import json, pathlib
+runs = {}
+for path in sorted(pathlib.Path("bench/results").glob("results-cpu-adam-long-*.json")):
+    for r in json.loads(path.read_text())["results"]:
+        runs[r["case"]["name"]] = r["summary"]["losses"]
+for name, losses in runs.items():
+    print(f"- {name}: mean loss of the last 20 iterations {sum(losses[-20:]) / 20:.3f}")
+PY
+  echo
+  echo "With two exact steps (the proxy's LR warmup) before the one-step-stale updates begin, the"
+  echo "delayed run falls behind at GBS 1 and does not catch up within 200 iterations."
+  echo
   echo "## Checkpoint resume and the gpu-marked tests"
   echo
   echo "\`python -m pytest -m gpu tests/\` (tests/test_gpu_training.py, tiny recipe in deterministic"
@@ -42,15 +93,15 @@ cd "$(dirname "$0")/.."
     echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
   done
   echo
-  echo "The CPU-Adam engine's gpu tests (\`bash bench/device_session.sh cpu-adam-tests\`, one H200):"
-  echo "pytest-gpu-cpu-adam-h200.txt (tree of e6974ad) stopped at its 560 s limit after four tests:"
-  echo "the resume tests of cpu_adam and cpu_adam_delayed passed (\`..\`); the two that failed"
-  echo "(\`FF\`) were a parity test asking 1e-3 of GPU Adam (cpu_adam gave 3.64e-3, exactly what"
-  echo "HybridDeviceOptimizer 100% gives on this recipe, suite \`tiny\` above: both run torch's fused"
-  echo "AdamW, GPU Adam is Transformer Engine's FusedAdam) and a delayed-mode test that compared one"
-  echo "loss too many. pytest-gpu-cpu-adam-2-h200.txt (tree of 51f2640) reran them: delayed mode and"
-  echo "resume at fraction 0.5 pass; the parity test now asks for HybridDeviceOptimizer's losses"
-  echo "(not yet run in that form: the session's device time was spent)."
+  echo "The CPU-Adam engine's gpu tests (\`bash bench/device_session.sh cpu-adam-tests\`): on one H200,"
+  echo "pytest-gpu-cpu-adam-h200.txt (tree of e6974ad) and pytest-gpu-cpu-adam-2-h200.txt (51f2640):"
+  echo "resume of cpu_adam, cpu_adam_delayed and cpu_adam at 50% passed; delayed mode passed. On two"
+  echo "H200 (\`cpu-adam-dp2-tests\`, tree of f31806b, DP2), pytest-gpu-cpu-adam-dp2-h200x2.txt: exact"
+  echo "mode gives HybridDeviceOptimizer 100%'s losses exactly (both run torch's fused AdamW) and the"
+  echo "same distance from GPU Adam (Transformer Engine's FusedAdam), delayed mode lands one step late,"
+  echo "cpu_adam resumes; the call's time ran out before the other resume tests and the checkpoint"
+  echo "exchange with HybridDeviceOptimizer (test_checkpoint_moves_between_hybrid_and_cpu_adam, not"
+  echo "yet run on a GPU)."
   echo
   echo "pytest-gpu-h200.txt is every gpu-marked test on one H200 at commit 2bdfa10"
   echo "(\`bash bench/device_session.sh tests\`; the two-GPU tests skip there). The resume logs are"

@@ -5,7 +5,7 @@ memory, per engine (HybridDeviceOptimizer + overlap, cpu_adam, cpu_adam_delayed)
         bench/results/results-cpu-adam-sweep-*.json
 
 Each point is a real run from the given result files, set against the no-offload baseline of its
-own file (100% comes from the cpu-adam-4 suite, the other fractions from the sweep suites).
+own suite (one line per engine and suite: the baselines of two suites differ, see BENCHMARKS).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ ENGINES = {"HDO": "HybridDeviceOptimizer + overlap", "cpu_adam": "cpu_adam (exac
 NAME = re.compile(r"(?:sweep |GBS4 )(HDO|cpu_adam_delayed|cpu_adam) (\d+)%")
 
 
-def points(files: list[Path]) -> dict[str, list[tuple[float, float, float]]]:
-    """engine -> [(fraction, slowdown, peak GB)], sorted by fraction."""
-    found: dict[str, list[tuple[float, float, float]]] = {e: [] for e in ENGINES}
+def points(files: list[Path]) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    """(engine, suite) -> [(fraction, slowdown, peak GB)], sorted by fraction."""
+    found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for path in files:
+        suite = json.loads(path.read_text())["suite"]
         results = json.loads(path.read_text())["results"]
         base = {r["case"]["name"]: r["summary"] for r in results}
         for r in results:
@@ -32,10 +33,10 @@ def points(files: list[Path]) -> dict[str, list[tuple[float, float, float]]]:
             if not match or r["status"] != "ok" or "GBS1" in r["case"]["name"]:
                 continue
             b = base[r["case"]["baseline"]]
-            found[match[1]].append((int(match[2]) / 100,
+            found.setdefault((match[1], suite), []).append((int(match[2]) / 100,
                                     s["step_time_s_median"] / b["step_time_s_median"],
                                     s["gpu_peak_allocated_gb"]))  # fmt: skip
-    return {e: sorted(v) for e, v in found.items() if v}
+    return {key: sorted(v) for key, v in sorted(found.items())}
 
 
 def main(out: str, *files: str) -> int:
@@ -46,16 +47,20 @@ def main(out: str, *files: str) -> int:
 
     data = points([Path(f) for f in files])
     fig, (slow, peak) = plt.subplots(1, 2, figsize=(10, 4))
-    for engine, pts in data.items():
+    colors = dict(zip(ENGINES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    markers = {}
+    for (engine, suite), pts in data.items():
+        marker = markers.setdefault(suite, "os^v"[len(markers) % 4])
         x = [p[0] for p in pts]
-        slow.plot(x, [p[1] for p in pts], "o-", label=ENGINES[engine])
-        peak.plot(x, [p[2] for p in pts], "s--", label=ENGINES[engine])
+        label = f"{ENGINES[engine]} ({suite})"
+        slow.plot(x, [p[1] for p in pts], marker + "-", color=colors[engine], label=label)
+        peak.plot(x, [p[2] for p in pts], marker + "--", color=colors[engine], label=label)
     slow.axhline(1.0, color="gray", lw=0.8)
     slow.set(xlabel="optimizer_offload_fraction", ylabel="step time / no-offload step",
              title="slowdown (GBS 4, one H200)", ylim=(0, None))  # fmt: skip
     peak.set(xlabel="optimizer_offload_fraction", ylabel="peak GPU memory (GiB)",
              title="peak GPU memory", ylim=(0, None))  # fmt: skip
-    slow.legend()
+    slow.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")

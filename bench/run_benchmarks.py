@@ -462,19 +462,19 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
     return lines
 
 
-def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict], env: dict) -> list[str]:
+def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
     """Each CPU-Adam run against its bound: exact, baseline step + offloaded params / its CPU Adam
     rate; delayed, the larger of the two. Its rate against torch's fused AdamW alone, and its
     speed-up over HybridDeviceOptimizer 100% of the same batch."""
-    reference = env.get("cpu_adam_reference_params_per_s", {})
     lines = []
     for r in results:
+        reference = r["environment"].get("cpu_adam_reference_params_per_s", {})
         s = r["summary"]
         if r["status"] != "ok" or not s.get("cpu_adam_params_per_s"):
             continue
         base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
         base_step = base.get("step_time_s_median")
-        if not base_step:
+        if not base_step or base.get("cpu_adam_params_per_s"):  # no bound without a no-offload run
             continue
         cpu = s["cpu_offloaded_params"] / s["cpu_adam_params_per_s"]
         delayed = s.get("cpu_adam_mode") == "delayed"
@@ -483,6 +483,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict], env: dict) ->
         ref = reference.get(str(s.get("cpu_adam_threads")))
         hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
         hdo = by_name.get(hdo_name, {}).get("summary", {}).get("step_time_s_median")
+        hdo = hdo if hdo_name != r["case"]["baseline"] else None
         parts = [
             f"- {r['case']['name']}: {s['cpu_offloaded_params'] / 1e9:.2f}B params on the CPU at "
             f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
@@ -521,20 +522,20 @@ def render(files: list[Path]) -> str:
         "",
     ]
     for suite, group in _families(files).items():
-        data = group[0][1]
-        env = data["environment"]
-        results = [r for _, d in group for r in d["results"]]
-        sources = ", ".join(f"`{p.name}`" for p, _ in group)
+        results = [{**r, "environment": d["environment"]} for _, d in group for r in d["results"]]
         by_name = {r["case"]["name"]: r for r in results}
-        lines += [
-            f"## Suite `{suite}` ({data['iters']} iterations)",
-            "",
-            f"GPU: {env['gpu']} x{env['gpu_count']} · torch {env['torch']} (CUDA {env['cuda']}) · "
-            f"megatron-core {env['megatron.core']} · transformer-engine "
-            f"{env['transformer_engine']} · Python {env['python']} · {env['date']} · "
-            f"commit {env['commit']} · source {sources}",
-            "",
-        ]
+        iters = sorted({d["iters"] for _, d in group})
+        lines += [f"## Suite `{suite}` ({' / '.join(map(str, iters))} iterations)", ""]
+        for path, d in group:  # a family's files may come from different calls or machines
+            e = d["environment"]
+            lines += [
+                f"GPU: {e['gpu']} x{e['gpu_count']} · torch {e['torch']} (CUDA {e['cuda']}) · "
+                f"megatron-core {e['megatron.core']} · transformer-engine "
+                f"{e['transformer_engine']} · Python {e['python']} · {e['date']} · "
+                f"commit {e['commit']} · {d['iters']} iterations · "
+                f"{', '.join(r['case']['name'] for r in d['results'])} · source `{path.name}`",
+                "",
+            ]
         rows = []
         for r in results:
             s = r["summary"]
@@ -569,7 +570,7 @@ def render(files: list[Path]) -> str:
             rows,
         )  # fmt: skip
         lines += _transfer_bound_lines(results, by_name)
-        lines += _cpu_adam_lines(results, by_name, env)
+        lines += _cpu_adam_lines(results, by_name)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
