@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_runner.config.compose import PROJECT_ROOT, compose_config, to_run_config
+from offload_runner.config.compose import compose_config, to_run_config
 from offload_runner.config.schema import RunConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

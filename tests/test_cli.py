@@ -215,3 +215,35 @@ def test_subprocess_no_gpu(tmp_path: Path) -> None:
     assert result.returncode == EXIT_FAILED
     assert "no CUDA device" in result.stderr and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "fix"),
+    [
+        (["--dry-run", "--plan"], "--plan can not be combined with --dry-run", "pick one"),
+        (["--recipe"], "--recipe needs a name", "--list-recipes"),
+        (["--recipe", "missing.yaml"], "recipe file missing.yaml does not exist", "check the path"),
+        (["--collect", "/no/such/dir"], "--collect needs a sweep folder", "multirun"),
+        (["--recipe", "tiny", "--json"], "--json goes with --plan", "--plan --json"),
+    ],
+)
+def test_usage_errors_name_their_own_fix(args, message: str, fix: str, capsys) -> None:
+    assert main(args) == EXIT_USAGE
+    out = capsys.readouterr()
+    text = " ".join((out.out + out.err).split())
+    assert message in text and fix in text
+    assert "--dry_run" not in text
+    if "--recipe" not in args:
+        assert "--list-recipes shows the recipes" not in text
+
+
+def test_version_is_this_projects(capsys) -> None:
+    assert main(["--version"]) == EXIT_OK
+    assert capsys.readouterr().out.startswith("offload-runner 0.1.0 (hydra-core ")
+
+
+def test_bridge_cpu_offloading_alone_is_a_warning(tmp_path: Path, capsys) -> None:
+    """Megatron-Core's default cpu_offloading_num_layers=0 is legal there: warn, do not refuse."""
+    args = ["--recipe", "tiny", "model.cpu_offloading=True", "--dry-run", f"output_dir={tmp_path}"]
+    assert main(args) == EXIT_OK
+    assert "offloads no layer" in " ".join(capsys.readouterr().out.split())

@@ -542,3 +542,37 @@ def test_documented_messages_are_not_repeated_by_megatron_core() -> None:
         messages.count("Currently there is no support for Pipeline parallelism with CPU offloading")
         == 1
     )
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["train.global_batch_size=-8", "train.micro_batch_size=-1", "train.micro_batch_size=0",
+     "model.seq_length=0", "train.train_iters=0", "optimizer.lr=-1", "model.num_layers=0",
+     "model.num_layers=-4", "optimizer.optimizer_offload_fraction=1.5",
+     "optimizer.adam_beta2=2"],
+)  # fmt: skip
+def test_out_of_range_values_are_refused(override: str, tmp_path, capsys) -> None:
+    from offload_runner.cli import EXIT_USAGE, main
+
+    for mode in ("--dry-run", "--plan"):
+        assert main(["--recipe", "tiny", override, mode, f"output_dir={tmp_path}/x"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
+    assert f"{override.partition('=')[0]}=" in out
+    assert "is out of range" in out or "offload_fraction" in out
+    assert not (tmp_path / "x").exists()
+
+
+def test_ranges_name_real_numeric_fields_and_every_recipe_is_in_range() -> None:
+    from dataclasses import fields
+
+    from offload_runner.config.compose import recipe_paths
+    from offload_runner.config.schema import RunConfig
+    from offload_runner.validation import RANGES, range_violations
+
+    run = RunConfig()
+    for section, key in RANGES:
+        names = {f.name for f in fields(getattr(run, section))}
+        assert key in names, f"{section}.{key} is not a schema field"
+    for recipe in recipe_paths():
+        assert range_violations(compose_run(f"recipe={recipe}")) == [], recipe

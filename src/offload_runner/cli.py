@@ -4,8 +4,9 @@
     run_recipe.py recipe=qwen3_30b_a3b offload/optimizer=cpu_50 --dry-run
     run_recipe.py -m recipe=tiny optimizer.optimizer_offload_fraction=0,0.5,1 --dry-run
 
-offload-runner's own flags (``--recipe``, ``--dry-run``, ``--list-recipes``) are taken out of the
-argument list; everything else goes to Hydra unchanged, so ``--cfg job``, ``--info defaults``,
+offload-runner's own flags (``--recipe``, ``--dry-run``, ``--plan``, ``--verify``,
+``--list-recipes``, ``--collect``, ``--version``) are taken out of the argument list; everything
+else goes to Hydra unchanged, so ``--cfg job``, ``--info defaults``,
 ``-m`` and ``--help`` keep their Hydra meaning.
 
 Exit codes: 0 ok; 1 the run failed; 2 the input is wrong (Hydra's message, or every broken rule
@@ -42,7 +43,7 @@ from offload_runner.config.schema import RunConfig
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import choose_offload, make_plan
 from offload_runner.rundir import create_run_dir
-from offload_runner.validation import Environment, errors, validate
+from offload_runner.validation import Environment, errors, range_violations, validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -59,6 +60,7 @@ class Mode(str, Enum):
 class CliOptions:
     mode: Mode = Mode.train
     list_recipes: bool = False
+    version: bool = False
     collect: Path | None = None
     extra_recipe_dirs: list[Path] = field(default_factory=list)
 
@@ -67,7 +69,11 @@ MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.v
 
 
 class UsageError(Exception):
-    """A mistake on the command line itself (before Hydra sees it)."""
+    """A mistake on the command line itself (before Hydra sees it), with the fix for it."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
@@ -80,21 +86,30 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         arg = args.pop(0)
         if arg in MODE_FLAGS:
             if options.mode not in (Mode.train, MODE_FLAGS[arg]):
-                raise UsageError(f"{arg} can not be combined with --{options.mode.value}")
+                shown = next(flag for flag, mode in MODE_FLAGS.items() if mode == options.mode)
+                raise UsageError(f"{arg} can not be combined with {shown}", "pick one of them")
             options.mode = MODE_FLAGS[arg]
         elif arg == "--json":
             json_output = True
         elif arg == "--list-recipes":
             options.list_recipes = True
+        elif arg == "--version":
+            options.version = True
         elif arg == "--collect" or arg.startswith("--collect="):
             value = _option_value(arg, args)
             if not value or not Path(value).is_dir():
-                raise UsageError(f"--collect needs a sweep folder (multirun/...), got {value!r}")
+                raise UsageError(
+                    f"--collect needs a sweep folder, got {value!r}",
+                    "pass the folder a multirun printed: --collect multirun/...",
+                )
             options.collect = Path(value)
         elif arg == "--recipe" or arg.startswith("--recipe="):
             value = _option_value(arg, args)
             if not value or value.startswith("-"):
-                raise UsageError("--recipe needs a name, e.g. --recipe qwen3_30b_a3b_proxy")
+                raise UsageError(
+                    "--recipe needs a name or a recipe file",
+                    "e.g. --recipe qwen3_30b_a3b_proxy; --list-recipes shows them",
+                )
             hydra_args.append(f"recipe={_recipe_choice(value, options)}")
         elif arg.startswith("recipe="):
             hydra_args.append(f"recipe={_recipe_choice(arg.partition('=')[2], options)}")
@@ -102,7 +117,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             hydra_args.append(arg)
     if json_output:
         if options.mode != Mode.plan:
-            raise UsageError("--json goes with --plan (python run_recipe.py ... --plan --json)")
+            raise UsageError("--json goes with --plan", "python run_recipe.py ... --plan --json")
         options.mode = Mode.plan_json
     return options, hydra_args
 
@@ -119,7 +134,10 @@ def _recipe_choice(value: str, options: CliOptions) -> str:
     if value.endswith((".yaml", ".yml")):
         path = Path(value)
         if not path.is_file():
-            raise UsageError(f"recipe file {value} does not exist")
+            raise UsageError(
+                f"recipe file {value} does not exist",
+                "check the path, or name a built-in recipe (--list-recipes)",
+            )
         options.extra_recipe_dirs.append(path.resolve().parent)
         return path.stem
     return normalize_recipe_name(value)
@@ -138,6 +156,10 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         run = to_run_config(cfg)
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
+        return EXIT_USAGE
+    ranges = range_violations(run)
+    if ranges:  # before the planner, which divides by some of them
+        console.print_violations(ranges)
         return EXIT_USAGE
     world = _planned_world(run)
     auto = None
@@ -236,13 +258,28 @@ def _task_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+def version_line() -> str:
+    """This project's version and those of the libraries it drives."""
+    from offload_runner import __version__, package_version
+
+    libraries = ("hydra-core", "megatron-core", "torch", "transformer-engine")
+    return (
+        f"offload-runner {__version__} ("
+        + ", ".join(f"{name} {package_version(name)}" for name in libraries)
+        + ")"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options, hydra_args = split_argv(argv)
     except UsageError as err:
-        console.fail(str(err), "run_recipe.py --list-recipes shows the recipes")
+        console.fail(str(err), err.fix)
         return EXIT_USAGE
+    if options.version:
+        print(version_line())
+        return EXIT_OK
     if options.collect:
         from offload_runner.sweep import collect_and_report
 

@@ -155,9 +155,11 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu_offloading_zero_layers",
         lambda c, e: c.model.cpu_offloading and c.model.cpu_offloading_num_layers == 0,
-        "model.cpu_offloading=true with model.cpu_offloading_num_layers=0 offloads no layer",
+        "model.cpu_offloading=true with model.cpu_offloading_num_layers=0 offloads no layer "
+        "(Megatron-Core accepts it and offloads nothing)",
         "set model.cpu_offloading_num_layers=K with 1 <= K <= {last_layer}, "
         "or model.cpu_offloading=false",
+        Level.warning,  # a Megatron-Bridge command line that ran there must run here
     ),
     Rule(
         "cpu_offloading_num_layers_unused",
@@ -639,8 +641,91 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
     return found
 
 
+# --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
+RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
+    ("model", "num_layers"): (1, None),
+    ("model", "hidden_size"): (1, None),
+    ("model", "ffn_hidden_size"): (1, None),
+    ("model", "num_attention_heads"): (1, None),
+    ("model", "num_query_groups"): (1, None),
+    ("model", "kv_channels"): (1, None),
+    ("model", "seq_length"): (1, None),
+    ("model", "max_position_embeddings"): (1, None),
+    ("model", "vocab_size"): (1, None),
+    ("model", "make_vocab_size_divisible_by"): (1, None),
+    ("model", "layernorm_epsilon"): (0, None),
+    ("model", "hidden_dropout"): (0, 1),
+    ("model", "attention_dropout"): (0, 1),
+    ("model", "init_method_std"): (0, None),
+    ("model", "num_moe_experts"): (1, None),
+    ("model", "moe_router_topk"): (1, None),
+    ("model", "moe_ffn_hidden_size"): (1, None),
+    ("model", "moe_aux_loss_coeff"): (0, None),
+    ("model", "tensor_model_parallel_size"): (1, None),
+    ("model", "pipeline_model_parallel_size"): (1, None),
+    ("model", "expert_model_parallel_size"): (1, None),
+    ("model", "expert_tensor_parallel_size"): (1, None),
+    ("model", "context_parallel_size"): (1, None),
+    ("model", "recompute_num_layers"): (1, None),
+    ("model", "cpu_offloading_num_layers"): (0, None),
+    ("model", "min_offloaded_tensor_size"): (0, None),
+    ("optimizer", "lr"): (0, None),
+    ("optimizer", "min_lr"): (0, None),
+    ("optimizer", "weight_decay"): (0, None),
+    ("optimizer", "adam_beta1"): (0, 1),
+    ("optimizer", "adam_beta2"): (0, 1),
+    ("optimizer", "adam_eps"): (0, None),
+    ("optimizer", "clip_grad"): (0, None),
+    ("optimizer", "cpu_adam_exact_steps"): (0, None),
+    ("optimizer", "cpu_adam_threads"): (1, None),
+    ("optimizer", "cpu_adam_chunk_mb"): (1, None),
+    ("optimizer", "offload_states_chunk_mb"): (0, None),
+    ("scheduler", "lr_warmup_iters"): (0, None),
+    ("scheduler", "lr_decay_iters"): (1, None),
+    ("ddp", "bucket_size"): (1, None),
+    ("train", "train_iters"): (1, None),
+    ("train", "global_batch_size"): (1, None),
+    ("train", "micro_batch_size"): (1, None),
+    ("logger", "log_interval"): (1, None),
+    ("checkpoint", "save_interval"): (1, None),
+    ("dataset", "num_workers"): (0, None),
+    ("launcher", "nproc_per_node"): (1, None),
+    ("launcher", "node_rank"): (0, None),
+    ("launcher", "master_port"): (1, 65535),
+    ("launcher", "max_restarts"): (0, None),
+    ("planner", "gpu_memory_gb"): (0, None),
+    ("planner", "host_memory_gb"): (0, None),
+    ("planner", "margin_gb"): (0, None),
+    ("verify", "iters"): (1, None),
+    ("verify", "loss_tolerance"): (0, None),
+}
+
+
+def range_violations(run: RunConfig) -> list[Violation]:
+    """Every numeric value outside its range (RANGES); None means "unset" and passes."""
+    found = []
+    for (section, key), (low, high) in RANGES.items():
+        value = getattr(getattr(run, section), key)
+        if value is None or ((low is None or value >= low) and (high is None or value <= high)):
+            continue
+        if low is not None and high is not None:
+            span = f"between {low} and {high}"
+        else:
+            span = f">= {low}" if low is not None else f"<= {high}"
+        found.append(Violation(
+            f"range_{section}_{key}", Level.error,
+            f"{section}.{key}={value} is out of range: it must be {span}",
+            f"set {section}.{key} to a value {span}",
+        ))  # fmt: skip
+    return found
+
+
 def validate(run: RunConfig, env: Environment) -> list[Violation]:
-    """All violations, table rows first, Megatron-Core's own checks after (without repeats)."""
+    """All violations: value ranges first (nothing else is meaningful without them), then the
+    table's rows, then Megatron-Core's own checks (without repeats)."""
+    ranges = range_violations(run)
+    if ranges:
+        return ranges
     found = check_rules(run, env)
     seen = {v.message for v in found}
     found += [v for v in megatron_checks(run, env) if v.message not in seen]

@@ -18,9 +18,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from offload_runner.config.schema import RunConfig, register_configs
 
-PROJECT_ROOT = Path(os.environ.get("OFFLOAD_RUNNER_ROOT", Path(__file__).resolve().parents[3]))
-CONF_DIR = PROJECT_ROOT / "conf"
-RECIPES_DIR = PROJECT_ROOT / "recipes"
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _data_dir(name: str) -> Path:
+    """``conf`` or ``recipes``: under $OFFLOAD_RUNNER_ROOT if set, else the copy an installed wheel
+    carries (``offload_runner/_conf``, ``_recipes``), else the checkout's top-level folder."""
+    if "OFFLOAD_RUNNER_ROOT" in os.environ:
+        return Path(os.environ["OFFLOAD_RUNNER_ROOT"]) / name
+    packaged = PACKAGE_DIR / f"_{name}"
+    return packaged if packaged.is_dir() else PACKAGE_DIR.parents[1] / name
+
+
+CONF_DIR = _data_dir("conf")
+RECIPES_DIR = _data_dir("recipes")
 RECIPE_ALIAS_SUFFIX = "_pretrain_config"  # Megatron-Bridge's recipe function names
 OFFLOAD_GROUPS = ("offload/activation", "offload/weight", "offload/optimizer")
 
