@@ -24,12 +24,12 @@ BRIDGE_COMMAND = (
 
 def test_split_argv_translates_bridge_flags() -> None:
     options, hydra_args = split_argv(
-        ["--recipe", "llama3_8b_pretrain_config", "--dry-run", "a.b=1"]
+        ["--recipe", "llama3_8b_pretrain_config", "--dry-run", "model.num_layers=1"]
     )
     assert options.mode == Mode.dry_run
-    assert hydra_args == ["recipe=llama3_8b", "a.b=1"]
-    _, hydra_args = split_argv(["--recipe=tiny", "-m", "x=1,2"])
-    assert hydra_args == ["recipe=tiny", "-m", "x=1,2"]
+    assert hydra_args == ["recipe=llama3_8b", "model.num_layers=1"]
+    _, hydra_args = split_argv(["--recipe=tiny", "-m", "train.seed=1,2"])
+    assert hydra_args == ["recipe=tiny", "-m", "train.seed=1,2"]
     _, hydra_args = split_argv(["recipe=qwen3_30b_a3b_pretrain_config"])
     assert hydra_args == ["recipe=qwen3_30b_a3b"]
 
@@ -247,3 +247,61 @@ def test_bridge_cpu_offloading_alone_is_a_warning(tmp_path: Path, capsys) -> Non
     args = ["--recipe", "tiny", "model.cpu_offloading=True", "--dry-run", f"output_dir={tmp_path}"]
     assert main(args) == EXIT_OK
     assert "offloads no layer" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        ("model: {num_layers: [1\n", "bad.yaml", "is not valid YAML: while parsing"),
+        ("", "empty.yaml", "is empty (it would run the built-in defaults)"),
+        ("model: {num_layers: 2}\n", "notes.txt", "is not a .yaml/.yml file"),
+        (None, "folder", "is a folder"),
+    ],
+)
+def test_broken_recipe_files_are_usage_errors(content, name: str, message: str, tmp_path: Path,
+                                              capsys) -> None:  # fmt: skip
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    assert main(["--recipe", str(path), "--dry-run", f"output_dir={tmp_path}/out"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert message in " ".join((captured.out + captured.err).split())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_file_loads_alone_not_its_folder(tmp_path: Path, capsys) -> None:
+    (tmp_path / "broken_neighbour.yaml").write_text("model: {num_layers: [1\n")
+    (tmp_path / "mine.yml").write_text("defaults:\n  - tiny\nmodel:\n  num_layers: 2\n")
+    out = tmp_path / "out"
+    assert main(["--recipe", str(tmp_path / "mine.yml"), "--dry-run", f"output_dir={out}"]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["num_layers"] == 2
+
+
+def test_unknown_recipe_names_the_closest(capsys) -> None:
+    assert main(["--recipe", "tiyn", "--dry-run"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert "unknown recipe 'tiyn' (did you mean tiny?)" in captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["+optimizer.optimizer_offload_fractoin=0.5", "optimizer.optimizer_offload_fractoin=0.5",
+     "++optimizer.optimizer_offload_fractoin=0.5"],
+)  # fmt: skip
+def test_unknown_keys_are_refused_however_spelled(override: str, tmp_path: Path, capsys) -> None:
+    assert main(["--recipe", "tiny", override, "--dry-run", f"output_dir={tmp_path}/o"]) == 2
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert "unknown key optimizer.optimizer_offload_fractoin" in text
+    assert "did you mean optimizer.optimizer_offload_fraction?" in text
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_key_in_a_recipe_file_is_refused(tmp_path: Path, capsys) -> None:
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - tiny\nmodel:\n  num_layer: 2\n")
+    assert main(["--recipe", str(recipe), "--dry-run", f"output_dir={tmp_path}/o"]) == 2
+    captured = capsys.readouterr()
+    assert "did you mean model.num_layers?" in captured.out + captured.err

@@ -15,6 +15,7 @@ with its fix), with nothing written.
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from collections.abc import Sequence
@@ -33,11 +34,16 @@ from rich.markup import escape
 from offload_runner import console
 from offload_runner.config.compose import (
     CONF_DIR,
+    RECIPE_SUFFIXES,
+    closest_key,
+    config_groups,
     normalize_recipe_name,
     recipe_description,
     recipe_paths,
     register_all,
+    schema_keys,
     to_run_config,
+    unknown_keys,
 )
 from offload_runner.config.schema import RunConfig
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
@@ -62,7 +68,7 @@ class CliOptions:
     list_recipes: bool = False
     version: bool = False
     collect: Path | None = None
-    extra_recipe_dirs: list[Path] = field(default_factory=list)
+    extra_recipes: list[Path] = field(default_factory=list)  # recipe files named by path
 
 
 MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.verify}
@@ -114,12 +120,34 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         elif arg.startswith("recipe="):
             hydra_args.append(f"recipe={_recipe_choice(arg.partition('=')[2], options)}")
         else:
+            _check_override_key(arg)
             hydra_args.append(arg)
     if json_output:
         if options.mode != Mode.plan:
             raise UsageError("--json goes with --plan", "python run_recipe.py ... --plan --json")
         options.mode = Mode.plan_json
     return options, hydra_args
+
+
+def _check_override_key(arg: str) -> None:
+    """``[+|++|~]section.key=value`` must name a schema key (Hydra's ``+`` would add an unknown
+    one, saved and then ignored); config groups (``offload/optimizer=...``) and ``hydra.*`` pass."""
+    if arg.startswith("-") or "=" not in arg:
+        return
+    key = arg.partition("=")[0].lstrip("+~")
+    if "/" in key or key.split(".")[0] in ("hydra", *config_groups()):
+        return
+    known = schema_keys()
+    if key not in known:
+        raise UsageError(*_unknown_key_message(key, known))
+
+
+def _unknown_key_message(key: str, known: set[str]) -> tuple[str, str]:
+    close = closest_key(key, known)
+    return (
+        f"unknown key {key}" + (f" (did you mean {close}?)" if close else ""),
+        f"spell it {close}=..." if close else "python run_recipe.py --help lists the sections",
+    )
 
 
 def _option_value(arg: str, rest: list[str]) -> str:
@@ -131,16 +159,49 @@ def _option_value(arg: str, rest: list[str]) -> str:
 
 def _recipe_choice(value: str, options: CliOptions) -> str:
     """A recipe name, its ``_pretrain_config`` alias, or the path of a recipe YAML of one's own."""
-    if value.endswith((".yaml", ".yml")):
-        path = Path(value)
-        if not path.is_file():
-            raise UsageError(
-                f"recipe file {value} does not exist",
-                "check the path, or name a built-in recipe (--list-recipes)",
-            )
-        options.extra_recipe_dirs.append(path.resolve().parent)
+    if value.endswith(RECIPE_SUFFIXES) or "/" in value or Path(value).is_dir():
+        path = _recipe_file(value)
+        options.extra_recipes.append(path)
         return path.stem
-    return normalize_recipe_name(value)
+    name = normalize_recipe_name(value)
+    known = recipe_paths(options.extra_recipes)
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(
+            f"unknown recipe {value!r}{hint}",
+            "--list-recipes shows the recipes; --recipe also takes a .yaml file",
+        )
+    return name
+
+
+def _recipe_file(value: str) -> Path:
+    """A recipe file that exists, parses, and sets something; else a UsageError saying which."""
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"--recipe {value} is a folder",
+                         f"name one recipe file in it (--recipe {value.rstrip('/')}/NAME.yaml) "
+                         "or a built-in recipe (--list-recipes)")  # fmt: skip
+    if not path.is_file():
+        raise UsageError(f"recipe file {value} does not exist",
+                         "check the path, or name a built-in recipe (--list-recipes)")  # fmt: skip
+    if path.suffix not in RECIPE_SUFFIXES:
+        raise UsageError(f"recipe file {value} is not a .yaml/.yml file", "rename it NAME.yaml")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's parse errors alike
+        where = " ".join(str(err).split())[:200]
+        raise UsageError(f"recipe file {value} is not valid YAML: {where}",
+                         "fix the YAML at the line it names") from None  # fmt: skip
+    if not isinstance(node, DictConfig) or not len(node):
+        raise UsageError(f"recipe file {value} is empty (it would run the built-in defaults)",
+                         "a recipe sets keys, e.g. 'defaults: [tiny]' and 'model: {num_layers: 8}'"
+                         "; recipes/tiny.yaml is an example")  # fmt: skip
+    unknown = unknown_keys(node)
+    if unknown:
+        message, fix = _unknown_key_message(unknown[0], schema_keys())
+        raise UsageError(f"recipe file {value}: {message}", fix)
+    return path.resolve()
 
 
 @dataclass
@@ -152,6 +213,10 @@ class _Outcome:
 
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
+    unknown = unknown_keys(cfg)
+    if unknown:  # from a recipe file, or added with + on the command line
+        console.fail(*_unknown_key_message(unknown[0], schema_keys()))
+        return EXIT_USAGE
     try:
         run = to_run_config(cfg)
     except OmegaConfBaseException as err:
@@ -284,9 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from offload_runner.sweep import collect_and_report
 
         return collect_and_report(options.collect)
-    register_all(options.extra_recipe_dirs)
+    register_all(options.extra_recipes)
     if options.list_recipes:
-        paths = recipe_paths(options.extra_recipe_dirs)
+        paths = recipe_paths(options.extra_recipes)
         console.print_recipes({name: recipe_description(p) for name, p in paths.items()})
         return EXIT_OK
     return _run_hydra(options, hydra_args)

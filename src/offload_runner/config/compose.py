@@ -7,6 +7,8 @@ config group ``recipe`` through the ConfigStore, so ``recipe=NAME`` and a recipe
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,11 +38,20 @@ RECIPE_ALIAS_SUFFIX = "_pretrain_config"  # Megatron-Bridge's recipe function na
 OFFLOAD_GROUPS = ("offload/activation", "offload/weight", "offload/optimizer")
 
 
-def recipe_paths(extra_dirs: Sequence[Path] = ()) -> dict[str, Path]:
-    """Recipe name -> YAML file, from recipes/ and any extra folders (later ones win)."""
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def recipe_paths(extra: Sequence[Path] = ()) -> dict[str, Path]:
+    """Recipe name -> YAML file, from recipes/ and ``extra`` (recipe files, or folders of them;
+    later ones win). A recipe file named on the command line comes alone, not with its folder."""
     found: dict[str, Path] = {}
-    for folder in (RECIPES_DIR, *extra_dirs):
-        for path in sorted(Path(folder).glob("*.yaml")):
+    for source in (RECIPES_DIR, *map(Path, extra)):
+        files = (
+            [source]
+            if source.is_file()
+            else sorted(p for p in source.glob("*") if p.suffix in RECIPE_SUFFIXES)
+        )
+        for path in files:
             found[path.stem] = path
     return found
 
@@ -59,11 +70,11 @@ def normalize_recipe_name(name: str) -> str:
     return name.removesuffix(RECIPE_ALIAS_SUFFIX)
 
 
-def register_recipes(extra_dirs: Sequence[Path] = ()) -> None:
+def register_recipes(extra: Sequence[Path] = ()) -> None:
     """Offer every recipe YAML to Hydra as an option of the ``recipe`` group (package _global_)."""
     store = ConfigStore.instance()
     store.repo.pop("recipe", None)  # forget recipes of an earlier call in this process
-    for name, path in recipe_paths(extra_dirs).items():
+    for name, path in recipe_paths(extra).items():
         store.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
 
 
@@ -102,6 +113,48 @@ def compose_config(
             overrides=list(overrides),
             return_hydra_config=return_hydra_config,
         )
+
+
+def schema_keys(node: type = RunConfig, prefix: str = "") -> set[str]:
+    """Every dotted key of the schema (``optimizer.lr``, ...); a list or dict field is a leaf."""
+    keys = set()
+    for f in dataclasses.fields(node):
+        key = f"{prefix}{f.name}"
+        keys.add(key)
+        if dataclasses.is_dataclass(f.type) or (
+            isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+        ):
+            keys |= schema_keys(f.default_factory, f"{key}.")  # type: ignore[arg-type]
+    return keys
+
+
+def closest_key(key: str, known: set[str]) -> str | None:
+    """The schema key a misspelt one most likely meant (same section first)."""
+    section = key.rpartition(".")[0]
+    same = [k for k in known if k.rpartition(".")[0] == section]
+    found = difflib.get_close_matches(key, same or known, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def unknown_keys(cfg: DictConfig) -> list[str]:
+    """Keys of a config (composed, or one recipe file) that the schema does not have, such as
+    those added with ``+`` on the command line, which Hydra allows: they would be saved and
+    silently ignored."""
+    known = schema_keys()
+
+    def walk(node: DictConfig, prefix: str) -> list[str]:
+        found = []
+        for key in node:
+            full = f"{prefix}{key}"
+            if prefix == "" and key in ("hydra", "defaults"):
+                continue
+            if full not in known:
+                found.append(full)
+            elif isinstance(node[key], DictConfig) and any(k.startswith(f"{full}.") for k in known):
+                found += walk(node[key], f"{full}.")
+        return found
+
+    return walk(cfg, "")
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
