@@ -29,7 +29,7 @@ def test_split_argv_translates_bridge_flags() -> None:
     assert options.mode == Mode.dry_run
     assert hydra_args == ["recipe=llama3_8b", "model.num_layers=1"]
     _, hydra_args = split_argv(["--recipe=tiny", "-m", "train.seed=1,2"])
-    assert hydra_args == ["recipe=tiny", "-m", "train.seed=1,2"]
+    assert hydra_args == ["-m", "recipe=tiny", "train.seed=1,2"]
     _, hydra_args = split_argv(["recipe=qwen3_30b_a3b_pretrain_config"])
     assert hydra_args == ["recipe=qwen3_30b_a3b"]
 
@@ -305,3 +305,24 @@ def test_unknown_key_in_a_recipe_file_is_refused(tmp_path: Path, capsys) -> None
     assert main(["--recipe", str(recipe), "--dry-run", f"output_dir={tmp_path}/o"]) == 2
     captured = capsys.readouterr()
     assert "did you mean model.num_layers?" in captured.out + captured.err
+
+
+def test_hydra_flags_work_in_any_position(capsys, tmp_path: Path) -> None:
+    _, args = split_argv(["--recipe", "tiny", "--cfg", "job", "model.num_layers=8"])
+    assert args == ["--cfg", "job", "recipe=tiny", "model.num_layers=8"]
+    _, args = split_argv(["model.num_layers=8", "--info", "defaults", "-m", "train.seed=1,2"])
+    assert args == ["--info", "defaults", "-m", "model.num_layers=8", "train.seed=1,2"]
+    assert main(["--recipe", "tiny", "--cfg", "job", "model.num_layers=8"]) == EXIT_OK
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["num_layers"] == 8
+    sweep = tmp_path / "sweep"
+    code = main(["--recipe", "tiny", "-m", "train.micro_batch_size=1,2", "--dry-run",
+                 f"hydra.sweep.dir={sweep}"])  # fmt: skip
+    assert code == EXIT_OK and (sweep / "1/config.yaml").is_file()
+
+
+@pytest.mark.parametrize("extra", [["model.num_layers=0"], ["--plan"]], ids=["refused", "plan"])
+def test_a_sweep_that_runs_nothing_leaves_nothing(extra, tmp_path: Path, capsys) -> None:
+    sweep = tmp_path / "sweep"
+    main(["--recipe", "tiny", "-m", "train.seed=1,2", *extra, f"hydra.sweep.dir={sweep}"])
+    assert not sweep.exists()
+    assert "--collect" not in capsys.readouterr().out

@@ -72,6 +72,11 @@ class CliOptions:
 
 
 MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.verify}
+# Hydra's flags that take the next argument as their value (``--info`` takes one optionally).
+HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+                     "-cn", "--config-dir", "-cd", "--experimental-rerun", "--shell-completion",
+                     "-sc")  # fmt: skip
+HYDRA_INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
 class UsageError(Exception):
@@ -86,6 +91,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     """Take offload-runner's flags out; translate ``--recipe NAME`` into ``recipe=NAME``."""
     options = CliOptions()
     hydra_args: list[str] = []
+    hydra_flags: list[str] = []  # Hydra's own flags go first: argparse takes overrides after them
     args = list(argv)
     json_output = False
     while args:
@@ -119,9 +125,17 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             hydra_args.append(f"recipe={_recipe_choice(value, options)}")
         elif arg.startswith("recipe="):
             hydra_args.append(f"recipe={_recipe_choice(arg.partition('=')[2], options)}")
+        elif arg.startswith("-"):
+            hydra_flags.append(arg)
+            takes_value = arg in HYDRA_VALUE_FLAGS or (
+                arg in ("--info", "-i") and bool(args) and args[0] in HYDRA_INFO_CHOICES
+            )
+            if takes_value and args:
+                hydra_flags.append(args.pop(0))
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
+    hydra_args = hydra_flags + hydra_args
     if json_output:
         if options.mode != Mode.plan:
             raise UsageError("--json goes with --plan", "python run_recipe.py ... --plan --json")
@@ -380,8 +394,25 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         return EXIT_USAGE if code == 1 and not outcome.started else code
     finally:
         sys.argv = saved_argv
-    if outcome.sweep_dir and options.mode in (Mode.train, Mode.verify):
-        console.console.print(
-            f"sweep done; its table and plot: python run_recipe.py --collect {outcome.sweep_dir}"
-        )
+    kept = outcome.sweep_dir and not _remove_if_no_run(Path(outcome.sweep_dir))
+    if kept and options.mode in (Mode.train, Mode.verify):
+        hint = f"python run_recipe.py --collect {outcome.sweep_dir}"
+        console.console.print(f"sweep done; its table and plot: {hint}")
     return outcome.code
+
+
+def _remove_if_no_run(sweep_dir: Path) -> bool:
+    """Take back what Hydra made for a sweep none of whose jobs made a run directory (each was
+    refused, or --plan): its multirun.yaml and the empty job folders. True if it is gone."""
+    if not sweep_dir.is_dir():
+        return True
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir()]
+    if any(any(job.iterdir()) for job in jobs):
+        return False
+    for job in jobs:
+        job.rmdir()
+    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+    if any(sweep_dir.iterdir()):
+        return False
+    sweep_dir.rmdir()
+    return True
