@@ -10,6 +10,7 @@ import yaml
 from conftest import run_cli
 
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Mode, main, split_argv
+from offload_runner.validation import te_available as validation_te_available
 
 BRIDGE_COMMAND = (
     "--recipe",
@@ -326,3 +327,46 @@ def test_a_sweep_that_runs_nothing_leaves_nothing(extra, tmp_path: Path, capsys)
     main(["--recipe", "tiny", "-m", "train.seed=1,2", *extra, f"hydra.sweep.dir={sweep}"])
     assert not sweep.exists()
     assert "--collect" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["file", "long"])
+def test_unusable_output_dir_is_one_line_and_exit_2(where: str, tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file/run" if where == "file" else tmp_path / ("a" * 300)
+    assert main(["--recipe", "tiny", "--dry-run", f"output_dir={out}"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot write the run directory" in err and "fix: set output_dir=" in err
+
+
+def test_time_stamped_runs_of_one_second_get_their_own_folders(tmp_path: Path) -> None:
+    # ${now:%Y}: both runs resolve to the same name, as two runs started in the same second do
+    args = ["--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/${{now:%Y}}-tiny"]
+    assert main(args) == EXIT_OK and main(args) == EXIT_OK
+    assert len(list(tmp_path.glob("*-tiny*/config.yaml"))) == 2
+    fixed = ["--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/mine"]
+    assert main(fixed) == EXIT_OK and main(fixed) == EXIT_OK  # a chosen name is used as it is
+    assert not list(tmp_path.glob("mine-*"))
+
+
+def test_dry_run_under_torchrun_is_rank_0s_alone(monkeypatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/run"]) == EXIT_OK
+    assert not (tmp_path / "run").exists()
+    assert "recipe tiny" not in capsys.readouterr().out
+
+
+def test_no_cuda_under_torchrun_says_so(monkeypatch, tmp_path: Path, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--recipe", "tiny", f"output_dir={tmp_path}/run"]) == EXIT_FAILED
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(validation_te_available(), reason="Transformer Engine is installed here")
+def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, capsys) -> None:
+    args = ["--recipe", "tiny", "offload/activation=enabled", "model.cpu_offloading_num_layers=1",
+            f"output_dir={tmp_path}/run"]  # fmt: skip
+    assert main(args) == EXIT_FAILED  # the machine lacks it: not a usage error
+    assert "Transformer Engine" in capsys.readouterr().err

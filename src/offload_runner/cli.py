@@ -9,7 +9,8 @@ offload-runner's own flags (``--recipe``, ``--dry-run``, ``--plan``, ``--verify`
 else goes to Hydra unchanged, so ``--cfg job``, ``--info defaults``,
 ``-m`` and ``--help`` keep their Hydra meaning.
 
-Exit codes: 0 ok; 1 the run failed; 2 the input is wrong (Hydra's message, or every broken rule
+Exit codes: 0 ok; 1 the run failed, or this machine cannot run it (no CUDA device, Transformer
+Engine missing where the job starts); 2 the input is wrong (Hydra's message, or every broken rule
 with its fix), with nothing written.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,7 +50,7 @@ from offload_runner.config.compose import (
 from offload_runner.config.schema import RunConfig
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import choose_offload, make_plan
-from offload_runner.rundir import create_run_dir
+from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, range_violations, validate
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -227,6 +229,8 @@ class _Outcome:
 
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
+    if mode in (Mode.dry_run, Mode.plan, Mode.plan_json) and os.environ.get("RANK", "0") != "0":
+        return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
     unknown = unknown_keys(cfg)
     if unknown:  # from a recipe file, or added with + on the command line
         console.fail(*_unknown_key_message(unknown[0], schema_keys()))
@@ -265,7 +269,9 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     violations = validate(run, env)
     if errors(violations):
         console.print_violations(violations)
-        return EXIT_USAGE
+        # only the machine is wrong (e.g. no Transformer Engine where the job starts): run failed
+        machine = all(v.environment for v in errors(violations))
+        return EXIT_FAILED if machine else EXIT_USAGE
 
     if mode in (Mode.plan, Mode.plan_json):
         plan = make_plan(run, world)
@@ -280,7 +286,8 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         console.print_config_tree(resolved, title=f"recipe {run.name}")
         console.print_offload_summary(summarize(run))
         console.print_checks(violations)
-        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides())
+        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
+                                 unique=_time_stamped(cfg))  # fmt: skip
         console.console.print(f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]")
         return EXIT_OK
     if mode == Mode.verify and not any_enabled(run):
@@ -295,11 +302,20 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     if mode == Mode.verify:
         from offload_runner.verify import verify
 
-        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides())
+        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
+                                 unique=_time_stamped(cfg))  # fmt: skip
         return verify(run, cfg, run_dir, _task_overrides())
     from offload_runner.launch import launch
 
-    return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir))
+    return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir), _time_stamped(cfg))
+
+
+def _time_stamped(cfg: DictConfig) -> bool:
+    """Whether output_dir is a time-stamped name (the default): two runs started in the same
+    second must not share it. A name the user chose is used as it is."""
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    raw = OmegaConf.to_container(cfg, resolve=False).get("output_dir", "")
+    return not multirun and "${now:" in str(raw)
 
 
 def _planned_world(run: RunConfig) -> int | None:
@@ -315,9 +331,7 @@ def _planned_world(run: RunConfig) -> int | None:
 def _gpu_visible() -> bool:
     import torch
 
-    from offload_runner.launch import in_torchrun
-
-    if in_torchrun() or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return True
     console.fail(
         "no CUDA device is visible on this machine; training needs at least one GPU",
@@ -381,7 +395,12 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
             job_cfg = HydraConfig.get().job
             console.console.rule(f"job {job_cfg.num}: {job_cfg.override_dirname or 'defaults'}")
             outcome.sweep_dir = HydraConfig.get().sweep.dir
-        outcome.code = max(outcome.code, execute(cfg, options.mode))
+        try:
+            code = execute(cfg, options.mode)
+        except RunDirError as err:
+            console.fail(str(err), err.fix)
+            code = EXIT_USAGE
+        outcome.code = max(outcome.code, code)
 
     GlobalHydra.instance().clear()  # a compose() earlier in this process must not linger
     saved_argv = sys.argv

@@ -65,14 +65,19 @@ def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) 
 
 
 def launch(
-    run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str], run_dir: str | Path
+    run: RunConfig,
+    resolved: Mapping[str, Any],
+    overrides: Sequence[str],
+    run_dir: str | Path,
+    unique: bool = False,
 ) -> int:
-    """Train ``run`` into ``run_dir``; returns the process exit code. The run directory gets a
-    status.json either way (``ok``, ``oom`` or ``failed``, with the rank that failed)."""
+    """Train ``run`` into ``run_dir`` (``unique``: a new folder, see create_run_dir); returns the
+    process exit code. The run directory gets a status.json either way (``ok``, ``oom`` or
+    ``failed``, with the rank that failed)."""
     if in_torchrun():
         from offload_runner.worker import train_in_place
 
-        return train_in_place(run, resolved, overrides, run_dir)
+        return train_in_place(run, resolved, overrides, run_dir, unique)
 
     import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -80,7 +85,7 @@ def launch(
     from torch.distributed.run import run as torchrun
 
     nproc = gpus_per_node(run.launcher, torch.cuda.device_count())
-    run_dir = create_run_dir(run_dir, resolved, overrides)
+    run_dir = create_run_dir(run_dir, resolved, overrides, unique=unique)
     console.console.print(
         f"launching {nproc} process(es) per node x {run.launcher.nnodes} node(s); "
         f"run directory [bold]{run_dir}[/]"

@@ -19,13 +19,48 @@ STATUS_FILE = "status.json"
 SUMMARY_FILE = "summary.json"
 
 
-def create_run_dir(path: str | Path, resolved: Mapping[str, Any], overrides: Sequence[str]) -> Path:
-    """Make the folder and write the resolved config and the overrides that produced it."""
+class RunDirError(Exception):
+    """The run directory cannot be made or written (permissions, a name too long, a file in the
+    way): a one-line message and its fix, for the command line to print."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+def create_run_dir(
+    path: str | Path, resolved: Mapping[str, Any], overrides: Sequence[str], unique: bool = False
+) -> Path:
+    """Make the folder and write the resolved config and the overrides that produced it.
+
+    ``unique``: the folder must be new (a time-stamped default name): if another run took it in
+    the same second, this one gets ``<name>-2``, ``-3``, ... (mkdir is atomic between processes).
+    """
     run_dir = Path(path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(resolved))))
-    (run_dir / OVERRIDES_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir = _claim(run_dir) if unique else run_dir
+        run_dir.mkdir(exist_ok=True)
+        (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(resolved))))
+        (run_dir / OVERRIDES_FILE).write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise RunDirError(
+            f"cannot write the run directory {path}: {reason}",
+            "set output_dir= to a folder you may write, with a shorter name if it is too long",
+        ) from None
     return run_dir
+
+
+def _claim(run_dir: Path) -> Path:
+    for n in range(1, 1000):
+        candidate = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(run_dir)
 
 
 def rank_log(run_dir: Path, rank: int) -> Path:

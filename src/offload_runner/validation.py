@@ -62,6 +62,7 @@ class Violation:
     level: Level
     message: str
     fix: str
+    environment: bool = False  # about this machine (e.g. Transformer Engine missing), not the input
 
     def __str__(self) -> str:
         return f"{self.message}\n    fix: {self.fix}"
@@ -594,7 +595,11 @@ def check_rules(run: RunConfig, env: Environment) -> list[Violation]:
             level = Level.warning
         found.append(
             Violation(
-                rule.name, level, _format(rule.message, run, env), _format(rule.fix, run, env)
+                rule.name,
+                level,
+                _format(rule.message, run, env),
+                _format(rule.fix, run, env),
+                rule.environment,
             )
         )
     return found

@@ -68,7 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def train_in_place(
-    run: RunConfig, resolved: Mapping[str, Any], overrides: Sequence[str], run_dir: str | Path
+    run: RunConfig,
+    resolved: Mapping[str, Any],
+    overrides: Sequence[str],
+    run_dir: str | Path,
+    unique: bool = False,
 ) -> int:
     """The user started torchrun around run_recipe.py: rank 0 makes the run directory and every
     rank takes its path from rank 0."""
@@ -77,7 +81,9 @@ def train_in_place(
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    path = [str(create_run_dir(run_dir, resolved, overrides))] if dist.get_rank() == 0 else [""]
+    path = [""]
+    if dist.get_rank() == 0:
+        path = [str(create_run_dir(run_dir, resolved, overrides, unique))]
     dist.broadcast_object_list(path, src=0)
     return _train(run, Path(path[0]), dist.get_rank())
 
