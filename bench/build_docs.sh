@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
   echo
   echo "Slowdown and peak GPU memory against \`optimizer.optimizer_offload_fraction\` at GBS 4, from"
   echo "suites \`cpu-adam\` (100%, delayed 25% and 40%) and \`cpu-adam-sweep\` (25-75%, HDO 50%), one"
-  echo "H200 (\`python bench/plot_cpu_adam_sweep.py docs/evidence/cpu-adam-sweep.png"
+  echo "H200 (\`python bench/plots.py sweep docs/evidence/cpu-adam-sweep.png"
   echo "bench/results/results-cpu-adam-4.json bench/results/results-cpu-adam-sweep.json\`):"
   echo
   echo "![CPU-Adam fraction sweep](evidence/cpu-adam-sweep.png)"
@@ -59,7 +59,7 @@ PY
   echo
   echo "Delayed against exact over 200 iterations at GBS 1 (suite \`cpu-adam-long\`; the two runs"
   echo "shared their machines with gpu tests, so only their losses count; \`python"
-  echo "bench/plot_losses.py docs/evidence/cpu-adam-long.png bench/results/results-cpu-adam-long-*.json\`):"
+  echo "bench/plots.py losses docs/evidence/cpu-adam-long.png bench/results/results-cpu-adam-long-*.json\`):"
   echo
   echo "![delayed against exact, 200 iterations](evidence/cpu-adam-long.png)"
   echo

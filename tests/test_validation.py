@@ -93,6 +93,18 @@ CASES = [
         "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
     ),
     Case(
+        "weight_offload_alone_is_a_no_op",
+        ("recipe=tiny", "offload/weight=enabled"),
+        ("recipe=tiny", "offload/weight=enabled", "offload/activation=enabled"),
+        "Offloading weights is deprecated. Using offload_weights=True does not have any effect.",
+    ),
+    Case(
+        "weight_offload_is_a_no_op",
+        ("recipe=tiny", "offload/weight=enabled", "offload/activation=enabled"),
+        ("recipe=tiny", "offload/activation=enabled"),
+        "model.cpu_offloading_weights=true has no effect",
+    ),
+    Case(
         "cpu_offloading_zero_layers",
         ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=0"),
         ("recipe=tiny", *ACT, "model.cpu_offloading_num_layers=1"),

@@ -154,6 +154,27 @@ RULES: tuple[Rule, ...] = (
         "(model.cpu_offloading_activations=true / model.cpu_offloading_weights=true)",
     ),
     Rule(
+        "weight_offload_alone_is_a_no_op",
+        lambda c, e: c.model.cpu_offloading
+        and c.model.cpu_offloading_weights
+        and not c.model.cpu_offloading_activations,
+        "Offloading weights is deprecated. Using offload_weights=True does not have any effect. "
+        "(Transformer Engine >= 2.4, both offload paths; weights alone leave Megatron-Core's "
+        "output layer a nullcontext: 'nullcontext' object has no attribute 'inside_context')",
+        "remove offload/weight=enabled; to save memory offload the optimizer "
+        "(offload/optimizer=cpu_adam or states) or activations (offload/activation=enabled)",
+    ),
+    Rule(
+        "weight_offload_is_a_no_op",
+        lambda c, e: c.model.cpu_offloading
+        and c.model.cpu_offloading_weights
+        and c.model.cpu_offloading_activations,
+        "model.cpu_offloading_weights=true has no effect: Transformer Engine >= 2.4 offloads "
+        "activations only (Offloading weights is deprecated)",
+        "remove offload/weight=enabled (model.cpu_offloading_weights); activations are offloaded",
+        Level.warning,  # a Megatron-Bridge line that trains there (weights ignored) trains here
+    ),
+    Rule(
         "cpu_offloading_zero_layers",
         lambda c, e: c.model.cpu_offloading and c.model.cpu_offloading_num_layers == 0,
         "model.cpu_offloading=true with model.cpu_offloading_num_layers=0 offloads no layer "

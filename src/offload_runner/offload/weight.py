@@ -1,8 +1,12 @@
-"""Layer-level weight offload through Transformer Engine.
+"""Layer-level weight offload through Transformer Engine: a no-op in every supported release.
 
-Transformer Engine >= 2.5 ignores ``offload_weights`` on its default (V2) offload path; only the
-V1 path (``NVTE_CPU_OFFLOAD_V1=1``) still offloads weights and honours double buffering. The
-launcher sets that variable for every rank when either is requested (``needs_te_v1_path``).
+Transformer Engine >= 2.4 (both its default path and the V1 path, ``NVTE_CPU_OFFLOAD_V1=1``)
+warns "Offloading weights is deprecated. Using offload_weights=True does not have any effect."
+With weights alone it returns a ``nullcontext`` that Megatron-Core's output layer cannot use
+(``'nullcontext' object has no attribute 'inside_context'``, measured on megatron-core 0.19.2 with
+TE 2.20.2). Validation therefore refuses weights alone and warns when weights ride along with
+activations (rules ``weight_offload_*``). The option stays so Megatron-Bridge command lines parse.
+The V1 path is still selected for double buffering, which only it implements.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The CPU-offload fraction sweep as a plot: slowdown against this suite's baseline and peak GPU
-memory, per engine (HybridDeviceOptimizer + overlap, cpu_adam, cpu_adam_delayed), at GBS 4.
+"""Plots for docs/BENCHMARKS.md from bench result files (every point a real run).
 
-    python bench/plot_cpu_adam_sweep.py OUT.png bench/results/results-cpu-adam-4.json \\
-        bench/results/results-cpu-adam-sweep-*.json
+    python bench/plots.py sweep OUT.png bench/results/results-cpu-adam-4.json \\
+        bench/results/results-cpu-adam-sweep.json
+    python bench/plots.py losses OUT.png bench/results/results-cpu-adam-long-*.json
 
-Each point is a real run from the given result files, set against the no-offload baseline of its
-own suite (one line per engine and suite: the baselines of two suites differ, see BENCHMARKS).
+``sweep``: the CPU-offload fraction sweep, slowdown against each suite's own no-offload run and
+peak GPU memory, one line per engine (HybridDeviceOptimizer + overlap, cpu_adam,
+cpu_adam_delayed) and suite (the baselines of two suites differ, see BENCHMARKS).
+``losses``: each run's per-iteration global loss, raw and as a moving average.
 """
 
 from __future__ import annotations
@@ -14,6 +16,22 @@ import json
 import re
 import sys
 from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: str) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
 
 ENGINES = {"HDO": "HybridDeviceOptimizer + overlap", "cpu_adam": "cpu_adam (exact)",
            "cpu_adam_delayed": "cpu_adam_delayed"}  # fmt: skip
@@ -39,12 +57,8 @@ def points(files: list[Path]) -> dict[tuple[str, str], list[tuple[float, float, 
     return {key: sorted(v) for key, v in sorted(found.items())}
 
 
-def main(out: str, *files: str) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def sweep(out: str, *files: str) -> None:
+    plt = _pyplot()
     data = points([Path(f) for f in files])
     fig, (slow, peak) = plt.subplots(1, 2, figsize=(10, 4))
     colors = dict(zip(ENGINES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
@@ -61,11 +75,38 @@ def main(out: str, *files: str) -> int:
     peak.set(xlabel="optimizer_offload_fraction", ylabel="peak GPU memory (GiB)",
              title="peak GPU memory", ylim=(0, None))  # fmt: skip
     slow.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
-    return 0
+    _save(fig, out)
 
+
+WINDOW = 20  # iterations in the moving average
+
+
+def moving_average(values: list[float], window: int = WINDOW) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def losses(out: str, *files: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for path in files:
+        for r in json.loads(Path(path).read_text())["results"]:
+            losses = r["summary"].get("losses", [])
+            x = range(1, len(losses) + 1)
+            (line,) = ax.plot(x, moving_average(losses), label=f"{r['case']['name']} "
+                              f"(mean of {WINDOW})")  # fmt: skip
+            ax.plot(x, losses, color=line.get_color(), alpha=0.2, lw=0.8)
+    ax.set(xlabel="iteration", ylabel="loss", title="loss against iteration")
+    ax.legend()
+    _save(fig, out)
+
+
+PLOTS = {"sweep": sweep, "losses": losses}
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    if len(sys.argv) < 4 or sys.argv[1] not in PLOTS:
+        sys.exit(f"usage: python bench/plots.py {{{'|'.join(PLOTS)}}} OUT.png RESULTS.json ...")
+    PLOTS[sys.argv[1]](*sys.argv[2:])
