@@ -78,6 +78,9 @@ case "$1" in
   cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
     bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
     bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
+  options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
+    python bench/run_benchmarks.py run --suite "$1" --iters 8 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   profile-4)  # GBS 4: baseline, its precision-aware twin and cpu_adam 100%, iterations 6-7 profiled
     for c in "base|" "pao|optimizer.use_precision_aware_optimizer=true" "cpu_adam|offload/optimizer=cpu_adam"; do
       name=${c%%|*}; extra=${c#*|}

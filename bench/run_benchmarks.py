@@ -170,6 +170,32 @@ def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ..
     return cases
 
 
+# Every option of conf/offload/ (but disabled and auto) and fine-grained activation offload, each
+# training beside the no-offload run of the same suite (two calls: the HDO runs are slow).
+OPTION = ("train.global_batch_size=4", "train.micro_batch_size=1")
+OPTION_BASE = "options no offload"
+FINE_GRAINED = ("model.fine_grained_activation_offloading=true",
+                "model.offload_modules=[expert_fc1,moe_act,core_attn,attn_proj]")  # fmt: skip
+
+
+def _option(name: str, *overrides: str) -> Case:
+    return Case(f"options {name}", PROXY_RECIPE, (*OPTION, *overrides), OPTION_BASE)
+
+
+OPTIONS_1 = [
+    _option("no offload"),
+    _option("activation enabled, 2 layers", "offload/activation=enabled",
+            "model.cpu_offloading_num_layers=2"),
+    _option("fine-grained activation offload", *FINE_GRAINED),
+    _option("optimizer states", "offload/optimizer=states"),
+    _option("cpu_adam", "offload/optimizer=cpu_adam"),
+    _option("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed", *DELAY),
+]  # fmt: skip
+OPTIONS_2 = [
+    _option("no offload"),
+    *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (25, 50, 75, 100)),
+]
+
 LONG_EXACT = Case("long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"),
                   "long cpu_adam 100%")  # fmt: skip
 LONG_DELAYED = Case("long cpu_adam_delayed 100%", PROXY_RECIPE,
@@ -185,6 +211,8 @@ SUITES: dict[str, list[Case]] = {
     # Data parallel over two GPUs: each rank updates its half of the shard on its share of cores.
     "cpu-adam-dp2": _cpu_adam_cases(4, (0.25,), nproc=2),
     # Delayed against exact over many iterations (run with --iters 200): the loss curves.
+    "options-1": OPTIONS_1,
+    "options-2": OPTIONS_2,
     "cpu-adam-long": [LONG_EXACT, LONG_DELAYED],
     # The same two split over device calls (the family renders as one table).
     "cpu-adam-long-1": [LONG_EXACT],

@@ -155,9 +155,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_offload_alone_is_a_no_op",
-        lambda c, e: c.model.cpu_offloading
-        and c.model.cpu_offloading_weights
-        and not c.model.cpu_offloading_activations,
+        lambda c, e: (
+            c.model.cpu_offloading
+            and c.model.cpu_offloading_weights
+            and not c.model.cpu_offloading_activations
+        ),
         "Offloading weights is deprecated. Using offload_weights=True does not have any effect. "
         "(Transformer Engine >= 2.4, both offload paths; weights alone leave Megatron-Core's "
         "output layer a nullcontext: 'nullcontext' object has no attribute 'inside_context')",
@@ -166,9 +168,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_offload_is_a_no_op",
-        lambda c, e: c.model.cpu_offloading
-        and c.model.cpu_offloading_weights
-        and c.model.cpu_offloading_activations,
+        lambda c, e: (
+            c.model.cpu_offloading
+            and c.model.cpu_offloading_weights
+            and c.model.cpu_offloading_activations
+        ),
         "model.cpu_offloading_weights=true has no effect: Transformer Engine >= 2.4 offloads "
         "activations only (Offloading weights is deprecated)",
         "remove offload/weight=enabled (model.cpu_offloading_weights); activations are offloaded",
