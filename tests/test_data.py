@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import compose_run
 
-from offload_runner.build.data import build_data_iterator, build_train_dataset
+from offload_runner.mcore.data import build_data_iterator, build_train_dataset
 
 
 def write_indexed_dataset(prefix: Path, documents: int = 120, vocab: int = 4000) -> None:

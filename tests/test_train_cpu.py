@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offload_runner.build.data import MicroBatchSampler, parse_blend
 from offload_runner.config.schema import LauncherConfig
 from offload_runner.launch import in_torchrun, nodes, torchrun_args
+from offload_runner.mcore.data import MicroBatchSampler, parse_blend
 from offload_runner.train import context_parallel_slice, loss_func
 
 
@@ -111,3 +111,23 @@ def test_planned_world_size(monkeypatch) -> None:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "32")
     assert planned_world_size(LauncherConfig(), visible=8) == 32
+
+
+def test_manual_gc_collects_only_on_its_interval(monkeypatch) -> None:
+    import gc
+
+    from offload_runner.train import ManualGC
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    assert gc.isenabled()
+    with ManualGC(enabled=True, interval=3) as collector:
+        assert not gc.isenabled()
+        start = len(collected)  # one collection on entry
+        for iteration in range(1, 10):
+            collector.step(iteration)
+        assert len(collected) - start == 3  # iterations 3, 6, 9
+    assert gc.isenabled()
+    with ManualGC(enabled=False, interval=3) as collector:
+        assert gc.isenabled()
+        collector.step(3)

@@ -447,6 +447,12 @@ CASES = [
         "dataset.kind=indexed needs dataset.data_path",
     ),
     Case(
+        "manual_gc_interval_unused",
+        ("recipe=tiny", "train.manual_gc_interval=10"),
+        ("recipe=tiny", "train.manual_gc_interval=10", "train.manual_gc=true"),
+        "train.manual_gc_interval=10 has no effect while train.manual_gc=false",
+    ),
+    Case(
         "profile_one_tool",
         ("recipe=tiny", "profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"),
         ("recipe=tiny", "profiling.use_pytorch_profiler=true"),

@@ -6,6 +6,7 @@ dist_checkpointing); this module wires them the way Megatron-LM's pretrain loop 
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
@@ -97,6 +98,30 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"], cp_group=cp_group)
 
 
+class ManualGC:
+    """``train.manual_gc``: Python's automatic collector off for the training loop (a collection
+    of a large heap stalls the thread that launches kernels, at a different moment on each rank),
+    ``gc.collect()`` every ``train.manual_gc_interval`` iterations instead (0: never)."""
+
+    def __init__(self, enabled: bool, interval: int) -> None:
+        self.enabled, self.interval = enabled, interval
+        self._was_enabled = gc.isenabled()
+
+    def __enter__(self) -> ManualGC:
+        if self.enabled:
+            gc.disable()
+            gc.collect()
+        return self
+
+    def step(self, iteration: int) -> None:
+        if self.enabled and self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled and self._was_enabled:
+            gc.enable()
+
+
 def global_loss(losses: list[dict], pipeline_size: int, context_size: int) -> float:
     """Mean LM loss over micro-batches and data-parallel replicas, known on every rank.
 
@@ -119,10 +144,10 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from offload_runner import checkpoint
-    from offload_runner.build.data import build_data_iterator, build_train_dataset
-    from offload_runner.build.megatron_config import build_transformer_config
-    from offload_runner.build.model import build_model
-    from offload_runner.build.optimizer import build_optimizer, build_scheduler
+    from offload_runner.mcore.data import build_data_iterator, build_train_dataset
+    from offload_runner.mcore.megatron_config import build_transformer_config
+    from offload_runner.mcore.model import build_model
+    from offload_runner.mcore.optimizer import build_optimizer, build_scheduler
     from offload_runner.offload import cpu_adam, optimizer_states
     from offload_runner.profiling import IterationProfiler
 
@@ -169,9 +194,11 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     peak_so_far = torch.cuda.max_memory_allocated() / GB
     saved_at = None
     profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
-    with reporter:
+    collector = ManualGC(t.manual_gc, t.manual_gc_interval)
+    with reporter, collector:
         for iteration in range(start + 1, t.train_iters + 1):
             profiler.begin(iteration)
+            collector.step(iteration)
             # The compute stream only: offload copies on side streams may run into the next step.
             torch.cuda.current_stream().synchronize()
             torch.cuda.reset_peak_memory_stats()

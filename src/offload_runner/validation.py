@@ -568,6 +568,13 @@ RULES: tuple[Rule, ...] = (
         "dataset.kind=indexed needs dataset.data_path (a .bin/.idx prefix or a blend)",
         "add dataset.data_path='[/data/my_text_document]', or data=mock",
     ),
+    Rule(
+        "manual_gc_interval_unused",
+        lambda c, e: c.train.manual_gc_interval > 0 and not c.train.manual_gc,
+        "train.manual_gc_interval={t.manual_gc_interval} has no effect while train.manual_gc=false",
+        "add train.manual_gc=true (or drop train.manual_gc_interval)",
+        Level.warning,
+    ),
     # --- profiling -------------------------------------------------------------------------------
     Rule(
         "profile_one_tool",
@@ -636,7 +643,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
     The precision-aware optimizer's checks import Transformer Engine; without TE they are left to
     the table above (precision_aware_* rows), which holds the same conditions.
     """
-    from offload_runner.build.megatron_config import (
+    from offload_runner.mcore.megatron_config import (
         build_ddp_config,
         build_optimizer_config,
         build_transformer_config,
@@ -716,6 +723,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("train", "train_iters"): (1, None),
     ("train", "global_batch_size"): (1, None),
     ("train", "micro_batch_size"): (1, None),
+    ("train", "manual_gc_interval"): (0, None),
     ("logger", "log_interval"): (1, None),
     ("checkpoint", "save_interval"): (1, None),
     ("dataset", "num_workers"): (0, None),

@@ -254,6 +254,10 @@ class TrainConfig:
     micro_batch_size: int = 1
     seed: int = 1234
     exit_on_oom: bool = False
+    # Megatron-Bridge's manual GC: Python's collector off during training, gc.collect() every
+    # manual_gc_interval iterations (0: never), so no rank pauses at its own moment.
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
 
 
 @dataclass

@@ -46,7 +46,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    from offload_runner.build.megatron_config import build_ddp_config
+    from offload_runner.mcore.megatron_config import build_ddp_config
 
     m = run.model
     model = GPTModel(

@@ -11,7 +11,7 @@ def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_worl
     offload-runner's CPU-Adam engines (``local_rank``/``local_world`` pick the rank's cores)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from offload_runner.build.megatron_config import build_optimizer_config
+    from offload_runner.mcore.megatron_config import build_optimizer_config
     from offload_runner.offload import cpu_adam
 
     optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
