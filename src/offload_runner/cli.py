@@ -48,6 +48,7 @@ from offload_runner.config.compose import (
     unknown_keys,
 )
 from offload_runner.config.schema import RunConfig
+from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import choose_offload, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
@@ -237,6 +238,18 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         return EXIT_USAGE
     try:
         run = to_run_config(cfg)
+        rendezvous = submitit_rendezvous(run.launcher)  # a job of hydra/launcher=submitit_*
+        if rendezvous:
+            if _submitit_tasks_per_node() not in (None, 1):
+                console.fail(
+                    "hydra.launcher.tasks_per_node must be 1: each node runs one torchrun agent, "
+                    "which starts one rank per GPU",
+                    "set hydra.launcher.tasks_per_node=1 (and hydra.launcher.gpus_per_node)",
+                )
+                return EXIT_USAGE
+            for key, value in rendezvous.items():
+                OmegaConf.update(cfg, key, value)
+            run = to_run_config(cfg)
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
@@ -316,6 +329,13 @@ def _time_stamped(cfg: DictConfig) -> bool:
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     raw = OmegaConf.to_container(cfg, resolve=False).get("output_dir", "")
     return not multirun and "${now:" in str(raw)
+
+
+def _submitit_tasks_per_node() -> int | None:
+    """hydra.launcher.tasks_per_node of a submitit launcher (None for other launchers)."""
+    if not HydraConfig.initialized():
+        return None
+    return OmegaConf.select(HydraConfig.get().launcher, "tasks_per_node", default=None)
 
 
 def _planned_world(run: RunConfig) -> int | None:

@@ -48,6 +48,30 @@ def planned_world_size(launcher: LauncherConfig, visible: int) -> int | None:
     return None if node_count is None else node_count * gpus_per_node(launcher, visible)
 
 
+SUBMITIT_PORT = 29500  # the rendezvous port on a submitit job's first node
+
+
+def submitit_rendezvous(launcher: LauncherConfig,
+                        environ: Mapping[str, str] = os.environ) -> dict[str, Any]:  # fmt: skip
+    """Inside a job that Hydra's submitit launcher started (``hydra/launcher=submitit_slurm``,
+    one task per node): the launcher keys that make this node's torchrun agent join the others,
+    from submitit's job environment (Slurm's node list, node id, job id). Keys the user set
+    (nnodes other than 1, an rdzv_endpoint) are kept; outside such a job nothing changes."""
+    if not environ.get("SUBMITIT_EXECUTOR"):
+        return {}
+    import submitit
+
+    job = submitit.JobEnvironment()
+    found: dict[str, Any] = {}
+    if launcher.nnodes == "1":
+        found["launcher.nnodes"] = str(job.num_nodes)
+    if launcher.rdzv_endpoint is None:
+        found["launcher.rdzv_endpoint"] = f"{job.hostnames[0]}:{SUBMITIT_PORT}"
+        found["launcher.rdzv_id"] = f"submitit-{job.job_id}"
+        found["launcher.node_rank"] = job.node
+    return found
+
+
 def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) -> list[str]:
     """torch.distributed.run's arguments for this launcher config."""
     args = ["--nproc-per-node", str(nproc_per_node), "--max-restarts", str(launcher.max_restarts)]
