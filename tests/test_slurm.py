@@ -65,8 +65,9 @@ def test_more_than_one_task_per_node_is_refused(tmp_path: Path) -> None:
     from tests.conftest import run_cli
 
     sweep = tmp_path / "sweep"
-    run_cli("-m", "--recipe", "tiny", "--dry-run", "hydra/launcher=submitit_local",
-            "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    result = run_cli("-m", "--recipe", "tiny", "--dry-run", "hydra/launcher=submitit_local",
+                     "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    assert result.returncode == 2  # the job's own exit code, read back from its saved result
     logs = " ".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.err"))
     assert "hydra.launcher.tasks_per_node must be 1" in " ".join(logs.split())
     assert not (sweep / "0" / "config.yaml").exists()

@@ -409,7 +409,7 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
     outcome = _Outcome()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-    def job(cfg: DictConfig) -> None:
+    def job(cfg: DictConfig) -> int:
         outcome.started = True
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             job_cfg = HydraConfig.get().job
@@ -421,6 +421,7 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
             console.fail(str(err), err.fix)
             code = EXIT_USAGE
         outcome.code = max(outcome.code, code)
+        return code  # a submitit job's result: the parent reads it back (_submitted_jobs_code)
 
     GlobalHydra.instance().clear()  # a compose() earlier in this process must not linger
     saved_argv = sys.argv
@@ -433,11 +434,43 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         return EXIT_USAGE if code == 1 and not outcome.started else code
     finally:
         sys.argv = saved_argv
+    if not outcome.started:  # the jobs ran elsewhere (hydra/launcher=submitit_*)
+        outcome.sweep_dir = _sweep_dir_of(hydra_args)
+        outcome.code = _submitted_jobs_code(outcome.sweep_dir)
     kept = outcome.sweep_dir and not _remove_if_no_run(Path(outcome.sweep_dir))
     if kept and options.mode in (Mode.train, Mode.verify):
         hint = f"python run_recipe.py --collect {outcome.sweep_dir}"
         console.console.print(f"sweep done; its table and plot: {hint}")
     return outcome.code
+
+
+def _sweep_dir_of(hydra_args: list[str]) -> str | None:
+    """The sweep folder of a multirun whose jobs Hydra's submitit launcher ran: the newest
+    folder holding a ``.submitit`` that this command's ``hydra.sweep.dir`` (or the default
+    multirun/ layout) names."""
+    given = [a.partition("=")[2] for a in hydra_args if a.startswith("hydra.sweep.dir=")]
+    if given:
+        return given[-1]
+    found = sorted(Path("multirun").glob("*/*/.submitit"), key=lambda p: p.stat().st_mtime)
+    return str(found[-1].parent) if found else None
+
+
+def _submitted_jobs_code(sweep_dir: str | None) -> int:
+    """The worst exit code of the jobs a submitit launcher ran, from the results it saved."""
+    import pickle
+
+    if not sweep_dir:
+        return EXIT_OK
+    code = EXIT_OK
+    for result in Path(sweep_dir).glob(".submitit/*/*_result.pkl"):
+        with result.open("rb") as f:
+            state, value = pickle.load(f)
+        try:  # a JobReturn; its return_value raises what the job raised
+            job_code = value.return_value if state == "success" else EXIT_FAILED
+        except Exception:  # noqa: BLE001 - the job itself failed: reported in its own log
+            job_code = EXIT_FAILED
+        code = max(code, job_code if isinstance(job_code, int) else EXIT_FAILED)
+    return code
 
 
 def _remove_if_no_run(sweep_dir: Path) -> bool:
