@@ -78,6 +78,9 @@ case "$1" in
   cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
     bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
     bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
+  full-4gpu)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), offloads that fit, PP2
+    python bench/run_benchmarks.py run --suite full-4gpu --iters 20 \
+      --out "$OUT/results-full-4gpu.json" --work-dir "$WORK/bench" ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;

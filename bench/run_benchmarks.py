@@ -196,6 +196,26 @@ OPTIONS_2 = [
     *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (25, 50, 75, 100)),
 ]
 
+# The full 48-layer Qwen3-30B-A3B on one 4-GPU node (nvidia-h200-x4): no offload runs out of GPU
+# memory (status oom), the offloads that fit train, and a PP2 layout with optimizer offload.
+FULL = ("train.global_batch_size=16", "train.micro_batch_size=1",
+        "planner.gpu_memory_gb=139", "planner.host_memory_gb=500")  # fmt: skip
+FULL_BASE = "full EP4 no offload"
+
+
+def _full(name: str, *overrides: str) -> Case:
+    return Case(f"full {name}", "qwen3_30b_a3b", (*FULL, *overrides), FULL_BASE, nproc=4)
+
+
+FULL_4GPU = [
+    _full("EP4 no offload", "parallel=ep4"),
+    _full("EP4 cpu_adam 50%", "parallel=ep4", "offload/optimizer=cpu_adam",
+          "optimizer.optimizer_offload_fraction=0.5"),
+    _full("EP4 HDO 50%", "parallel=ep4", "offload/optimizer=cpu_50"),
+    _full("EP4 optimizer states", "parallel=ep4", "offload/optimizer=states"),
+    _full("PP2 EP2 cpu_adam 100%", "parallel=pp2_ep2", "offload/optimizer=cpu_adam"),
+]  # fmt: skip
+
 LONG_EXACT = Case("long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"),
                   "long cpu_adam 100%")  # fmt: skip
 LONG_DELAYED = Case("long cpu_adam_delayed 100%", PROXY_RECIPE,
@@ -211,6 +231,7 @@ SUITES: dict[str, list[Case]] = {
     # Data parallel over two GPUs: each rank updates its half of the shard on its share of cores.
     "cpu-adam-dp2": _cpu_adam_cases(4, (0.25,), nproc=2),
     # Delayed against exact over many iterations (run with --iters 200): the loss curves.
+    "full-4gpu": FULL_4GPU,
     "options-1": OPTIONS_1,
     "options-2": OPTIONS_2,
     "cpu-adam-long": [LONG_EXACT, LONG_DELAYED],

@@ -1,0 +1,28 @@
+"""Every case of every bench suite passes validation and --plan arithmetic on the CPU, so a GPU
+session never spends device time on a command line that is refused."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import PROJECT_ROOT
+
+from offload_runner.cli import EXIT_FAILED, EXIT_OK, main
+
+sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+import run_benchmarks  # noqa: E402
+
+CASES = {case.name: case for cases in run_benchmarks.SUITES.values() for case in cases}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bench_case_is_accepted(name: str, tmp_path) -> None:
+    case = CASES[name]
+    args = ["--recipe", case.recipe, *case.overrides, f"launcher.nproc_per_node={case.nproc}",
+            f"output_dir={tmp_path}/run"]  # fmt: skip
+    assert main([*args, "--dry-run"]) == EXIT_OK, name
+    # the no-offload row of the full model is meant not to fit; every other row fits
+    expected = EXIT_FAILED if name == run_benchmarks.FULL_BASE else EXIT_OK
+    if case.recipe == "qwen3_30b_a3b":
+        assert main([*args, "--plan"]) == expected, name
