@@ -131,3 +131,32 @@ def test_manual_gc_collects_only_on_its_interval(monkeypatch) -> None:
     with ManualGC(enabled=False, interval=3) as collector:
         assert gc.isenabled()
         collector.step(3)
+
+
+def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(monkeypatch, tmp_path: Path,
+                                                                    capsys) -> None:  # fmt: skip
+    """torchrun reports rank 2 failed and its log shows CUDA's OOM: exit 1, status oom naming the
+    rank, one message with its log and what to try; no traceback."""
+    import json
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from offload_runner.config.schema import RunConfig
+    from offload_runner.launch import launch
+
+    run_dir = tmp_path / "run"
+
+    def fail(_args) -> None:
+        (run_dir / "rank2.log").write_text("torch.OutOfMemoryError: CUDA out of memory.\n")
+        failure = ProcessFailure(local_rank=2, pid=1, exitcode=1, error_file=str(tmp_path / "x"))
+        raise ChildFailedError("offload_runner.worker", {2: failure})
+
+    monkeypatch.setattr(torchrun, "run", fail)
+    monkeypatch.delenv("RANK", raising=False)
+    assert launch(RunConfig(), {"name": "t"}, [], run_dir) == 1
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "oom"
+    assert json.loads((run_dir / "status.json").read_text())["rank"] == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "rank 2 ran out of GPU memory" in err and "offload/optimizer=auto" in err
+    assert "Traceback" not in err

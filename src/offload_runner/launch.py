@@ -124,7 +124,8 @@ def launch(
             f"rank {rank} {'ran out of GPU memory' if oom else 'failed'} (exit code "
             f"{failure.exitcode}); the job was stopped",
             f"see {rank_log(run_dir, rank)}"
-            + ("; python run_recipe.py ... --plan shows what fits" if oom else ""),
+            + ("; --plan shows what fits, offload/optimizer=auto picks the least offload "
+               "that does" if oom else ""),
         )
         return 1
     write_status(run_dir, "ok")
