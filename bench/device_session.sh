@@ -81,6 +81,20 @@ case "$1" in
   full-4gpu)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), offloads that fit, PP2
     python bench/run_benchmarks.py run --suite full-4gpu --iters 20 \
       --out "$OUT/results-full-4gpu.json" --work-dir "$WORK/bench" ;;
+  two-agents)  # (four GPUs) launcher=multinode: two torchrun agents of two GPUs each meeting on
+    # localhost, against one agent of four GPUs, deterministic: the same losses
+    C=(--recipe qwen3_30b_a3b_proxy parallel=ep4 model.deterministic_mode=true
+       train.global_batch_size=8 train.micro_batch_size=1 train.train_iters=10)
+    python run_recipe.py "${C[@]}" launcher.nproc_per_node=4 output_dir="$WORK/one-agent" \
+      > "$OUT/one-agent.log" 2>&1 || true
+    for r in 0 1; do
+      CUDA_VISIBLE_DEVICES=$((2 * r)),$((2 * r + 1)) python run_recipe.py "${C[@]}" launcher=multinode \
+        launcher.nnodes=2 launcher.nproc_per_node=2 launcher.node_rank=$r \
+        launcher.rdzv_endpoint=localhost:29400 output_dir="$WORK/two-agents" > "$OUT/agent$r.log" 2>&1 &
+    done
+    wait
+    python -c "import json,sys; a,b=(json.load(open(f'$WORK/{d}/summary.json'))['losses'] for d in ('one-agent','two-agents')); print('one agent:', a); print('two agents:', b); print('max |Δloss|', max(abs(x-y) for x,y in zip(a,b,strict=True)))" \
+      | tee "$OUT/two-agents.txt" ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
