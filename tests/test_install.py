@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import PROJECT_ROOT
 
-# Run the CLI from the unpacked wheel only: the checkout's editable install is taken off the
+# Run the CLI from the installed wheel only: the checkout's editable install is taken off the
 # import machinery first, so nothing can come from src/, conf/ or recipes/.
 BOOTSTRAP = """
 import sys
@@ -31,9 +30,9 @@ def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
                     str(PROJECT_ROOT)], check=True, capture_output=True)  # fmt: skip
     (wheel,) = out.glob("offload_runner-*.whl")
-    site = out / "site"
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site)
+    site = out / "site"  # a fresh install target: pip installs the wheel there, nothing else
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True)  # fmt: skip
     return site
 
 
