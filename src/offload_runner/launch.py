@@ -120,12 +120,11 @@ def launch(
         rank, failure = err.get_first_failure()
         oom = ran_out_of_memory(rank_log(run_dir, rank))
         write_status(run_dir, "oom" if oom else "failed", rank=rank, exitcode=failure.exitcode)
+        what_fits = "; --plan shows what fits, offload/optimizer=auto picks the least offload"
         console.fail(
             f"rank {rank} {'ran out of GPU memory' if oom else 'failed'} (exit code "
             f"{failure.exitcode}); the job was stopped",
-            f"see {rank_log(run_dir, rank)}"
-            + ("; --plan shows what fits, offload/optimizer=auto picks the least offload "
-               "that does" if oom else ""),
+            f"see {rank_log(run_dir, rank)}" + (f"{what_fits} that does" if oom else ""),
         )
         return 1
     write_status(run_dir, "ok")
