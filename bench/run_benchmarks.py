@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
+from offload_runner.offload.cpu_adam import fused_adamw_rate  # noqa: E402
 from offload_runner.report import fmt, markdown_table, max_abs_delta, ratio, saved  # noqa: E402
 from offload_runner.rundir import STATUS_FILE, SUMMARY_FILE, read_json  # noqa: E402
 
@@ -377,30 +378,6 @@ def environment() -> dict:
     return info
 
 
-def cpu_adam_reference(threads: int, numel: int = 512 * 1024**2, repeats: int = 5) -> float:
-    """torch.optim.AdamW(fused=True) alone on the CPU: params/s at ``threads`` threads (median of
-    ``repeats`` steps on ``numel`` fp32 params, far past the caches)."""
-    import statistics
-
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        param = torch.nn.Parameter(torch.randn(numel) * 0.02)
-        param.grad = torch.randn(numel) * 1e-3
-        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1, fused=True)
-        times = []
-        for i in range(repeats + 2):
-            began = time.perf_counter()
-            opt.step()
-            if i >= 2:
-                times.append(time.perf_counter() - began)
-        return numel / statistics.median(times)
-    finally:
-        torch.set_num_threads(before)
-
-
 def _rank_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("rank*.log")))
 
@@ -438,7 +415,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if any("cpu_adam" in " ".join(c.overrides) for c in cases):
         cores = len(os.sched_getaffinity(0))
         env["cpu_adam_reference_params_per_s"] = {
-            str(n): cpu_adam_reference(n) for n in sorted({cores, max(1, cores - 2)})
+            str(n): fused_adamw_rate(n) for n in sorted({cores, max(1, cores - 2)})
         }
         print(f"torch AdamW(fused=True) alone: {env['cpu_adam_reference_params_per_s']}")
     results = []

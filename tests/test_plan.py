@@ -206,3 +206,34 @@ def test_context_parallel_halves_each_ranks_sequence_and_shards_over_dp_x_cp() -
     cp2 = make_plan(compose_run("recipe=tiny", "parallel=cp2"), world=2).ranks[0]
     assert (cp2.activations, cp2.logits) == (one.activations // 2, one.logits // 2)
     assert cp2.optimizer_gpu == one.optimizer_gpu // 2 and cp2.weights == one.weights
+
+
+def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> None:
+    """On PCIe CPU Adam costs less per param than moving 2 x 12 B of states; on a link several
+    times faster (Grace-Hopper class) state offload wins where it fits."""
+    common = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+              "offload/optimizer=auto", "planner.gpu_memory_gb=60",
+              "planner.host_memory_gb=512", "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+    pcie = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=50.8"))
+    assert pcie.overrides["optimizer.offload_optimizer_states"] is False
+    assert pcie.overrides["optimizer.optimizer_offload_fraction"] == 0.25
+    assert "predicted +0.19 s per step" in pcie.description and "states +" in pcie.description
+    c2c = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=450"))
+    assert c2c.overrides["optimizer.offload_optimizer_states"] is True
+    assert c2c.description.startswith("offload/optimizer=states")
+
+
+def test_step_cost_model() -> None:
+    from offload_runner.plan import HDO_RATE_SHARE, StepCost
+
+    cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
+    for option, expected in (("cpu_adam", 1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
+                             ("states", 2 * 12 / 50e9)):  # fmt: skip
+        run = compose_run("recipe=tiny", f"offload/optimizer={option}")
+        rank = make_plan(run).ranks[0]
+        params = count_parameters(run.model).total
+        assert cost.seconds(run, rank) == pytest.approx(params * expected, rel=1e-6), option
+    assert (
+        cost.seconds(compose_run("recipe=tiny"), make_plan(compose_run("recipe=tiny")).ranks[0])
+        == 0
+    )

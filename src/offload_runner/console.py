@@ -151,7 +151,7 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
         runs_out = "GPU memory" if plan.limiting == "gpu" else "host RAM"
         console.print(
             f"[bold red]does not fit:[/] {runs_out} runs out first (GPU peak {worst:.1f} GB on "
-            f"rank {plan.worst.rank}); offload/optimizer=auto picks the least offload that fits",
+            f"rank {plan.worst.rank}); offload/optimizer=auto picks what fits at the least cost",
             highlight=False,
         )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 
 from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
@@ -136,6 +137,8 @@ class RankPlan:
     workspace: int
     host_pinned: int
     host_pageable: int
+    cpu_adam_params: int = 0  # params this rank updates on the CPU each step
+    states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
 
     @property
     def static(self) -> int:
@@ -161,7 +164,7 @@ class RankPlan:
         gb = {
             k: round(v / GiB, 3)
             for k, v in asdict(self).items()
-            if k not in ("rank", "node", "stage")
+            if k not in ("rank", "node", "stage", "cpu_adam_params", "states_moved")
         }
         return {
             "rank": self.rank, "node": self.node, "stage": self.stage,
@@ -220,6 +223,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         + (adam if o.offload_optimizer_states else 0)
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
+        cpu_adam_params=int(shard * hdo),
+        states_moved=adam if o.offload_optimizer_states else 0,
     )  # fmt: skip
 
 
@@ -310,7 +315,60 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
     )
 
 
-# --- auto: the least offload that fits ------------------------------------------------------
+# --- step time: what an optimizer offload adds to each step ---------------------------------
+
+# HybridDeviceOptimizer 100% + overlap spent 2657 ms in its optimizer phase where the CPU-Adam
+# engine's Adam took 727 ms for the same 3.11B params (docs/BENCHMARKS.md, suite cpu-adam, GBS 1).
+HDO_RATE_SHARE = 0.27
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The model: CPU Adam runs at ``cpu_adam_params_per_s`` per rank (HybridDeviceOptimizer at
+    HDO_RATE_SHARE of it) and is not hidden in exact mode; state offload copies its 12 B/param
+    out after the step and back before the next, each at ``host_link_gb_per_s``."""
+
+    cpu_adam_params_per_s: float
+    host_link_gb_per_s: float
+
+    def seconds(self, run: RunConfig, rank: RankPlan) -> float:
+        rate = self.cpu_adam_params_per_s
+        if run.optimizer.cpu_offload_engine != CpuOffloadEngine.cpu_adam:
+            rate *= HDO_RATE_SHARE
+        cpu = rank.cpu_adam_params / rate
+        link = 2 * rank.states_moved / (self.host_link_gb_per_s * 1e9)
+        return cpu + link
+
+    def explain(self, run: RunConfig, rank: RankPlan) -> str:
+        parts = []
+        if rank.cpu_adam_params:
+            engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+            rate = self.cpu_adam_params_per_s * (1 if engine else HDO_RATE_SHARE)
+            parts.append(f"{rank.cpu_adam_params / 1e9:.2f}B params of Adam on the CPU at "
+                         f"{rate / 1e9:.2f} G/s")  # fmt: skip
+        if rank.states_moved:
+            parts.append(f"2 x {rank.states_moved / 1e9:.1f} GB of states over "
+                         f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip
+        return ", ".join(parts) or "nothing offloaded from the optimizer"
+
+
+def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
+    """The step-time model for ``run``: the configured CPU Adam rate, else torch's fused AdamW
+    measured on this machine with one rank's share of its cores (once per process)."""
+    rate = run.planner.cpu_adam_params_per_s or _measured_rate(
+        max(1, len(os.sched_getaffinity(0)) // max(1, gpus_per_node))
+    )
+    return StepCost(rate, run.planner.host_link_gb_per_s)
+
+
+@cache
+def _measured_rate(threads: int) -> float:
+    from offload_runner.offload.cpu_adam import fused_adamw_rate
+
+    return fused_adamw_rate(threads, numel=16 * 1024**2, repeats=3)
+
+
+# --- auto: the offload that fits at the least predicted cost ------------------------------------
 
 AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
@@ -360,21 +418,30 @@ class AutoChoice:
     plan: Plan
 
 
+STATES_STEP = ("states", {"optimizer.optimizer_cpu_offload": False,
+                          "optimizer.optimizer_offload_fraction": 0.0,
+                          "optimizer.offload_optimizer_states": True})  # fmt: skip
+
+
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
-    """The cheapest combination that fits: activation offload layers first (cheaper per GB),
-    then optimizer CPU offload fractions. Raises ValueError when nothing fits."""
+    """Among the settings that fit, the one the step-time model (StepCost) says costs least;
+    for each optimizer setting, the fewest activation-offload layers that fit (the model counts
+    them free: they overlap compute). offload/optimizer=auto weighs CPU Adam fractions
+    (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
     p = run.planner
     optimizer_steps = (
-        optimizer_ladder(p.auto_engine) if p.auto_optimizer else (("as configured", {}),)
+        (*optimizer_ladder(p.auto_engine), STATES_STEP)
+        if p.auto_optimizer
+        else (("as configured", {}),)
     )
     max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
     layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
-    last = None
+    last, fitting = None, []
     for opt_name, opt_overrides in optimizer_steps:
         for layers in layer_counts:
             overrides = dict(opt_overrides)
             if p.auto_optimizer:
-                overrides["optimizer.offload_optimizer_states"] = False
+                overrides.setdefault("optimizer.offload_optimizer_states", False)
             if layers is not None:
                 overrides.update({"model.cpu_offloading": layers > 0,
                                   "model.cpu_offloading_num_layers": layers,
@@ -382,23 +449,39 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             candidate = _with(run, overrides)
             plan = make_plan(candidate, world)
             last = plan
-            if plan.limiting == "host":
-                continue
             if plan.limiting is None:
-                parts = []
-                if p.auto_optimizer:
-                    parts.append(f"offload/optimizer={opt_name}")
-                if layers is not None:
-                    parts.append(f"activation offload of {layers} layer(s)")
-                peak = plan.worst.gpu_peak / GiB
-                why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
-                       f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
-                       f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
-                return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
-    assert last is not None
-    peak = last.worst.gpu_peak / GiB
-    raise ValueError(
-        f"no offload setting fits: the last one tried needs {peak:.1f} GB + "
-        f"{last.margin_gb:.1f} GB margin of a {last.gpu_capacity_gb:.1f} GB GPU and "
-        f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
-    )
+                fitting.append((opt_name, layers, overrides, candidate, plan))
+                break  # more layers of this optimizer setting only cost more
+    if not fitting:
+        assert last is not None
+        peak = last.worst.gpu_peak / GiB
+        raise ValueError(
+            f"no offload setting fits: the last one tried needs {peak:.1f} GB + "
+            f"{last.margin_gb:.1f} GB margin of a {last.gpu_capacity_gb:.1f} GB GPU and "
+            f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
+        )
+    cost = step_cost(run, fitting[0][4].gpus_per_node) if p.auto_optimizer else None
+
+    def seconds(item) -> float:
+        _, _, _, candidate, plan = item
+        return max(cost.seconds(candidate, r) for r in plan.ranks) if cost else 0.0
+
+    best = min(fitting, key=seconds)  # ties: the earlier, smaller offload
+    opt_name, layers, overrides, candidate, plan = best
+    parts = []
+    if p.auto_optimizer:
+        parts.append(f"offload/optimizer={opt_name}")
+    if layers is not None:
+        parts.append(f"activation offload of {layers} layer(s)")
+    peak = plan.worst.gpu_peak / GiB
+    why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
+           f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
+           f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
+    if cost:
+        worst = max(plan.ranks, key=lambda r: cost.seconds(candidate, r))
+        why += (f"; predicted +{seconds(best):.2f} s per step: "
+                f"{cost.explain(candidate, worst)}")  # fmt: skip
+        others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
+        if others:
+            why += f"; also fits: {', '.join(others)}"
+    return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)

@@ -734,6 +734,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("planner", "gpu_memory_gb"): (0, None),
     ("planner", "host_memory_gb"): (0, None),
     ("planner", "margin_gb"): (0, None),
+    ("planner", "host_link_gb_per_s"): (0.001, None),
+    ("planner", "cpu_adam_params_per_s"): (1, None),
     ("verify", "iters"): (1, None),
     ("verify", "loss_tolerance"): (0, None),
 }

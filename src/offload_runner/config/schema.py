@@ -318,6 +318,12 @@ class PlannerConfig:
     # ... with which CPU offload engine: cpu_adam (measured 2-3x faster) or hybrid (HDO)
     auto_engine: CpuOffloadEngine = CpuOffloadEngine.cpu_adam
     auto_activation: bool = False  # offload/activation=auto
+    # The step-time model auto chooses by, and --plan prints: host<->GPU copies run at
+    # host_link_gb_per_s each way (PCIe Gen5 with both directions busy; a Grace-Hopper C2C link
+    # is several times faster), and one rank's CPU Adam at cpu_adam_params_per_s (null: torch's
+    # fused AdamW measured here at start, with this rank's share of the cores).
+    host_link_gb_per_s: float = 50.8
+    cpu_adam_params_per_s: Optional[float] = None
 
 
 @dataclass

@@ -200,6 +200,32 @@ def _thread_siblings(cpu: int) -> set[int]:
         return {cpu}
 
 
+def fused_adamw_rate(threads: int, numel: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """torch.optim.AdamW(fused=True) alone on the CPU: params/s at ``threads`` threads (median of
+    ``repeats`` steps on ``numel`` fp32 params, far past the caches). The bench's reference for
+    the engine's rate, and the planner's when planner.cpu_adam_params_per_s is unset."""
+    import statistics
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.nn.Parameter(torch.randn(numel) * 0.02)
+        param.grad = torch.randn(numel) * 1e-3
+        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1, fused=True)
+        times = []
+        for i in range(repeats + 2):
+            began = time.perf_counter()
+            opt.step()
+            if i >= 2:
+                times.append(time.perf_counter() - began)
+        return numel / statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
 def default_threads(run: RunConfig, cpus: list[int]) -> int:
     """One OpenMP thread per core the team may use (``worker_cpus``), unless configured."""
     return run.optimizer.cpu_adam_threads or len(cpus)
