@@ -165,6 +165,18 @@ def test_checkpoint_moves_between_hybrid_and_cpu_adam(
     assert delta < RESUME_TOLERANCE
 
 
+def test_tensorboard_event_file_of_a_real_run(root: str) -> None:
+    """logger.tensorboard_dir: loss, step time and GPU memory of every iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = Path(root) / "tensorboard"
+    train(Path(root) / "tb-run", f"logger.tensorboard_dir={board}")
+    events = EventAccumulator(str(board))
+    events.Reload()
+    for tag in ("lm loss", "time/step_s", "memory/gpu_peak_allocated_gb"):
+        assert len(events.Scalars(tag)) == ITERS, tag
+
+
 @TWO_GPUS
 def test_context_parallel_tracks_data_parallel(root: str) -> None:
     cp = train(Path(root) / "cp2", "parallel=cp2")

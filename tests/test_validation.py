@@ -447,6 +447,13 @@ CASES = [
         "dataset.kind=indexed needs dataset.data_path",
     ),
     Case(
+        "tensorboard_needs_package",
+        ("recipe=tiny", "logger.tensorboard_dir=/tmp/tb"),
+        ("recipe=tiny",),
+        "logger.tensorboard_dir is set, and the tensorboard package is not installed here",
+        Environment(te_available=True, launching=True, tensorboard_available=False),
+    ),
+    Case(
         "manual_gc_interval_unused",
         ("recipe=tiny", "train.manual_gc_interval=10"),
         ("recipe=tiny", "train.manual_gc_interval=10", "train.manual_gc=true"),

@@ -73,12 +73,30 @@ def gpu_memory() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / GB, torch.cuda.memory_allocated() / GB
 
 
+# TensorBoard tags: grouped as Megatron-LM groups them (a name without a group stays as it is).
+TENSORBOARD_TAGS = {
+    "loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+    "step_time_s": "time/step_s", "fwd_bwd_time_s": "time/fwd_bwd_s",
+    "optimizer_time_s": "time/optimizer_s", "tokens_per_s": "throughput/tokens_per_s",
+    "tflops_per_gpu": "throughput/tflops_per_gpu",
+    "gpu_peak_allocated_gb": "memory/gpu_peak_allocated_gb",
+    "gpu_peak_fwd_bwd_gb": "memory/gpu_peak_fwd_bwd_gb",
+    "gpu_peak_step_gb": "memory/gpu_peak_step_gb",
+    "gpu_allocated_gb": "memory/gpu_allocated_gb", "host_pinned_gb": "memory/host_pinned_gb",
+}  # fmt: skip
+
+
 class MetricsReporter:
     """Collects StepMetrics; rank 0 prints them and writes metrics.jsonl / summary.json."""
 
     def __init__(self, run_dir: Path, total_iters: int, first_iter: int, is_writer: bool,
-                 log_interval: int) -> None:  # fmt: skip
+                 log_interval: int, tensorboard_dir: str | None = None) -> None:  # fmt: skip
         self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, log_interval
+        self.tensorboard = None
+        if is_writer and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
         self.history: list[StepMetrics] = []
         self.progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -96,6 +114,8 @@ class MetricsReporter:
         self.progress.stop()
         if self.file:
             self.file.close()
+        if self.tensorboard:
+            self.tensorboard.close()
 
     def record(self, step: StepMetrics) -> None:
         self.history.append(step)
@@ -103,6 +123,11 @@ class MetricsReporter:
             return
         self.file.write(json.dumps(asdict(step)) + "\n")
         self.file.flush()
+        if self.tensorboard:
+            for key, value in asdict(step).items():
+                if key != "iteration" and isinstance(value, int | float):
+                    self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, key), value,
+                                                step.iteration)  # fmt: skip
         self.progress.advance(self.task)
         if step.iteration % self.log_interval == 0 or step.iteration == 1:
             self.progress.console.print(step.line(), highlight=False)

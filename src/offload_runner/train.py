@@ -190,7 +190,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
         with optimizer_states.resident(offloader):
             checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
 
-    reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval)
+    reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval,
+                               run.logger.tensorboard_dir)  # fmt: skip
     peak_so_far = torch.cuda.max_memory_allocated() / GB
     saved_at = None
     profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())

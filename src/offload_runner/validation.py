@@ -40,10 +40,12 @@ class Environment:
     te_available: bool
     launching: bool = False  # True right before training starts on this machine
     world_size: int | None = None  # known once torchrun's world is known
+    tensorboard_available: bool = True
 
     @staticmethod
     def detect(launching: bool = False, world_size: int | None = None) -> Environment:
-        return Environment(te_available(), launching, world_size)
+        tensorboard = importlib.util.find_spec("tensorboard") is not None
+        return Environment(te_available(), launching, world_size, tensorboard)
 
 
 @dataclass(frozen=True)
@@ -574,6 +576,14 @@ RULES: tuple[Rule, ...] = (
         "train.manual_gc_interval={t.manual_gc_interval} has no effect while train.manual_gc=false",
         "add train.manual_gc=true (or drop train.manual_gc_interval)",
         Level.warning,
+    ),
+    Rule(
+        "tensorboard_needs_package",
+        lambda c, e: bool(c.logger.tensorboard_dir) and not e.tensorboard_available,
+        "logger.tensorboard_dir is set, and the tensorboard package is not installed here",
+        "pip install 'offload-runner[tensorboard]' where the job runs, or drop "
+        "logger.tensorboard_dir",
+        environment=True,
     ),
     # --- profiling -------------------------------------------------------------------------------
     Rule(

@@ -263,6 +263,10 @@ class TrainConfig:
 @dataclass
 class LoggerConfig:
     log_interval: int = 1
+    # Megatron-Bridge's key: TensorBoard event files (loss, lr, grad norm, step time, tokens/s,
+    # TFLOP/s, GPU peak, pinned host memory per iteration), written by rank 0. Needs the
+    # tensorboard package (pip install 'offload-runner[tensorboard]').
+    tensorboard_dir: Optional[str] = None
 
 
 @dataclass

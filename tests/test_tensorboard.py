@@ -1,0 +1,41 @@
+"""logger.tensorboard_dir: rank 0 writes every step metric as a TensorBoard scalar."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from offload_runner.metrics import MetricsReporter, StepMetrics
+
+pytest.importorskip("tensorboard")
+
+
+def _step(i: int) -> StepMetrics:
+    return StepMetrics(iteration=i, loss=10.0 - i, lr=1e-4, grad_norm=1.5, step_time_s=0.5,
+                       tokens_per_s=1000.0, tflops_per_gpu=50.0, gpu_peak_allocated_gb=20.0,
+                       gpu_allocated_gb=10.0,
+                       host_pinned_gb=3.0)  # fmt: skip
+
+
+def test_step_metrics_become_tensorboard_scalars(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    with MetricsReporter(tmp_path, 3, 0, True, 1, str(board)) as reporter:
+        for i in (1, 2, 3):
+            reporter.record(_step(i))
+    events = EventAccumulator(str(board))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "time/step_s", "throughput/tokens_per_s",
+            "memory/gpu_peak_allocated_gb", "memory/host_pinned_gb"} <= tags  # fmt: skip
+    assert [e.value for e in events.Scalars("lm loss")] == [9.0, 8.0, 7.0]
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
+
+
+def test_only_the_writer_rank_writes(tmp_path: Path) -> None:
+    board = tmp_path / "tb"
+    with MetricsReporter(tmp_path, 1, 0, False, 1, str(board)) as reporter:
+        reporter.record(_step(1))
+    assert not board.exists()
