@@ -237,3 +237,12 @@ def test_step_cost_model() -> None:
         cost.seconds(compose_run("recipe=tiny"), make_plan(compose_run("recipe=tiny")).ranks[0])
         == 0
     )
+
+
+def test_precision_aware_optimizer_keeps_param_remainders_not_fp32_masters() -> None:
+    """10 B of Adam per param on the GPU precision-aware path (2 B master remainder), 12 B else."""
+    params = count_parameters(compose_run("recipe=tiny").model).total
+    plain = make_plan(compose_run("recipe=tiny")).ranks[0]
+    aware = make_plan(compose_run("recipe=tiny", "optimizer.use_precision_aware_optimizer=true"))
+    assert plain.optimizer_gpu == pytest.approx(12 * params, rel=1e-6)
+    assert aware.ranks[0].optimizer_gpu == pytest.approx(10 * params, rel=1e-6)
