@@ -191,6 +191,8 @@ OPTIONS_1 = [
     _option("optimizer states", "offload/optimizer=states"),
     _option("cpu_adam", "offload/optimizer=cpu_adam"),
     _option("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed", *DELAY),
+    _option("bf16 Adam states on the GPU", "optimizer.use_precision_aware_optimizer=true",
+            "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"),
 ]  # fmt: skip
 OPTIONS_2 = [
     _option("no offload"),

@@ -246,3 +246,18 @@ def test_precision_aware_optimizer_keeps_param_remainders_not_fp32_masters() -> 
     aware = make_plan(compose_run("recipe=tiny", "optimizer.use_precision_aware_optimizer=true"))
     assert plain.optimizer_gpu == pytest.approx(12 * params, rel=1e-6)
     assert aware.ranks[0].optimizer_gpu == pytest.approx(10 * params, rel=1e-6)
+
+
+def test_precision_aware_dtypes_shrink_adam_and_reach_megatron_core() -> None:
+    import torch
+
+    from offload_runner.mcore.megatron_config import optimizer_config_kwargs
+
+    bf16 = ("optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16")
+    run = compose_run("recipe=tiny", "optimizer.use_precision_aware_optimizer=true", *bf16)
+    params = count_parameters(run.model).total
+    assert make_plan(run).ranks[0].optimizer_gpu == pytest.approx(6 * params, rel=1e-6)
+    kwargs = optimizer_config_kwargs(run.optimizer, run.model)
+    assert (
+        kwargs["exp_avg_dtype"] is torch.bfloat16 and kwargs["main_params_dtype"] is torch.float32
+    )

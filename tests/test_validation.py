@@ -447,6 +447,16 @@ CASES = [
         "dataset.kind=indexed needs dataset.data_path",
     ),
     Case(
+        "optimizer_dtypes_with_cpu_offload",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16"),
+        (
+            "recipe=tiny",
+            "optimizer.use_precision_aware_optimizer=true",
+            "optimizer.exp_avg_dtype=bf16",
+        ),
+        "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host",
+    ),  # fmt: skip
+    Case(
         "tensorboard_needs_package",
         ("recipe=tiny", "logger.tensorboard_dir=/tmp/tb"),
         ("recipe=tiny",),

@@ -180,14 +180,26 @@ class RankPlan:
         }  # fmt: skip
 
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
 def adam_bytes_per_param(run: RunConfig) -> int:
-    """Optimizer bytes per param of the shard: exp_avg + exp_avg_sq (fp32), and the fp32 master
-    of a bf16 model (its 16-bit remainder only, on the GPU precision-aware path)."""
-    if not run.model.bf16:
-        return ADAM_BYTES - 4
+    """Optimizer bytes per param of the shard: exp_avg + exp_avg_sq, and the master of a bf16
+    model. On the GPU precision-aware path they take their configured dtypes, and an fp32 master
+    is kept as its 16-bit remainder only."""
     o = run.optimizer
-    remainders = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
-    return ADAM_BYTES - 4 + (PARAM_REMAINDER_BYTES if remainders else 4)
+    gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
+    moments = (
+        DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
+        if gpu_aware
+        else ADAM_BYTES - 4
+    )
+    if not run.model.bf16:
+        return moments
+    if not gpu_aware:
+        return moments + 4
+    master = DTYPE_BYTES[o.main_params_dtype.value]
+    return moments + (PARAM_REMAINDER_BYTES if master == 4 else master)
 
 
 def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:

@@ -82,6 +82,12 @@ def _cpu_adam_on(c: RunConfig) -> bool:
     return _cpu_adam_selected(c) and c.optimizer.optimizer_cpu_offload
 
 
+def _low_precision_adam(c: RunConfig) -> bool:
+    o = c.optimizer
+    dtypes = (o.main_params_dtype, o.exp_avg_dtype, o.exp_avg_sq_dtype)
+    return any(d.value != "fp32" for d in dtypes)
+
+
 def _profiling_on(c: RunConfig) -> bool:
     return c.profiling.use_pytorch_profiler or c.profiling.use_nsys_profiler
 
@@ -385,6 +391,14 @@ RULES: tuple[Rule, ...] = (
         "optimizer.cpu_adam_exact_steps must be >= 0 (exact steps before delayed updates start)",
         "e.g. optimizer.cpu_adam_exact_steps=100, or null for the end of the learning-rate warmup",
     ),
+    Rule(
+        "optimizer_dtypes_with_cpu_offload",
+        lambda c, e: c.optimizer.optimizer_cpu_offload and _low_precision_adam(c),
+        "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host; "
+        "main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype other than fp32 are not supported",
+        "drop the optimizer.*_dtype keys, or offload/optimizer=disabled to keep bf16 states on "
+        "the GPU (itself a memory saver)",
+    ),
     # --- optimizer-state offload (offload-runner) ----------------------------------------------
     Rule(
         "states_xor_cpu_offload",
@@ -663,7 +677,14 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
     if not env.te_available and optimizer.use_precision_aware_optimizer:
         from dataclasses import replace
 
-        optimizer = replace(optimizer, use_precision_aware_optimizer=False)
+        from offload_runner.config.schema import OptimizerDtype
+
+        dtypes = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        optimizer = replace(
+            optimizer,
+            use_precision_aware_optimizer=False,
+            **dict.fromkeys(dtypes, OptimizerDtype.fp32),
+        )
     builders: list[tuple[str, Callable[[], object]]] = [
         ("model", lambda: build_transformer_config(run.model)),
         ("optimizer", lambda: build_optimizer_config(optimizer, run.model)),

@@ -72,6 +72,14 @@ class OptimizerType(str, Enum):
     sgd = "sgd"
 
 
+class OptimizerDtype(str, Enum):
+    """Precision-aware optimizer dtypes (Megatron-Core's torch.dtype fields, by name)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 class CpuOffloadEngine(str, Enum):
     """Who runs the CPU share of Adam when ``optimizer.optimizer_cpu_offload`` is on."""
 
@@ -195,6 +203,12 @@ class OptimizerConfig:
     # HybridDeviceOptimizer reuses the precision-aware path, so it follows the offload switch
     # unless set explicitly.
     use_precision_aware_optimizer: bool = "${optimizer.optimizer_cpu_offload}"  # type: ignore[assignment]
+    # On the precision-aware path (Transformer Engine's FusedAdam) Adam's tensors may be smaller
+    # than fp32: e.g. exp_avg_dtype=bf16 exp_avg_sq_dtype=bf16 saves 4 B per param.
+    main_grads_dtype: OptimizerDtype = OptimizerDtype.fp32
+    main_params_dtype: OptimizerDtype = OptimizerDtype.fp32
+    exp_avg_dtype: OptimizerDtype = OptimizerDtype.fp32
+    exp_avg_sq_dtype: OptimizerDtype = OptimizerDtype.fp32
 
     # Megatron-Core HybridDeviceOptimizer: part of Adam on the CPU
     optimizer_cpu_offload: bool = False

@@ -66,6 +66,9 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
 
     values = dataclasses.asdict(optimizer)
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for key in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        values[key] = torch_dtypes[_plain(values[key])]
     if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
         # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
