@@ -242,15 +242,20 @@ def test_host_arrays_are_not_inherited_by_forked_processes() -> None:
     buffers = Buffers()
     eng = engine(buffers, 1.0)
     address = eng.host_exp_avg.data_ptr() + 8192
+    read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: reading a page it did not inherit faults
         import faulthandler
 
         faulthandler.disable()
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the expected fault prints nothing
+        os.write(write_end, b"forked")  # the fork itself went well
         ctypes.string_at(address, 1)
         os._exit(0)
+    os.close(write_end)
+    said = os.read(read_end, 16)
     _, status = os.waitpid(pid, 0)
+    assert said == b"forked"
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
     eng.close()
 

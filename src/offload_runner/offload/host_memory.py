@@ -5,11 +5,12 @@ torch's pinned-memory allocator rounds every block up to a power of two (34.8 Gi
 state became 49 GiB); registering an ordinary allocation pins exactly the bytes asked for. One
 ``HostArenas`` owns the buffers of one engine and unpins them when it is released.
 
-Every arena is kept out of forked children (``MADV_DONTFORK``): the data loader forks its workers
-after the engines have allocated, and Linux copies page-locked pages into each child at fork
-(they cannot be shared copy-on-write) while the pageable ones become copy-on-write, doubling once
-the trainer writes them. Measured on the Qwen3-30B-A3B proxy: 52 GB of CPU-Adam host arrays and
-two loader workers exhausted a 128 GB host, and steps took 5-50 s instead of about one.
+Every arena is an anonymous mapping of its own, kept out of forked children (``MADV_DONTFORK``):
+the data loader forks its workers after the engines have allocated, and Linux copies page-locked
+pages into each child at fork (they cannot be shared copy-on-write) while the pageable ones become
+copy-on-write, doubling once the trainer writes them. Measured on the Qwen3-30B-A3B proxy: 52 GB
+of CPU-Adam host arrays and two loader workers exhausted a 128 GB host, and steps took 5-50 s
+instead of about one.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ class HostArenas:
         """A flat uint8 tensor of ``nbytes`` on the host (page-locked when ``pin``)."""
         import torch
 
-        arena = torch.empty(nbytes, dtype=torch.uint8)
-        keep_from_children(arena.data_ptr(), nbytes)
+        region = _private_pages(nbytes)
+        arena = (
+            torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+            if nbytes
+            else (torch.empty(0, dtype=torch.uint8))
+        )
         if pin and nbytes:
             status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
             if int(status) != 0:
@@ -69,18 +74,16 @@ class HostArenas:
         self._arenas, self._registered = [], []
 
 
-def keep_from_children(address: int, nbytes: int) -> bool:
-    """``madvise(MADV_DONTFORK)`` on the whole pages of [address, address + nbytes): forked
-    processes (data loader workers) do not inherit them. False where the OS refuses."""
-    import ctypes
+def _private_pages(nbytes: int):
+    """An anonymous private mapping of its own pages, kept out of forked children
+    (``MADV_DONTFORK``). Its own mapping, not a malloc'ed block: a block from a malloc heap
+    shares pages with other allocations and the allocator's own bookkeeping, which a child
+    would then lose (measured: forked children crashed at fork, now and then, in glibc's
+    at-fork handler)."""
+    import contextlib
+    import mmap
 
-    start = -(-address // ALIGN) * ALIGN
-    end = (address + nbytes) // ALIGN * ALIGN
-    if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        done = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTFORK)
-    except (OSError, AttributeError):
-        return False
-    return done == 0
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # not Linux: children inherit
+        region.madvise(getattr(mmap, "MADV_DONTFORK", MADV_DONTFORK))
+    return region
