@@ -28,6 +28,7 @@ from pathlib import Path
 import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -154,13 +155,12 @@ def _check_override_key(arg: str) -> None:
     key = arg.partition("=")[0].lstrip("+~")
     if "/" in key or key.split(".")[0] in ("hydra", *config_groups()):
         return
-    known = schema_keys()
-    if key not in known:
-        raise UsageError(*_unknown_key_message(key, known))
+    if key not in schema_keys():
+        raise UsageError(*_unknown_key_message(key))
 
 
-def _unknown_key_message(key: str, known: set[str]) -> tuple[str, str]:
-    close = closest_key(key, known)
+def _unknown_key_message(key: str) -> tuple[str, str]:
+    close = closest_key(key, schema_keys())
     return (
         f"unknown key {key}" + (f" (did you mean {close}?)" if close else ""),
         f"spell it {close}=..." if close else "python run_recipe.py --help lists the sections",
@@ -216,7 +216,7 @@ def _recipe_file(value: str) -> Path:
                          "; recipes/tiny.yaml is an example")  # fmt: skip
     unknown = unknown_keys(node)
     if unknown:
-        message, fix = _unknown_key_message(unknown[0], schema_keys())
+        message, fix = _unknown_key_message(unknown[0])
         raise UsageError(f"recipe file {value}: {message}", fix)
     return path.resolve()
 
@@ -225,7 +225,6 @@ def _recipe_file(value: str) -> Path:
 class _Outcome:
     started: bool = False
     code: int = EXIT_OK
-    sweep_dir: str | None = None
 
 
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
@@ -234,7 +233,7 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
     unknown = unknown_keys(cfg)
     if unknown:  # from a recipe file, or added with + on the command line
-        console.fail(*_unknown_key_message(unknown[0], schema_keys()))
+        console.fail(*_unknown_key_message(unknown[0]))
         return EXIT_USAGE
     try:
         run = to_run_config(cfg)
@@ -414,7 +413,6 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             job_cfg = HydraConfig.get().job
             console.console.rule(f"job {job_cfg.num}: {job_cfg.override_dirname or 'defaults'}")
-            outcome.sweep_dir = HydraConfig.get().sweep.dir
         try:
             code = execute(cfg, options.mode)
         except RunDirError as err:
@@ -424,6 +422,7 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         return code  # a submitit job's result: the parent reads it back (_submitted_jobs_code)
 
     GlobalHydra.instance().clear()  # a compose() earlier in this process must not linger
+    SweepDirRecorder.last = None
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "run_recipe.py", *hydra_args]
     try:
@@ -434,33 +433,31 @@ def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
         return EXIT_USAGE if code == 1 and not outcome.started else code
     finally:
         sys.argv = saved_argv
-    if not outcome.started:  # the jobs ran elsewhere (hydra/launcher=submitit_*)
-        outcome.sweep_dir = _sweep_dir_of(hydra_args)
-        outcome.code = _submitted_jobs_code(outcome.sweep_dir)
-    kept = outcome.sweep_dir and not _remove_if_no_run(Path(outcome.sweep_dir))
+    sweep_dir = SweepDirRecorder.last
+    if sweep_dir and not outcome.started:  # the jobs ran elsewhere (submitit)
+        outcome.code = _submitted_jobs_code(sweep_dir)
+    kept = sweep_dir and not _remove_if_no_run(Path(sweep_dir))
     if kept and options.mode in (Mode.train, Mode.verify):
-        hint = f"python run_recipe.py --collect {outcome.sweep_dir}"
+        hint = f"python run_recipe.py --collect {sweep_dir}"
         console.console.print(f"sweep done; its table and plot: {hint}")
     return outcome.code
 
 
-def _sweep_dir_of(hydra_args: list[str]) -> str | None:
-    """The sweep folder of a multirun whose jobs Hydra's submitit launcher ran: the newest
-    folder holding a ``.submitit`` that this command's ``hydra.sweep.dir`` (or the default
-    multirun/ layout) names."""
-    given = [a.partition("=")[2] for a in hydra_args if a.startswith("hydra.sweep.dir=")]
-    if given:
-        return given[-1]
-    found = sorted(Path("multirun").glob("*/*/.submitit"), key=lambda p: p.stat().st_mtime)
-    return str(found[-1].parent) if found else None
+class SweepDirRecorder(Callback):
+    """Hydra callback (conf/config.yaml, ``hydra.callbacks``): ``on_multirun_start`` runs in the
+    process that launches the sweep, also where the jobs themselves run elsewhere (submitit), and
+    records the sweep folder for it."""
+
+    last: str | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        SweepDirRecorder.last = str(config.hydra.sweep.dir)
 
 
-def _submitted_jobs_code(sweep_dir: str | None) -> int:
+def _submitted_jobs_code(sweep_dir: str) -> int:
     """The worst exit code of the jobs a submitit launcher ran, from the results it saved."""
     import pickle
 
-    if not sweep_dir:
-        return EXIT_OK
     code = EXIT_OK
     for result in Path(sweep_dir).glob(".submitit/*/*_result.pkl"):
         with result.open("rb") as f:

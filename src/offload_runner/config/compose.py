@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import cache
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -115,20 +116,21 @@ def compose_config(
         )
 
 
-def schema_keys(node: type = RunConfig, prefix: str = "") -> set[str]:
+@cache
+def schema_keys() -> frozenset[str]:
     """Every dotted key of the schema (``optimizer.lr``, ...); a list or dict field is a leaf."""
-    keys = set()
-    for f in dataclasses.fields(node):
-        key = f"{prefix}{f.name}"
-        keys.add(key)
-        if dataclasses.is_dataclass(f.type) or (
-            isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
-        ):
-            keys |= schema_keys(f.default_factory, f"{key}.")  # type: ignore[arg-type]
-    return keys
+
+    def keys_of(node: type, prefix: str) -> Iterator[str]:
+        for f in dataclasses.fields(node):
+            yield prefix + f.name
+            nested = f.default_factory
+            if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+                yield from keys_of(nested, f"{prefix}{f.name}.")
+
+    return frozenset(keys_of(RunConfig, ""))
 
 
-def closest_key(key: str, known: set[str]) -> str | None:
+def closest_key(key: str, known: frozenset[str]) -> str | None:
     """The schema key a misspelt one most likely meant (same section first)."""
     section = key.rpartition(".")[0]
     same = [k for k in known if k.rpartition(".")[0] == section]
