@@ -357,21 +357,21 @@ class StepCost:
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float
 
+    def cpu_rate(self, run: RunConfig) -> float:
+        """Params/s of the CPU part of Adam with ``run``'s engine."""
+        engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+        return self.cpu_adam_params_per_s * (1 if engine else HDO_RATE_SHARE)
+
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
-        rate = self.cpu_adam_params_per_s
-        if run.optimizer.cpu_offload_engine != CpuOffloadEngine.cpu_adam:
-            rate *= HDO_RATE_SHARE
-        cpu = rank.cpu_adam_params / rate
+        cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = 2 * rank.states_moved / (self.host_link_gb_per_s * 1e9)
         return cpu + link
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
         if rank.cpu_adam_params:
-            engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-            rate = self.cpu_adam_params_per_s * (1 if engine else HDO_RATE_SHARE)
             parts.append(f"{rank.cpu_adam_params / 1e9:.2f}B params of Adam on the CPU at "
-                         f"{rate / 1e9:.2f} G/s")  # fmt: skip
+                         f"{self.cpu_rate(run) / 1e9:.2f} G/s")  # fmt: skip
         if rank.states_moved:
             parts.append(f"2 x {rank.states_moved / 1e9:.1f} GB of states over "
                          f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip
