@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from offload_runner.config.schema import RunConfig
 from offload_runner.offload import apply_runtime_environment
-from offload_runner.rundir import create_run_dir, load_resolved, rank_log
+from offload_runner.rundir import RunDirError, create_run_dir, load_resolved, rank_log
 
 
 def setup_rank_logging(run_dir: Path, rank: int) -> None:
@@ -75,17 +75,22 @@ def train_in_place(
     unique: bool = False,
 ) -> int:
     """The user started torchrun around run_recipe.py: rank 0 makes the run directory and every
-    rank takes its path from rank 0."""
+    rank takes its path from rank 0 (or rank 0's RunDirError, so that no rank waits on it)."""
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    path = [""]
+    made: list[Any] = [None]
     if dist.get_rank() == 0:
-        path = [str(create_run_dir(run_dir, resolved, overrides, unique))]
-    dist.broadcast_object_list(path, src=0)
-    return _train(run, Path(path[0]), dist.get_rank())
+        try:
+            made = [str(create_run_dir(run_dir, resolved, overrides, unique))]
+        except RunDirError as err:
+            made = [(str(err), err.fix)]
+    dist.broadcast_object_list(made, src=0)
+    if isinstance(made[0], tuple):
+        raise RunDirError(*made[0])
+    return _train(run, Path(made[0]), dist.get_rank())
 
 
 if __name__ == "__main__":
