@@ -380,9 +380,11 @@ class StepCost:
 
 def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     """The step-time model for ``run``: the configured CPU Adam rate, else torch's fused AdamW
-    measured on this machine with one rank's share of its cores (once per process)."""
+    measured on this machine with the cores the engine gives one rank (once per process)."""
+    from offload_runner.offload.cpu_adam import rank_cpus, worker_cpus
+
     rate = run.planner.cpu_adam_params_per_s or _measured_rate(
-        max(1, len(os.sched_getaffinity(0)) // max(1, gpus_per_node))
+        len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
     )
     return StepCost(rate, run.planner.host_link_gb_per_s)
 
