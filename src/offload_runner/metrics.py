@@ -121,10 +121,11 @@ class MetricsReporter:
         self.history.append(step)
         if not self.is_writer:
             return
-        self.file.write(json.dumps(asdict(step)) + "\n")
+        row = asdict(step)
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tensorboard:
-            for key, value in asdict(step).items():
+            for key, value in row.items():
                 if key != "iteration" and isinstance(value, int | float):
                     self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, key), value,
                                                 step.iteration)  # fmt: skip
