@@ -55,6 +55,28 @@ def overrides_of(command: list[str]) -> list[str]:
     return out
 
 
+WHOLE_STATES = "optimizer.offload_states_window_mb=0"
+
+
+def recorded_overrides(result: dict) -> list[str]:
+    """The overrides of a result as the run was made. Runs of offload/optimizer=states from before
+    the windowed engine (their summaries have no ``states_offloaded_params``) moved whole tensors:
+    today's ``offload_states_window_mb=0``."""
+    overrides = overrides_of(result["command"])
+    if is_whole_states(result) and WHOLE_STATES not in overrides:
+        overrides.append(WHOLE_STATES)
+    return overrides
+
+
+def is_whole_states(result: dict) -> bool:
+    """A state-offload run that moved whole tensors (no window)."""
+    overrides = overrides_of(result["command"])
+    if not any(o.startswith("offload/optimizer=states") for o in overrides):
+        return False
+    return (WHOLE_STATES in overrides or "offload/optimizer=states_whole" in overrides
+            or "states_offloaded_params" not in (result.get("summary") or {}))  # fmt: skip
+
+
 def calibrate(files: list[Path]) -> list[Calibration]:
     rows = []
     for path in files:
@@ -64,7 +86,7 @@ def calibrate(files: list[Path]) -> list[Calibration]:
             if result["status"] != "ok" or not s:
                 continue
             nproc = result["case"].get("nproc", 1)
-            run = to_run_config(compose_config(overrides_of(result["command"])))
+            run = to_run_config(compose_config(recorded_overrides(result)))
             worst = make_plan(run, world=nproc, gpus_per_node=nproc).worst
             rows.append(Calibration(
                 data["suite"], result["case"]["name"], nproc, s["gpu_peak_allocated_gb"],

@@ -11,16 +11,44 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ign
 export OFFLOAD_RUNNER_COMMIT=${OFFLOAD_RUNNER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PROXY=(--recipe qwen3_30b_a3b_proxy train.global_batch_size=4 train.micro_batch_size=1)
 bench() { python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" --work-dir "$WORK/bench"; }
+gpu_tests() {  # gpu_tests PYTEST_K NAME: the gpu-marked tests selected by -k, their verdicts to $OUT
+  timeout 560 python -m pytest -v -s -m gpu -k "$1" tests/ 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|max \|Δloss\||params/s|passed|failed|Error" \
+    | tee "$OUT/pytest-gpu-$2.txt" || true
+}
 
 case "$1" in
   tests)  # every gpu-marked pytest test (on all visible GPUs: data parallel over them)
     timeout 560 python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -15 || true ;;
   resume)  # checkpoint resume only: GPU Adam, state offload, HybridDeviceOptimizer 50%
     timeout 560 python -m pytest -q -m gpu -k resume tests/ 2>&1 | tee "$OUT/pytest-gpu-resume.txt" | tail -8 || true ;;
-  states)  # optimizer-state offload against the baseline and HDO 100%, and its loss parity
-    bench states-proxy-det; bench states ;;
-  states-extra)  # tiny bit-parity and a sequence long enough that forward/backward sets the peak
-    bench states-det; bench states-long ;;
+  states)  # optimizer-state offload (window sizes, whole tensors) beside the baseline and cpu_adam,
+    # after a 4-iteration smoke run of the tiny recipe (stops here if that fails)
+    python run_recipe.py --recipe tiny offload/optimizer=states train.train_iters=4 \
+      output_dir="$WORK/smoke-states" > "$OUT/smoke-states.log" 2>&1 || { tail -40 "$OUT/smoke-states.log"; exit 1; }
+    python bench/run_benchmarks.py run --suite states --iters 12 \
+      --out "$OUT/results-states.json" --work-dir "$WORK/bench" ;;
+  states-extra)  # proxy bit-parity, and a 32k sequence (forward/backward set the peak)
+    python bench/run_benchmarks.py run --suite states-proxy-det --iters 12 \
+      --out "$OUT/results-states-proxy-det.json" --work-dir "$WORK/bench"
+    python bench/run_benchmarks.py run --suite states-long --iters 12 \
+      --out "$OUT/results-states-long.json" --work-dir "$WORK/bench" ;;
+  state-tests)  # state offload gpu tests, beside (same GPU) the long delayed runs after more
+    # exact steps (their losses matter here, not their speed)
+    python bench/run_benchmarks.py run --suite cpu-adam-long-3 --iters 200 \
+      --out "$OUT/results-cpu-adam-long-3.json" --work-dir "$WORK/bench" > "$OUT/long.log" 2>&1 &
+    gpu_tests state engines-states; wait; tail -3 "$OUT/long.log" ;;
+  engine-tests)  # the rest of the CPU-Adam gpu tests (cross-engine checkpoints, delayed resume)
+    # and TensorBoard, beside every conf/offload option training (exit codes and losses matter)
+    python bench/run_benchmarks.py run --suite options-1 --iters 8 \
+      --out "$OUT/results-options-1.json" --work-dir "$WORK/bench" > "$OUT/options.log" 2>&1 &
+    gpu_tests "(cpu_adam or cpu-adam or tensorboard) and not state and not matches_hybrid and not lands_one" \
+      engines-rest; wait; tail -3 "$OUT/options.log" ;;
+  two-gpu-states)  # (two GPUs) DP2 with and without state offload (both modes), then resume on
+    # DP2: both state offloads and cpu_adam_delayed
+    python bench/run_benchmarks.py run --suite two-gpu-states --iters 12 \
+      --out "$OUT/results-two-gpu-states.json" --work-dir "$WORK/bench"
+    gpu_tests "resume and (states or delayed)" states-dp2 ;;
   determinism)  # MoE proxy twice with deterministic algorithms
     bench proxy-det ;;
   verify)  # --verify on the MoE proxy (with a repeated baseline: the noise floor) and tiny
@@ -47,8 +75,6 @@ case "$1" in
       -k "context_parallel or same_seed or cp2" 2>&1 | tee "$OUT/pytest-gpu-cp-h200x2.txt" | tail -12 || true ;;
   two-gpu-cp)  # (two GPUs) tiny and a 32k-token proxy: CP2 against DP2, and CP2 with state offload
     bench two-gpu-cp ;;
-  two-gpu-states)  # (two GPUs) DP2 with and without state offload, and HDO 100%
-    bench two-gpu-states ;;
   cpu-adam-1)  # the CPU-Adam engine at GBS 1 beside the baseline and HDO 100% + overlap
     bench cpu-adam-1 ;;
   cpu-adam-4)  # ... at GBS 4, and delayed mode at 25% and 40%

@@ -101,9 +101,12 @@ def test_minimal_world_of_the_full_recipe() -> None:
 
 
 def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
+    """At an H200 host's CPU Adam rate (4 G params/s; the rate is measured on this machine
+    otherwise), half of Adam on the CPU (0.39 s) beats streaming the states (0.73 s)."""
     run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
                       "offload/optimizer=auto", "planner.gpu_memory_gb=48",
-                      "planner.host_memory_gb=512")  # fmt: skip
+                      "planner.host_memory_gb=512",
+                      "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
     choice = choose_offload(run)
     assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
     assert choice.overrides["optimizer.cpu_offload_engine"].value == "cpu_adam"
@@ -112,8 +115,10 @@ def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
     )
     hybrid = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
                          "offload/optimizer=auto", "planner.auto_engine=hybrid",
-                         "planner.gpu_memory_gb=48", "planner.host_memory_gb=512")  # fmt: skip
-    assert "offload/optimizer=cpu_50" in choose_offload(hybrid).description
+                         "planner.gpu_memory_gb=48", "planner.host_memory_gb=512",
+                         "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+    slow = choose_offload(hybrid).description  # HDO's CPU Adam at 0.27x: streaming wins
+    assert slow.startswith("offload/optimizer=states") and "also fits: cpu_50 +1.44 s" in slow
 
 
 def test_cpu_adam_engine_host_memory() -> None:
@@ -171,7 +176,8 @@ def test_plan_table_and_verdict(capsys) -> None:
 def test_plan_with_auto_prints_its_choice(capsys) -> None:
     assert main(["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=4", "--plan",
                  "offload/optimizer=auto", "planner.gpu_memory_gb=48",
-                 "planner.host_memory_gb=512"]) == EXIT_OK  # fmt: skip
+                 "planner.host_memory_gb=512",
+                 "planner.cpu_adam_params_per_s=4e9"]) == EXIT_OK  # fmt: skip
     assert "auto: offload/optimizer=cpu_adam optimizer.optimizer_offload_fraction=0.5" in (
         capsys.readouterr().out
     )
@@ -209,8 +215,8 @@ def test_context_parallel_halves_each_ranks_sequence_and_shards_over_dp_x_cp() -
 
 
 def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> None:
-    """On PCIe CPU Adam costs less per param than moving 2 x 12 B of states; on a link several
-    times faster (Grace-Hopper class) state offload wins where it fits."""
+    """On PCIe CPU Adam costs less per param than streaming 12 B of states each way; on a link
+    several times faster (Grace-Hopper class) state offload wins where it fits."""
     common = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
               "offload/optimizer=auto", "planner.gpu_memory_gb=60",
               "planner.host_memory_gb=512", "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
@@ -228,7 +234,7 @@ def test_step_cost_model() -> None:
 
     cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     for option, expected in (("cpu_adam", 1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
-                             ("states", 2 * 12 / 50e9)):  # fmt: skip
+                             ("states", 12 / 50e9), ("states_whole", 2 * 12 / 50e9)):  # fmt: skip
         run = compose_run("recipe=tiny", f"offload/optimizer={option}")
         rank = make_plan(run).ranks[0]
         params = count_parameters(run.model).total

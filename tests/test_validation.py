@@ -242,9 +242,9 @@ CASES = [
     Case(
         "precision_aware_needs_te",
         ("recipe=tiny", "offload/optimizer=cpu_50"),
-        ("recipe=tiny", "offload/optimizer=states"),
-        "the precision-aware optimizer (needed by optimizer_cpu_offload) uses Transformer "
-        "Engine's FusedAdam",
+        ("recipe=tiny", "offload/optimizer=states_whole"),
+        "the precision-aware optimizer (needed by optimizer_cpu_offload and "
+        "offload/optimizer=states) uses Transformer Engine's FusedAdam",
         Environment(te_available=False, launching=True),
     ),
     Case(
@@ -324,9 +324,45 @@ CASES = [
     ),
     Case(
         "states_chunk_non_negative",
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_chunk_mb=-1"),
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_chunk_mb=0"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "optimizer.offload_states_chunk_mb=-1"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "optimizer.offload_states_chunk_mb=0"),
         "offload_states_chunk_mb must be >= 0",
+    ),
+    Case(
+        "states_window_non_negative",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_window_mb=-1"),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_window_mb=64"),
+        "offload_states_window_mb must be >= 0",
+    ),
+    Case(
+        "states_window_needs_bf16",
+        ("recipe=tiny", "offload/optimizer=states", "model.bf16=false"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "model.bf16=false"),
+        "offload/optimizer=states streams the fp32 masters of bf16 parameters",
+    ),
+    Case(
+        "states_window_needs_fp32_grads",
+        ("recipe=tiny", "offload/optimizer=states", "ddp.grad_reduce_in_fp32=false"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "ddp.grad_reduce_in_fp32=false"),
+        "offload/optimizer=states runs Adam on fp32 gradients",
+    ),
+    Case(
+        "states_window_needs_adamw",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.decoupled_weight_decay=false"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "optimizer.decoupled_weight_decay=false"),
+        "offload/optimizer=states runs AdamW",
+    ),
+    Case(
+        "states_window_needs_fp32_states",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=bf16"),
+        ("recipe=tiny", "offload/optimizer=states"),
+        "offload/optimizer=states keeps fp32 masters and moments on the host",
+    ),
+    Case(
+        "states_chunk_only_whole",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_chunk_mb=16"),
+        ("recipe=tiny", "offload/optimizer=states_whole", "optimizer.offload_states_chunk_mb=16"),
+        "optimizer.offload_states_chunk_mb sizes the copies of whole-tensor state offload",
     ),
     Case(
         "heads_divisible_by_tp",

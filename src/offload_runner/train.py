@@ -148,7 +148,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from offload_runner.mcore.megatron_config import build_transformer_config
     from offload_runner.mcore.model import build_model
     from offload_runner.mcore.optimizer import build_optimizer, build_scheduler
-    from offload_runner.offload import cpu_adam, optimizer_states
+    from offload_runner.offload import cpu_adam, host_adam, optimizer_states
     from offload_runner.profiling import IterationProfiler
 
     initialize(run)
@@ -157,7 +157,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     model = build_model(run, config)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    cpu_engines = cpu_adam.engines(optimizer)
+    engines = host_adam.engines(optimizer)  # CPU Adam, windowed state offload
     scheduler = build_scheduler(run, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
@@ -185,8 +185,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     )  # fmt: skip
 
     def save(iteration: int) -> None:
-        for engine in cpu_engines:
-            engine.finish()  # a delayed update's masters and states are complete, not landed
+        for engine in engines:
+            engine.finish()  # host masters and states complete (a delayed update: not landed)
         with optimizer_states.resident(offloader):
             checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
 
@@ -237,7 +237,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             pinned = host_pinned_bytes()
             if pinned is not None:  # registered with cudaHostRegister, not torch's
                 pinned += offloader.host_bytes if offloader else 0
-                pinned += sum(engine.pinned_bytes for engine in cpu_engines)
+                pinned += sum(engine.pinned_bytes for engine in engines)
             reporter.record(
                 StepMetrics(
                     iteration=iteration,
@@ -264,11 +264,12 @@ def train(run: RunConfig, run_dir: Path) -> dict:
         profiler.close()
         if run.checkpoint.save and start < t.train_iters and saved_at != t.train_iters:
             save(t.train_iters)
-        for engine in cpu_engines:
+        for engine in engines:
             engine.flush()  # the last delayed update lands: the model in memory is final
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
     extra.update(cpu_adam.metrics(optimizer))
+    extra.update(optimizer_states.metrics(optimizer))
     summary = reporter.write_summary(extra)
-    for engine in cpu_engines:
+    for engine in engines:
         engine.close()
     return summary

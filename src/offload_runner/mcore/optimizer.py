@@ -1,5 +1,6 @@
-"""The optimizer (get_megatron_optimizer: distributed optimizer, HybridDeviceOptimizer or the
-CPU-Adam engine when optimizer_cpu_offload is on) and its learning-rate schedule."""
+"""The optimizer (get_megatron_optimizer: distributed optimizer, HybridDeviceOptimizer, or one of
+offload-runner's engines inside it: CPU Adam, windowed state offload) and its learning-rate
+schedule."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ from offload_runner.config.schema import LRDecayStyle, RunConfig
 
 def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_world: int = 1):
     """Megatron-Core's optimizer; with offload/optimizer=cpu_adam* its inner optimizers are
-    offload-runner's CPU-Adam engines (``local_rank``/``local_world`` pick the rank's cores)."""
+    offload-runner's CPU-Adam engines (``local_rank``/``local_world`` pick the rank's cores), with
+    offload/optimizer=states its windowed state-offload engines."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     from offload_runner.mcore.megatron_config import build_optimizer_config
-    from offload_runner.offload import cpu_adam
+    from offload_runner.offload import cpu_adam, optimizer_states
 
     optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
     if cpu_adam.enabled(run):
         cpu_adam.attach(run, optimizer, local_rank, local_world)
+    if optimizer_states.windowed(run):
+        optimizer_states.install(run, optimizer)
     return optimizer
 
 

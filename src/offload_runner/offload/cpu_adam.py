@@ -63,17 +63,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-
 from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, optimizer_parts
-from offload_runner.offload.host_memory import HostArenas, aligned
+from offload_runner.offload import OffloadSummary, host_adam, optimizer_parts
+from offload_runner.offload.host_adam import HostAdam, Piece
 from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES, GiB
 
 log = logging.getLogger("offload_runner")
 
-STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 HOST_BYTES_PER_PARAM = CPU_ADAM_PINNED_BYTES + CPU_ADAM_PAGEABLE_BYTES  # the planner's figures
 RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
 HISTORY = 500  # CPU updates kept for the metrics
@@ -235,19 +232,6 @@ def default_threads(run: RunConfig, cpus: list[int]) -> int:
 
 
 @dataclass
-class _Piece:
-    """A contiguous run of offloaded elements: one copy down, one Adam call per group, one up."""
-
-    start: int  # in the flat host arrays
-    stop: int
-    grad: object  # the GPU (or, in tests, CPU) fp32 gradient elements, a view of the DDP buffer
-    param: object  # the bf16 parameter elements, a view of the DDP parameter buffer
-    groups: list[tuple[int, int, int]]  # (start, stop, param group index), flat coordinates
-    fetched: object = None  # event: the gradient copy has reached the host
-    landed: object = None  # event: the masters' copy up has read the host buffer
-
-
-@dataclass
 class _Update:
     """One CPU update: the hyperparameters captured at ``step()`` and what the worker measured."""
 
@@ -260,13 +244,9 @@ class _Update:
     wall_s: float = 0.0
 
 
-class CpuAdam(HybridDeviceOptimizer):
-    """Adam for one DistributedOptimizer's shard, ``fraction`` of it on the CPU (see module doc).
-
-    ``params`` are the param groups of the precision-aware DistributedOptimizer: bf16 views of the
-    DDP parameter buffer, their gradients in ``decoupled_grad`` (fp32 views of the grad buffer).
-    On a machine without CUDA (tests) every tensor is on the CPU and copies are synchronous.
-    """
+class CpuAdam(HostAdam):
+    """Adam for one DistributedOptimizer's shard, ``fraction`` of it on the CPU (see module doc
+    and host_adam.HostAdam for the layout and checkpoints)."""
 
     def __init__(
         self,
@@ -284,45 +264,20 @@ class CpuAdam(HybridDeviceOptimizer):
         chunk_bytes: int = 64 * 1024**2,
         order_key=None,
     ) -> None:
-        import torch
-
-        # torch.optim.Optimizer only: none of HybridDeviceOptimizer's own machinery is used.
-        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        torch.optim.Optimizer.__init__(self, params, defaults)
+        super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
+                         betas=betas, eps=eps, chunk_bytes=chunk_bytes,
+                         order_key=order_key)  # fmt: skip
         self.delayed = delayed
         self.exact_steps = exact_steps
-        self.chunk_numel = max(1, chunk_bytes // 4)
         self.threads = threads
-        self._arenas = HostArenas()
-        self._pieces: list[_Piece] | None = None
         self._pending: _Update | None = None  # a delayed update, not landed
         self._jobs: list[concurrent.futures.Future] = []
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self.history: list[_Update] = []
-
-        everything = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
-        self.on_cuda = bool(everything) and everything[0][1].is_cuda
-        self.device = everything[0][1].device if everything else torch.device("cpu")
         self._worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="cpu-adam", initializer=self._init_worker, initargs=(cpus,)
         )
-        # Backward-ready order: the DDP buffer's own order (``order_key`` for tests). Only bf16
-        # parameters move: the copies back are bf16 (fp32 ones, if any, stay on the GPU).
-        order_key = order_key or _buffer_position
-        ordered = sorted(everything, key=lambda item: order_key(item[1]))
-        budget = fraction * sum(p.numel() for _, p in everything)
-        offloaded, taken = [], 0
-        for gi, p in ordered:
-            if taken + p.numel() / 2 > budget:
-                break
-            if p.dtype == torch.bfloat16:
-                offloaded.append((gi, p))
-                taken += p.numel()
-        self.offloaded = offloaded
-        self.offloaded_numel = taken
-        host = {id(p) for _, p in offloaded}
-        self.kept = [(gi, p) for gi, p in everything if id(p) not in host]
         self._worker.submit(self._allocate).result()
 
     # -- memory ----------------------------------------------------------------------------
@@ -337,83 +292,17 @@ class CpuAdam(HybridDeviceOptimizer):
             torch.cuda.set_device(self.device)
 
     def _allocate(self) -> None:
-        """Host arrays for the offloaded shard (first touched by the worker's own threads), GPU
-        arrays for the rest, masters copied from the bf16 parameters, Adam moments zero."""
+        """In the worker, so its own threads touch the host pages first (NUMA placement): the
+        masters and a gradient staging array page-locked (the copy engines read and write them),
+        the moments pageable (only the CPU touches them); a ring of two pieces of fp32 masters
+        on the GPU, rounded into the bf16 params there."""
         import torch
 
-        n = self.offloaded_numel
-
-        def host(dtype, pin: bool):
-            arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, "cpu_adam")
-            return _typed(arena, dtype, n)
-
-        self.host_master = host(torch.float32, pin=self.on_cuda)
-        self.host_exp_avg = host(torch.float32, pin=False).zero_()
-        self.host_exp_avg_sq = host(torch.float32, pin=False).zero_()
-        self.host_grad = host(torch.float32, pin=self.on_cuda)
-        # two pieces of fp32 masters on the GPU, rounded into the bf16 params there
-        ring = min(self.chunk_numel, n) if self.on_cuda else 0
+        self._allocate_states(pin_moments=False, what="cpu_adam")
+        self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+        ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0
         self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._landings = 0
-        self._own: dict[int, dict] = {}  # id(param) -> its views of the engine's arrays
-        self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
-                                   self.host_exp_avg_sq)  # fmt: skip
-        m, on = sum(p.numel() for _, p in self.kept), self.device
-        self.gpu_master = torch.empty(m, dtype=torch.float32, device=on)
-        self.gpu_exp_avg = torch.zeros(m, dtype=torch.float32, device=on)
-        self.gpu_exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=on)
-        self._lay_out(self.kept, self.gpu_master, self.gpu_exp_avg, self.gpu_exp_avg_sq)
-
-    def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
-        """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
-        from the bf16 parameters; returns each parameter's start."""
-        starts, start = {}, 0
-        for _, p in params:
-            view = slice(start, start + p.numel())
-            master[view].copy_(p.detach().view(-1))
-            self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
-                                "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
-            self.state[p] = self._views(p)
-            starts[id(p)] = start
-            start += p.numel()
-        return starts
-
-    @property
-    def host_bytes(self) -> int:
-        return self._arenas.nbytes
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._arenas.pinned_bytes
-
-    # -- the transfer plan (first step: the gradients' places are known then) ---------------
-    def _plan(self) -> list[_Piece]:
-        """Pieces of at most ``chunk_numel`` elements, contiguous on the host, in the gradient
-        buffer and in the parameter buffer, so each moves with one copy each way."""
-        runs: list[list[tuple[int, object]]] = []
-        for gi, p in self.offloaded:
-            grad = _grad_of(p)
-            if runs and _follows(runs[-1][-1][1], p) and _follows(_grad_of(runs[-1][-1][1]), grad):
-                runs[-1].append((gi, p))
-            else:
-                runs.append([(gi, p)])
-        pieces = []
-        for run in runs:
-            first = run[0][1]
-            base = self._flat[id(first)]
-            numel = sum(p.numel() for _, p in run)
-            bounds, offset = [], base  # (start, stop, group) of each parameter in the run
-            for gi, p in run:
-                bounds.append((offset, offset + p.numel(), gi))
-                offset += p.numel()
-            grad0, param0 = _grad_of(first), first
-            for a in range(base, base + numel, self.chunk_numel):
-                b = min(a + self.chunk_numel, base + numel)
-                groups = _merge([(max(s, a), min(e, b), gi) for s, e, gi in bounds
-                                 if s < b and e > a])  # fmt: skip
-                pieces.append(_Piece(a, b, _window(grad0, a - base, b - a),
-                                     _window(param0, a - base, b - a), groups))  # fmt: skip
-        return pieces
 
     # -- the step -------------------------------------------------------------------------
     def step(self, closure=None):
@@ -422,8 +311,7 @@ class CpuAdam(HybridDeviceOptimizer):
         if self._pieces is None:
             self._pieces = self._plan()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
-        step = int(self.param_groups[0].get("step", 0)) + 1 if self.param_groups else 1
-        hyper = [_hyper(g) for g in self.param_groups]
+        step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
         if delayed and not self._announced_delay:
             self._announced_delay = True
@@ -444,10 +332,10 @@ class CpuAdam(HybridDeviceOptimizer):
                     self._land(piece)
                 self._fetch(piece)
         self._unlanded = False
-        update = _Update(step, hyper, land_in_worker=not delayed,
+        update = _Update(step, hypers, land_in_worker=not delayed,
                          done=[threading.Event() for _ in self._pieces])  # fmt: skip
         job = self._worker.submit(self._run_update, update)
-        self._gpu_step(update)
+        self._gpu_step(step, hypers)
         if delayed:
             self._pending = update
             self._jobs.append(job)
@@ -457,8 +345,7 @@ class CpuAdam(HybridDeviceOptimizer):
             compute = torch.cuda.current_stream()
             compute.wait_stream(self._streams[1])  # the bf16 params are back
             compute.wait_stream(self._streams[0])  # the grad buffer may be zeroed
-        for group in self.param_groups:
-            group["step"] = step
+        self._end_step(step)
         return None
 
     def _start_fetch(self) -> None:
@@ -467,7 +354,7 @@ class CpuAdam(HybridDeviceOptimizer):
         if self._streams is not None:  # clipping wrote the grads on the compute stream
             self._streams[0].wait_stream(torch.cuda.current_stream())
 
-    def _fetch(self, piece: _Piece) -> None:
+    def _fetch(self, piece: Piece) -> None:
         """A piece's gradients down (on ``d2h``; synchronously without CUDA)."""
         import torch
 
@@ -480,7 +367,7 @@ class CpuAdam(HybridDeviceOptimizer):
             piece.fetched = torch.cuda.Event(blocking=True)  # the worker sleeps on it
             piece.fetched.record(self._streams[0])
 
-    def _land(self, piece: _Piece) -> None:
+    def _land(self, piece: Piece) -> None:
         """A piece's masters up and rounded into its bf16 parameters (on ``h2d``; on the CPU,
         synchronously, without CUDA)."""
         import torch
@@ -489,7 +376,7 @@ class CpuAdam(HybridDeviceOptimizer):
         if self._streams is None:
             piece.param.copy_(source)
             return
-        ring = self._ring[self._landings % 2][: piece.stop - piece.start]
+        ring = self._ring[self._landings % 2][: piece.numel]
         self._landings += 1
         with torch.cuda.stream(self._streams[1]):  # ring reuse is ordered on this stream
             ring.copy_(source, non_blocking=True)
@@ -530,29 +417,6 @@ class CpuAdam(HybridDeviceOptimizer):
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
 
-    def _gpu_step(self, update: _Update) -> None:
-        """The GPU share: fused AdamW on its fp32 masters, then rounded into the bf16 params."""
-        import torch
-
-        if not self.kept:
-            return
-        steps = torch.full((), float(update.step), device=self.device)
-        by_group: dict[int, list] = {}
-        for gi, p in self.kept:
-            grad = _grad_of(p)
-            if grad is not None:
-                by_group.setdefault(gi, []).append((p, self.state[p], grad))
-        for gi, items in by_group.items():
-            h = update.hyper[gi]
-            masters = [s["master_param"] for _, s, _ in items]
-            torch._fused_adamw_(
-                masters, [g for _, _, g in items], [s["exp_avg"] for _, s, _ in items],
-                [s["exp_avg_sq"] for _, s, _ in items], [], [steps] * len(items), lr=h["lr"],
-                beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-                eps=h["eps"], amsgrad=False, maximize=False,
-            )  # fmt: skip
-            torch._foreach_copy_([p.view(-1) for p, _, _ in items], masters)
-
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for a delayed update (checkpoints: masters and states consistent; not landed)."""
@@ -575,69 +439,14 @@ class CpuAdam(HybridDeviceOptimizer):
         if self._streams is not None:
             torch.cuda.current_stream().wait_stream(self._streams[1])
 
-    def restore_after_load(self) -> None:
-        """After a checkpoint load: put the loaded masters and moments into the engine's own
-        buffers (Megatron-Core's loaders replace the state's tensors), then land the masters
-        (delayed mode: at the next step, as the uninterrupted run would)."""
-        for p, state in list(self.state.items()):
-            self._adopt(p, state)
-        for _, p in self.kept:
-            p.detach().view(-1).copy_(self.state[p]["master_param"])
+    def _land_loaded_masters(self) -> None:
+        """Delayed mode lands the loaded masters at the next step, as the uninterrupted run
+        would."""
         if self.delayed:
-            self._unlanded = True  # the next step() lands them
+            self._unlanded = True
             return
-        for _, p in self.offloaded:
-            a = self._flat[id(p)]
-            p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
+        super()._land_loaded_masters()
         self._unlanded = False
-
-    def _views(self, p) -> dict:
-        """``p``'s master and moments in the engine's own arrays (a fresh dict)."""
-        return dict(self._own[id(p)])
-
-    def _adopt(self, p, loaded: dict) -> None:
-        """Copy loaded tensors of ``p`` (any device) into the engine's arrays; its state becomes
-        those arrays' views again (a loaded ``step`` is dropped: the groups hold it)."""
-        own = self._views(p)
-        for key in STATE_KEYS:
-            value = loaded.get(key)
-            if value is not None and value is not own[key]:
-                own[key].copy_(value.reshape(-1))
-        self.state[p] = own
-
-    # -- what Megatron-Core's DistributedOptimizer calls on a HybridDeviceOptimizer -------------
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Copy a state dict into the engine's buffers, never onto the parameters' device/dtype
-        (torch's loader would cast the fp32 host states to bf16 GPU tensors)."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for index, p in zip(ids, params, strict=True):
-            self._adopt(p, state_dict["state"].get(index, {}))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-                if set_to_none:
-                    p.decoupled_grad = None
-
-    @property
-    def sub_optimizers(self) -> list:
-        return []  # the step count is in the param groups, not in torch AdamW states
-
-    def dummy_step(self) -> None:
-        """The states exist from the start: nothing to create before a load."""
-
-    def _sync_hdo_state_to_sub_optimizers(self) -> None:
-        self.restore_after_load()
-
-    def update_fp32_param_by_new_param(self) -> None:
-        """Masters from the bf16 parameters (Megatron-Core's reload of model weights)."""
-        self.finish()
-        for _, p in self.offloaded + self.kept:
-            self.state[p]["master_param"].copy_(p.detach().view(-1))
 
     def close(self) -> None:
         self.finish()
@@ -661,61 +470,12 @@ class CpuAdam(HybridDeviceOptimizer):
         }
 
 
-def _typed(arena, dtype, numel: int):
-    return arena[: numel * dtype.itemsize].view(dtype) if numel else arena[:0].view(dtype)
-
-
-def _grad_of(p):
-    grad = getattr(p, "decoupled_grad", None)
-    return grad if grad is not None else p.grad
-
-
-def _buffer_position(p) -> tuple[int, int]:
-    return (p.untyped_storage().data_ptr(), p.storage_offset())
-
-
-def _follows(previous, tensor) -> bool:
-    """``tensor`` starts where ``previous`` ends, in the same storage (both contiguous)."""
-    return (
-        previous is not None
-        and tensor is not None
-        and previous.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-        and previous.dtype == tensor.dtype
-        and previous.is_contiguous()
-        and tensor.is_contiguous()
-        and previous.storage_offset() + previous.numel() == tensor.storage_offset()
-    )
-
-
-def _window(first, offset: int, numel: int):
-    """``numel`` elements from ``offset`` past the start of ``first``, in its storage."""
-    return first.as_strided((numel,), (1,), first.storage_offset() + offset)
-
-
-def _merge(bounds: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """Adjacent ranges of one param group become one Adam call."""
-    merged: list[tuple[int, int, int]] = []
-    for a, b, gi in bounds:
-        if merged and merged[-1][2] == gi and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b, gi)
-        else:
-            merged.append((a, b, gi))
-    return merged
-
-
-def _hyper(group: dict) -> dict:
-    beta1, beta2 = group["betas"]
-    return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
-            "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"])}  # fmt: skip
-
-
 # --- wiring ---------------------------------------------------------------------------------------
 
 
 def engines(optimizer) -> list[CpuAdam]:
     """The CpuAdam engines inside what ``get_megatron_optimizer`` returned."""
-    inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
-    return [e for e in inner if isinstance(e, CpuAdam)]
+    return [e for e in host_adam.engines(optimizer) if isinstance(e, CpuAdam)]
 
 
 def _is_expert_part(part) -> bool:
@@ -747,16 +507,12 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                                o.optimizer_offload_fraction, o.cpu_adam_delayed_update)  # fmt: skip
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
-    built = []
-    for part, fraction in zip(parts, fractions, strict=True):
-        engine = CpuAdam(
-            part.optimizer.param_groups, fraction=fraction, lr=o.lr,
-            weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-            delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run), threads=threads,
-            cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
-        )  # fmt: skip
-        part.optimizer = engine
-        built.append(engine)
+    built = host_adam.install(optimizer, lambda part, i: CpuAdam(
+        part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
+        weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+        delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run), threads=threads,
+        cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
+    ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
              "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, _ranges(cpus),

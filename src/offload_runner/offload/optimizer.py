@@ -42,17 +42,17 @@ def describe(run: RunConfig) -> OffloadSummary:
 
 def hybrid_optimizers(optimizer) -> list:
     """The HybridDeviceOptimizers inside what ``get_megatron_optimizer`` returned (one per part of
-    a ChainedOptimizer, e.g. dense and expert parameters); not the CPU-Adam engine, which is one
-    by type only."""
+    a ChainedOptimizer, e.g. dense and expert parameters); not offload-runner's engines (host_adam),
+    which are ones by type only."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    from offload_runner.offload.cpu_adam import CpuAdam
+    from offload_runner.offload.host_adam import HostAdam
 
     inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
     return [
         hdo
         for hdo in inner
-        if isinstance(hdo, HybridDeviceOptimizer) and not isinstance(hdo, CpuAdam)
+        if isinstance(hdo, HybridDeviceOptimizer) and not isinstance(hdo, HostAdam)
     ]
 
 

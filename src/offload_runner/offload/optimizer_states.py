@@ -1,8 +1,36 @@
-"""Optimizer-state offload: Adam on the GPU, its states and fp32 master weights wait on the CPU.
+"""Optimizer-state offload: Adam on the GPU, its fp32 masters and moments in host memory.
 
-Not in any megatron-core release. Between steps exp_avg, exp_avg_sq and the fp32 master weights
-of this rank's distributed-optimizer shard live in pinned host buffers, and their GPU storage is
-released to the caching allocator (so forward and backward can use it). The timeline of a step:
+Not in any megatron-core release. Two ways, chosen by ``optimizer.offload_states_window_mb``:
+
+**Windowed (the default, ``offload/optimizer=states``).** ``WindowedStates`` is the inner
+optimizer of Megatron-Core's precision-aware DistributedOptimizer (host_adam.HostAdam: layout,
+checkpoints), so the GPU never holds the states and masters whole. They live in page-locked host
+arrays (12 B/param) and the Adam step streams them through a GPU window of
+``offload_states_window_mb`` MiB, split into ``SLOTS`` slots of one piece each:
+
+1. at the tail of backward (Megatron-Core's gradient finalize, before the data-parallel reduction)
+   the side stream ``h2d`` starts bringing in the first ``SLOTS`` pieces (masters, exp_avg,
+   exp_avg_sq: three copies, one per host array);
+2. ``step()`` (after Megatron-Core's norm and clipping): on the compute stream, Adam on piece i as
+   soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
+   Adam, so the run is bit-identical to the baseline; torch's fused AdamW without TE), its masters
+   rounded into the bf16 parameters; the side stream ``d2h`` takes piece i out, and as soon as
+   it has, ``h2d`` brings piece i + SLOTS into the same slot: both directions run at once;
+3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
+   the next forward (``finish()`` waits for them: checkpoints).
+
+The first step plans the pieces (the gradients' places in the DDP buffer are known then) and has
+no prefetch. The window comes from the allocator's pool of the ``h2d`` stream each step, so
+forward and backward never see it allocated. Pieces are cut as the CPU-Adam engine cuts them
+(host_adam.HostAdam._plan): contiguous in the host arrays, the gradient buffer and the parameter
+buffer, so each array of a piece moves with one copy.
+
+Cost: 12 B/param each way, the two directions concurrently: about 12 B/param / 50.8 GB/s on PCIe
+Gen5 (0.74 s for the 3.11B-param proxy); the peak is forward+backward's own plus the window.
+
+**Whole tensors (``offload_states_window_mb=0``, ``offload/optimizer=states_whole``).**
+``OptimizerStateOffloader`` parks the states of Megatron-Core's ordinary DistributedOptimizer on
+the host between steps and brings every tensor back before Adam runs. The timeline of a step:
 
 1. ``optimizer.step()`` runs as usual (Adam on the GPU: Transformer Engine's FusedAdam, or
    whatever Adam Megatron-Core picked), then copies the masters into the bf16 parameters.
@@ -17,6 +45,11 @@ released to the caching allocator (so forward and backward can use it). The time
 5. The inner optimizer's step pre-hook makes the compute stream wait for ``h2d``: gradient
    unscaling, norm and clipping overlap with the copy; only Adam itself waits.
 
+The step therefore holds every state again (the peak falls only where forward and backward set
+it), and the copies run one direction at a time, but out of the step: out under the next forward,
+back under the tail of backward. Where forward and backward are long against 2 x 12 B/param over
+the link (long sequences, many micro-batches), that hides what the window pays in the step.
+
 The first step has only the masters to bring back (Adam creates its states lazily in its first
 step); the states are found anew at every offload, so states created later (first step,
 checkpoint load) are included. Pinned buffers are allocated once per tensor and reused.
@@ -30,35 +63,51 @@ state. Any other optimizer state stays on the GPU; the validation table admits A
 from __future__ import annotations
 
 import contextlib
+import logging
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, optimizer_parts
+from offload_runner.offload import OffloadSummary, host_adam, optimizer_parts
+from offload_runner.offload.host_adam import HostAdam, Piece
 from offload_runner.offload.host_memory import HostArenas, aligned
+
+log = logging.getLogger("offload_runner")
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
+SLOTS = 4  # pieces in the window: one in Adam, one going out, one or two coming in
+HISTORY = 500  # steps kept for the metrics
 
 
 DISABLED = {"optimizer.offload_optimizer_states": False}
 
 
+def windowed(run: RunConfig) -> bool:
+    """The windowed engine (else whole tensors), when state offload is on."""
+    return run.optimizer.offload_optimizer_states and run.optimizer.offload_states_window_mb > 0
+
+
 def describe(run: RunConfig) -> OffloadSummary:
-    enabled = run.optimizer.offload_optimizer_states
-    if not enabled:
-        return OffloadSummary("optimizer states", "offload/optimizer=states", False, "-")
+    o = run.optimizer
+    if not o.offload_optimizer_states:
+        return OffloadSummary("optimizer states", "offload/optimizer=states*", False, "-")
     params = count_parameters(run.model).total
+    moves = (f"fp32 master + exp_avg + exp_avg_sq ({BYTES_PER_PARAM} B/param, ~"
+             f"{params * BYTES_PER_PARAM / 1e9:.1f} GB for the whole model before DP sharding) "
+             "live on the host; Adam runs on the GPU")  # fmt: skip
+    if windowed(run):
+        return OffloadSummary(
+            "optimizer states", "offload/optimizer=states", True, moves,
+            f"streamed through a {o.offload_states_window_mb} MiB GPU window during the step, "
+            "both directions at once",
+        )  # fmt: skip
     return OffloadSummary(
-        "optimizer states",
-        "offload/optimizer=states",
-        True,
-        f"fp32 master + exp_avg + exp_avg_sq ({BYTES_PER_PARAM} B/param, ~"
-        f"{params * BYTES_PER_PARAM / 1e9:.1f} GB for the whole model before DP sharding) "
-        "between steps; Adam runs on the GPU",
-        "back to the GPU during gradient reduction; Adam waits only for the copy",
-    )
+        "optimizer states", "offload/optimizer=states_whole", True, moves,
+        "whole tensors: out under the next forward, back during gradient reduction",
+    )  # fmt: skip
 
 
 @dataclass
@@ -270,10 +319,296 @@ def _copy_in_chunks(dst, src, chunk_bytes: int) -> None:
         dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
 
 
+# --- windowed: the states stream through a small GPU window during the step --------------------
+
+
+@dataclass
+class _Stream:
+    """One step's pass of the states through the window: its events and what it measured."""
+
+    window: object  # the GPU (or, in tests, CPU) window: SLOTS x 3 arrays of one piece
+    loaded: list  # per piece: event, its copy in has finished (None without CUDA)
+    freed: list  # per slot: event, the copy out of its last piece has read it
+    began: object = None  # event on the compute stream when step() starts its Adam calls
+    ended: object = None  # event after the last copy out
+    queued: int = 0  # pieces whose copy in is queued
+
+
+class WindowedStates(HostAdam):
+    """Adam on the GPU for one DistributedOptimizer's shard whose masters and moments live in
+    page-locked host arrays and pass through a GPU window of ``window_bytes`` (module doc)."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        window_bytes: int = 512 * 1024**2,
+        order_key=None,
+    ) -> None:
+        # a piece of n params takes 12 n bytes of the window: chunk_bytes counts 4 B per param
+        super().__init__(params, fraction=1.0, lr=lr, weight_decay=weight_decay, betas=betas,
+                         eps=eps, chunk_bytes=window_bytes // (SLOTS * 3),
+                         order_key=order_key)  # fmt: skip
+        self._allocate_states(pin_moments=True, what="offload/optimizer=states")
+        self._streams = None
+        self._pass: _Stream | None = None  # the current step's pass (from the prefetch on)
+        self._adam = _te_adam(self.device) if self.on_cuda else None
+        self.history: list[float] = []  # seconds from step() to the last copy out
+        self._timed: _Stream | None = None  # the last pass, its events not read yet
+
+    @property
+    def window_bytes(self) -> int:
+        return SLOTS * 3 * 4 * min(self.chunk_numel, self.offloaded_numel)
+
+    # -- the pass ----------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Start bringing in the first SLOTS pieces (at the tail of backward; ``step()`` calls
+        it if nothing did, e.g. at the first step, whose gradients' places are known only in
+        ``step()``)."""
+        import torch
+
+        if self._pass is not None or self._pieces is None:
+            return
+        self._collect_timing()
+        piece = min(self.chunk_numel, self.offloaded_numel)
+        if self._streams is None:
+            window = torch.empty(SLOTS, 3, piece, dtype=torch.float32, device=self.device)
+        else:
+            h2d, d2h = self._streams
+            h2d.wait_stream(d2h)  # the last step's copies out have written the host arrays
+            with torch.cuda.stream(h2d):  # the window comes from (and returns to) h2d's pool
+                window = torch.empty(SLOTS, 3, piece, dtype=torch.float32, device=self.device)
+        self._pass = _Stream(window, [None] * len(self._pieces), [None] * SLOTS)
+        for _ in range(min(SLOTS, len(self._pieces))):
+            self._load_next()
+
+    def _slot(self, index: int) -> tuple:
+        """The window's (master, exp_avg, exp_avg_sq) arrays for piece ``index``."""
+        n = self._pieces[index].numel
+        slot = self._pass.window[index % SLOTS]
+        return slot[0, :n], slot[1, :n], slot[2, :n]
+
+    def _host(self, piece: Piece) -> tuple:
+        span = slice(piece.start, piece.stop)
+        return self.host_master[span], self.host_exp_avg[span], self.host_exp_avg_sq[span]
+
+    def _load_next(self) -> None:
+        """The next piece's masters and moments into its slot (on ``h2d``, after the slot's
+        last piece has gone out)."""
+        import torch
+
+        index = self._pass.queued
+        self._pass.queued += 1
+        pairs = zip(self._slot(index), self._host(self._pieces[index]), strict=True)
+        if self._streams is None:
+            for gpu, host in pairs:
+                gpu.copy_(host)
+            return
+        h2d = self._streams[0]
+        freed = self._pass.freed[index % SLOTS]
+        if freed is not None:
+            h2d.wait_event(freed)
+        with torch.cuda.stream(h2d):
+            for gpu, host in pairs:
+                gpu.copy_(host, non_blocking=True)
+        self._pass.loaded[index] = _record(h2d)
+
+    def _unload(self, index: int) -> None:
+        """Piece ``index``'s updated masters and moments back to the host (on ``d2h``, after its
+        Adam call on the compute stream)."""
+        import torch
+
+        pairs = zip(self._host(self._pieces[index]), self._slot(index), strict=True)
+        if self._streams is None:
+            for host, gpu in pairs:
+                host.copy_(gpu)
+            return
+        d2h = self._streams[1]
+        d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(d2h):
+            for host, gpu in pairs:
+                host.copy_(gpu, non_blocking=True)
+        self._pass.freed[index % SLOTS] = _record(d2h)
+
+    def step(self, closure=None):
+        import torch
+
+        step, hypers = self._next_step()
+        if self._pieces is None and self.offloaded:
+            self._pieces = self._plan()
+            if self.on_cuda:
+                self._streams = (torch.cuda.Stream(), torch.cuda.Stream())  # h2d, d2h
+        self.prefetch()
+        if self._pass is not None:
+            compute = torch.cuda.current_stream() if self._streams else None
+            if compute is not None:
+                self._pass.began = _record(compute)
+            for index, piece in enumerate(self._pieces):
+                if compute is not None:
+                    compute.wait_event(self._pass.loaded[index])
+                self._update(piece, self._slot(index), step, hypers)
+                self._unload(index)
+                if self._pass.queued < len(self._pieces):
+                    self._load_next()
+            self._end_pass()
+        self._gpu_step(step, hypers)
+        self._end_step(step)
+        return None
+
+    def _update(self, piece: Piece, slot: tuple, step: int, hypers: list[dict]) -> None:
+        """Adam on one piece in the window; its masters rounded into the bf16 parameters."""
+        import torch
+
+        master, exp_avg, exp_avg_sq = slot
+        for a, b, gi in piece.groups:
+            h, span = hypers[gi], slice(a - piece.start, b - piece.start)
+            grad = piece.grad[span]
+            if self._adam is not None:
+                self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
+            else:
+                torch._fused_adamw_(
+                    [master[span]], [grad], [exp_avg[span]], [exp_avg_sq[span]], [],
+                    [torch.tensor(float(step), device=master.device)], lr=h["lr"],
+                    beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
+                    eps=h["eps"], amsgrad=False, maximize=False,
+                )  # fmt: skip
+        piece.param.copy_(master)
+
+    def _end_pass(self) -> None:
+        import torch
+
+        done, self._pass = self._pass, None
+        if self._streams is None:
+            return
+        done.ended = _record(self._streams[1])
+        for stream in (torch.cuda.current_stream(), *self._streams):
+            done.window.record_stream(stream)  # not reused before the copies out have read it
+        done.window = None
+        self._timed = done
+
+    def _collect_timing(self) -> None:
+        if self._timed is not None:
+            self._timed.ended.synchronize()
+            self.history.append(self._timed.began.elapsed_time(self._timed.ended) / 1000)
+            self._timed = None
+            if len(self.history) > 2 * HISTORY:
+                del self.history[2:-HISTORY]
+
+    # -- around the step ---------------------------------------------------------------------
+    def finish(self) -> None:
+        """The copies out have finished: the host arrays hold the newest states."""
+        if self._streams is not None:
+            self._streams[1].synchronize()
+
+    def metrics(self, skip: int = 2) -> dict:
+        self.finish()
+        self._collect_timing()
+        steady = self.history[skip:] or self.history
+        if not steady:
+            return {}
+        seconds = statistics.median(steady)
+        moved = BYTES_PER_PARAM * self.offloaded_numel
+        return {"states_offloaded_params": self.offloaded_numel,
+                "states_stream_s_median": seconds,
+                "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
+                "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
+
+
+def _record(stream):
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def _te_adam(device):
+    """Transformer Engine's multi-tensor Adam (AdamW mode, bias correction), as its FusedAdam
+    calls it on fp32 masters: the kernel Megatron-Core's GPU Adam runs, so the windowed step
+    gives the baseline's numbers bit for bit. None without TE (torch's fused AdamW then)."""
+    try:
+        import torch
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
+    except ImportError:
+        return None
+    noop = torch.zeros(1, dtype=torch.int, device=device)
+
+    def adam(grads, masters, exp_avgs, exp_avg_sqs, step: int, h: dict) -> None:
+        multi_tensor_applier(tex.multi_tensor_adam, noop, [grads, masters, exp_avgs, exp_avg_sqs],
+                             h["lr"], h["beta1"], h["beta2"], h["eps"], step, 1, 1,
+                             h["weight_decay"])  # fmt: skip
+
+    return adam
+
+
+def windowed_engines(optimizer) -> list[WindowedStates]:
+    return [e for e in host_adam.engines(optimizer) if isinstance(e, WindowedStates)]
+
+
+def metrics(optimizer) -> dict:
+    """summary.json fields of the windowed engines of a rank: params, the pass's time and the
+    link rate it reached (12 B/param each way), the window, host memory."""
+    built = windowed_engines(optimizer)
+    found = [m for m in (e.metrics() for e in built) if m]
+    if not found:
+        return {}
+    seconds = sum(m["states_stream_s_median"] for m in found)
+    params = sum(m["states_offloaded_params"] for m in found)
+    return {
+        "states_offloaded_params": params,
+        "states_stream_s_median": seconds,
+        "states_link_gb_per_s": BYTES_PER_PARAM * params / seconds / 1e9 if seconds else None,
+        "states_window_gb": max(m["states_window_gb"] for m in found),
+        "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
+    }
+
+
+def _prefetching(engines: list[WindowedStates], finalize):
+    """Megatron-Core's finalize_model_grads, the first window's copies in started before it."""
+
+    def finalize_and_prefetch(*args, **kwargs):
+        for engine in engines:
+            engine.prefetch()
+        return finalize(*args, **kwargs)
+
+    return finalize_and_prefetch
+
+
+# --- wiring ---------------------------------------------------------------------------------------
+
+
+def install(run: RunConfig, optimizer) -> list[WindowedStates]:
+    """Make a WindowedStates the inner optimizer of every DistributedOptimizer of ``optimizer``
+    (built on Megatron-Core's precision-aware path: no fp32 masters on the GPU)."""
+    o = run.optimizer
+    built = host_adam.install(optimizer, lambda part, _: WindowedStates(
+        part.optimizer.param_groups, lr=o.lr, weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+        window_bytes=o.offload_states_window_mb * 1024**2,
+    ))  # fmt: skip
+    numel = sum(e.offloaded_numel for e in built)
+    log.info("optimizer states: %.3fB params of this rank's shard on the host (%.1f GB page-locked)"
+             ", streamed through a %.0f MiB GPU window", numel / 1e9,
+             sum(e.host_bytes for e in built) / 1e9,
+             max((e.window_bytes for e in built), default=0) / 1024**2)  # fmt: skip
+    return built
+
+
 def attach(run: RunConfig, optimizer, transformer_config) -> OptimizerStateOffloader | None:
-    """The offloader for ``run`` (None when off), wired into Megatron-Core's gradient finalize
-    hook, with the masters already on their way to the host before the first forward."""
-    if not run.optimizer.offload_optimizer_states:
+    """Wire state offload into Megatron-Core's gradient finalize hook: the windowed engines
+    (installed with the optimizer) prefetch their first window there; the whole-tensor offloader
+    is returned (None otherwise), with the masters already on their way to the host."""
+    engines = windowed_engines(optimizer)
+    if engines:
+        transformer_config.finalize_model_grads_func = _prefetching(
+            engines, transformer_config.finalize_model_grads_func
+        )
+    if not run.optimizer.offload_optimizer_states or windowed(run):
         return None
     offloader = OptimizerStateOffloader(
         optimizer, chunk_bytes=run.optimizer.offload_states_chunk_mb * 1024**2

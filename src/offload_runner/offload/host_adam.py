@@ -1,0 +1,359 @@
+"""Adam whose fp32 masters and moments live in host memory: what the two engines share.
+
+offload-runner has two engines that keep the optimizer of (a fraction of) a rank's
+distributed-optimizer shard on the host and hand Megatron-Core an inner optimizer:
+
+- ``cpu_adam.CpuAdam`` (``offload/optimizer=cpu_adam*``): Adam runs on the CPU; gradients go down
+  and masters come up, 4 B/param each way;
+- ``optimizer_states.WindowedStates`` (``offload/optimizer=states``): Adam runs on the GPU; masters
+  and moments stream through a small GPU window, 12 B/param each way.
+
+Both are the inner optimizer of a precision-aware Megatron-Core DistributedOptimizer (built with
+``use_precision_aware_optimizer=True``, so Megatron-Core allocates no fp32 masters on the GPU) and
+are HybridDeviceOptimizers by type, so Megatron-Core keeps every other duty (gradient
+reduce-scatter, norm and clipping, zero_grad, scheduler, parameter all-gather) and checkpoints them
+with HybridDeviceOptimizer's layout: ``state[param]`` holds ``master_param``, ``exp_avg`` and
+``exp_avg_sq`` (views of this engine's flat host arrays), the step count lives in the param groups.
+A checkpoint moves between the engines and HybridDeviceOptimizer where the layouts match.
+
+This module owns what does not depend on where Adam runs: which parameters go to the host, the
+flat host arrays and each parameter's views of them, the pieces they move in (contiguous in the
+host arrays, the DDP gradient buffer and the DDP parameter buffer, so each moves with one copy),
+the GPU share of Adam for fraction < 1, and the checkpoint hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+from offload_runner.offload.host_memory import HostArenas, aligned
+
+STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Piece:
+    """A contiguous run of offloaded elements: it moves as one copy each way."""
+
+    start: int  # in the flat host arrays
+    stop: int
+    grad: object  # the GPU (or, in tests, CPU) fp32 gradient elements, a view of the DDP buffer
+    param: object  # the bf16 parameter elements, a view of the DDP parameter buffer
+    groups: list[tuple[int, int, int]]  # (start, stop, param group index), flat coordinates
+    fetched: object = None  # cpu_adam: event, the gradient copy has reached the host
+    landed: object = None  # cpu_adam: event, the masters' copy up has read the host buffer
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+class HostAdam(HybridDeviceOptimizer):
+    """Adam for one DistributedOptimizer's shard, ``fraction`` of it kept on the host.
+
+    ``params`` are the param groups of the precision-aware DistributedOptimizer: bf16 views of the
+    DDP parameter buffer, their gradients in ``decoupled_grad`` (fp32 views of the grad buffer).
+    On a machine without CUDA (tests) every tensor is on the CPU and copies are synchronous.
+    Subclasses allocate the host arrays (``_allocate``) and implement ``step``.
+    """
+
+    def __init__(
+        self,
+        params,
+        *,
+        fraction: float,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        chunk_bytes: int,
+        order_key=None,
+    ) -> None:
+        import torch
+
+        # torch.optim.Optimizer only: none of HybridDeviceOptimizer's own machinery is used.
+        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        torch.optim.Optimizer.__init__(self, params, defaults)
+        self.chunk_numel = max(1, chunk_bytes // 4)
+        self._arenas = HostArenas()
+        self._pieces: list[Piece] | None = None
+        self._own: dict[int, dict] = {}  # id(param) -> its views of the engine's arrays
+        self._flat: dict[int, int] = {}  # id(param) -> its start in the flat host arrays
+
+        everything = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        self.on_cuda = bool(everything) and everything[0][1].is_cuda
+        self.device = everything[0][1].device if everything else torch.device("cpu")
+        # Backward-ready order: the DDP buffer's own order (``order_key`` for tests). Only bf16
+        # parameters move: the copies back are bf16 (fp32 ones, if any, stay on the GPU).
+        order_key = order_key or _buffer_position
+        ordered = sorted(everything, key=lambda item: order_key(item[1]))
+        budget = fraction * sum(p.numel() for _, p in everything)
+        offloaded, taken = [], 0
+        for gi, p in ordered:
+            if taken + p.numel() / 2 > budget:
+                break
+            if p.dtype == torch.bfloat16:
+                offloaded.append((gi, p))
+                taken += p.numel()
+        self.offloaded = offloaded
+        self.offloaded_numel = taken
+        host = {id(p) for _, p in offloaded}
+        self.kept = [(gi, p) for gi, p in everything if id(p) not in host]
+
+    # -- memory ----------------------------------------------------------------------------
+    def _host_array(self, dtype, pin: bool, what: str):
+        """A flat host array of ``dtype`` for the offloaded shard (page-locked when ``pin``)."""
+        n = self.offloaded_numel
+        arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, what)
+        return _typed(arena, dtype, n)
+
+    def _allocate_states(self, pin_moments: bool, what: str) -> None:
+        """Host masters (page-locked where CUDA copies them) and moments for the offloaded part,
+        GPU arrays for the rest, masters copied from the bf16 parameters, moments zero."""
+        import torch
+
+        self.host_master = self._host_array(torch.float32, self.on_cuda, what)
+        pin_moments = pin_moments and self.on_cuda
+        self.host_exp_avg = self._host_array(torch.float32, pin_moments, what).zero_()
+        self.host_exp_avg_sq = self._host_array(torch.float32, pin_moments, what).zero_()
+        self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
+                                   self.host_exp_avg_sq)  # fmt: skip
+        m, on = sum(p.numel() for _, p in self.kept), self.device
+        self.gpu_master = torch.empty(m, dtype=torch.float32, device=on)
+        self.gpu_exp_avg = torch.zeros(m, dtype=torch.float32, device=on)
+        self.gpu_exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=on)
+        self._lay_out(self.kept, self.gpu_master, self.gpu_exp_avg, self.gpu_exp_avg_sq)
+
+    def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
+        """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
+        from the bf16 parameters; returns each parameter's start."""
+        starts, start = {}, 0
+        for _, p in params:
+            view = slice(start, start + p.numel())
+            master[view].copy_(p.detach().view(-1))
+            self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
+                                "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
+            self.state[p] = self._views(p)
+            starts[id(p)] = start
+            start += p.numel()
+        return starts
+
+    @property
+    def host_bytes(self) -> int:
+        return self._arenas.nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._arenas.pinned_bytes
+
+    # -- the transfer plan (first step: the gradients' places are known then) ---------------
+    def _plan(self) -> list[Piece]:
+        """Pieces of at most ``chunk_numel`` elements, contiguous on the host, in the gradient
+        buffer and in the parameter buffer, so each moves with one copy each way."""
+        runs: list[list[tuple[int, object]]] = []
+        for gi, p in self.offloaded:
+            grad = grad_of(p)
+            if runs and _follows(runs[-1][-1][1], p) and _follows(grad_of(runs[-1][-1][1]), grad):
+                runs[-1].append((gi, p))
+            else:
+                runs.append([(gi, p)])
+        pieces = []
+        for run in runs:
+            first = run[0][1]
+            base = self._flat[id(first)]
+            numel = sum(p.numel() for _, p in run)
+            bounds, offset = [], base  # (start, stop, group) of each parameter in the run
+            for gi, p in run:
+                bounds.append((offset, offset + p.numel(), gi))
+                offset += p.numel()
+            grad0, param0 = grad_of(first), first
+            for a in range(base, base + numel, self.chunk_numel):
+                b = min(a + self.chunk_numel, base + numel)
+                groups = _merge([(max(s, a), min(e, b), gi) for s, e, gi in bounds
+                                 if s < b and e > a])  # fmt: skip
+                pieces.append(Piece(a, b, _window(grad0, a - base, b - a),
+                                    _window(param0, a - base, b - a), groups))  # fmt: skip
+        return pieces
+
+    def _next_step(self) -> tuple[int, list[dict]]:
+        """This step's number and every group's hyperparameters, captured at ``step()`` (the
+        scheduler moves them right after)."""
+        step = int(self.param_groups[0].get("step", 0)) + 1 if self.param_groups else 1
+        return step, [hyper(g) for g in self.param_groups]
+
+    def _end_step(self, step: int) -> None:
+        for group in self.param_groups:
+            group["step"] = step
+
+    def _gpu_step(self, step: int, hypers: list[dict]) -> None:
+        """The share kept on the GPU: fused AdamW on its fp32 masters, rounded into the bf16
+        params."""
+        import torch
+
+        if not self.kept:
+            return
+        steps = torch.full((), float(step), device=self.device)
+        by_group: dict[int, list] = {}
+        for gi, p in self.kept:
+            grad = grad_of(p)
+            if grad is not None:
+                by_group.setdefault(gi, []).append((p, self.state[p], grad))
+        for gi, items in by_group.items():
+            h = hypers[gi]
+            masters = [s["master_param"] for _, s, _ in items]
+            torch._fused_adamw_(
+                masters, [g for _, _, g in items], [s["exp_avg"] for _, s, _ in items],
+                [s["exp_avg_sq"] for _, s, _ in items], [], [steps] * len(items), lr=h["lr"],
+                beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
+                eps=h["eps"], amsgrad=False, maximize=False,
+            )  # fmt: skip
+            torch._foreach_copy_([p.view(-1) for p, _, _ in items], masters)
+
+    # -- around the step ---------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait until the host arrays hold this engine's newest masters and moments
+        (checkpoints)."""
+
+    def flush(self) -> None:
+        """Make the bf16 parameters the newest (end of training)."""
+        self.finish()
+
+    def restore_after_load(self) -> None:
+        """After a checkpoint load: put the loaded masters and moments into the engine's own
+        arrays (Megatron-Core's loaders replace the state's tensors), and round them into the
+        bf16 parameters."""
+        for p, state in list(self.state.items()):
+            self._adopt(p, state)
+        for _, p in self.kept:
+            p.detach().view(-1).copy_(self.state[p]["master_param"])
+        self._land_loaded_masters()
+
+    def _land_loaded_masters(self) -> None:
+        for _, p in self.offloaded:
+            a = self._flat[id(p)]
+            p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
+
+    def _views(self, p) -> dict:
+        """``p``'s master and moments in the engine's own arrays (a fresh dict)."""
+        return dict(self._own[id(p)])
+
+    def _adopt(self, p, loaded: dict) -> None:
+        """Copy loaded tensors of ``p`` (any device) into the engine's arrays; its state becomes
+        those arrays' views again (a loaded ``step`` is dropped: the groups hold it)."""
+        own = self._views(p)
+        for key in STATE_KEYS:
+            value = loaded.get(key)
+            if value is not None and value is not own[key]:
+                own[key].copy_(value.reshape(-1))
+        self.state[p] = own
+
+    # -- what Megatron-Core's DistributedOptimizer calls on a HybridDeviceOptimizer -------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a state dict into the engine's buffers, never onto the parameters' device/dtype
+        (torch's loader would cast the fp32 host states to bf16 GPU tensors)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for index, p in zip(ids, params, strict=True):
+            self._adopt(p, state_dict["state"].get(index, {}))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+                if set_to_none:
+                    p.decoupled_grad = None
+
+    @property
+    def sub_optimizers(self) -> list:
+        return []  # the step count is in the param groups, not in torch AdamW states
+
+    def dummy_step(self) -> None:
+        """The states exist from the start: nothing to create before a load."""
+
+    def _sync_hdo_state_to_sub_optimizers(self) -> None:
+        self.restore_after_load()
+
+    def update_fp32_param_by_new_param(self) -> None:
+        """Masters from the bf16 parameters (Megatron-Core's reload of model weights)."""
+        self.finish()
+        for _, p in self.offloaded + self.kept:
+            self.state[p]["master_param"].copy_(p.detach().view(-1))
+
+    def close(self) -> None:
+        self.finish()
+        self._arenas.release()
+
+
+def _typed(arena, dtype, numel: int):
+    return arena[: numel * dtype.itemsize].view(dtype) if numel else arena[:0].view(dtype)
+
+
+def grad_of(p):
+    grad = getattr(p, "decoupled_grad", None)
+    return grad if grad is not None else p.grad
+
+
+def _buffer_position(p) -> tuple[int, int]:
+    return (p.untyped_storage().data_ptr(), p.storage_offset())
+
+
+def _follows(previous, tensor) -> bool:
+    """``tensor`` starts where ``previous`` ends, in the same storage (both contiguous)."""
+    return (
+        previous is not None
+        and tensor is not None
+        and previous.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        and previous.dtype == tensor.dtype
+        and previous.is_contiguous()
+        and tensor.is_contiguous()
+        and previous.storage_offset() + previous.numel() == tensor.storage_offset()
+    )
+
+
+def _window(first, offset: int, numel: int):
+    """``numel`` elements from ``offset`` past the start of ``first``, in its storage."""
+    return first.as_strided((numel,), (1,), first.storage_offset() + offset)
+
+
+def _merge(bounds: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Adjacent ranges of one param group become one Adam call."""
+    merged: list[tuple[int, int, int]] = []
+    for a, b, gi in bounds:
+        if merged and merged[-1][2] == gi and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b, gi)
+        else:
+            merged.append((a, b, gi))
+    return merged
+
+
+def hyper(group: dict) -> dict:
+    beta1, beta2 = group["betas"]
+    return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
+            "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"])}  # fmt: skip
+
+
+def engines(optimizer) -> list[HostAdam]:
+    """The host-Adam engines (CPU Adam, windowed state offload) inside what
+    ``get_megatron_optimizer`` returned."""
+    from offload_runner.offload import optimizer_parts
+
+    inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
+    return [e for e in inner if isinstance(e, HostAdam)]
+
+
+def install(optimizer, build) -> list[HostAdam]:
+    """Make ``build(part)`` the inner optimizer of every DistributedOptimizer of ``optimizer``
+    (built on Megatron-Core's precision-aware path, so no fp32 masters were allocated on the
+    GPU); ``build`` gets the part and its index."""
+    from offload_runner.offload import optimizer_parts
+
+    built = []
+    parts = [p for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None]
+    for index, part in enumerate(parts):
+        part.optimizer = build(part, index)
+        built.append(part.optimizer)
+    return built
