@@ -55,25 +55,14 @@ def overrides_of(command: list[str]) -> list[str]:
     return out
 
 
-WHOLE_STATES = "optimizer.offload_states_window_mb=0"
-
-
-def recorded_overrides(result: dict) -> list[str]:
-    """The overrides of a result as the run was made. Runs of offload/optimizer=states from before
-    the windowed engine (their summaries have no ``states_offloaded_params``) moved whole tensors:
-    today's ``offload_states_window_mb=0``."""
-    overrides = overrides_of(result["command"])
-    if is_whole_states(result) and WHOLE_STATES not in overrides:
-        overrides.append(WHOLE_STATES)
-    return overrides
-
-
 def is_whole_states(result: dict) -> bool:
-    """A state-offload run that moved whole tensors (no window)."""
+    """A run of the first state offload, since removed, which moved whole tensors: runs of
+    offload/optimizer=states from before the windowed engine (their summaries have no
+    ``states_offloaded_params``), and the whole-tensor cases measured beside it."""
     overrides = overrides_of(result["command"])
     if not any(o.startswith("offload/optimizer=states") for o in overrides):
         return False
-    return (WHOLE_STATES in overrides or "offload/optimizer=states_whole" in overrides
+    return ("offload/optimizer=states_whole" in overrides
             or "states_offloaded_params" not in (result.get("summary") or {}))  # fmt: skip
 
 
@@ -83,10 +72,10 @@ def calibrate(files: list[Path]) -> list[Calibration]:
         data = json.loads(path.read_text())
         for result in data["results"]:
             s = result["summary"]
-            if result["status"] != "ok" or not s:
-                continue
+            if result["status"] != "ok" or not s or is_whole_states(result):
+                continue  # the planner knows the offloads that exist
             nproc = result["case"].get("nproc", 1)
-            run = to_run_config(compose_config(recorded_overrides(result)))
+            run = to_run_config(compose_config(overrides_of(result["command"])))
             worst = make_plan(run, world=nproc, gpus_per_node=nproc).worst
             rows.append(Calibration(
                 data["suite"], result["case"]["name"], nproc, s["gpu_peak_allocated_gb"],

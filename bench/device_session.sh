@@ -33,19 +33,21 @@ case "$1" in
       --out "$OUT/results-states-proxy-det.json" --work-dir "$WORK/bench"
     python bench/run_benchmarks.py run --suite states-long --iters 12 \
       --out "$OUT/results-states-long.json" --work-dir "$WORK/bench" ;;
-  state-tests)  # state offload gpu tests, beside (same GPU) the long delayed runs after more
-    # exact steps (their losses matter here, not their speed)
-    python bench/run_benchmarks.py run --suite cpu-adam-long-3 --iters 200 \
-      --out "$OUT/results-cpu-adam-long-3.json" --work-dir "$WORK/bench" > "$OUT/long.log" 2>&1 &
-    gpu_tests state engines-states; wait; tail -3 "$OUT/long.log" ;;
+  state-tests)  # state offload gpu tests, beside (same GPU) the long delayed runs after 20 and
+    # 50 exact steps (their losses matter here, not their speed)
+    for n in 3 4; do
+      python bench/run_benchmarks.py run --suite cpu-adam-long-$n --iters 200 \
+        --out "$OUT/results-cpu-adam-long-$n.json" --work-dir "$WORK/bench-$n" > "$OUT/long-$n.log" 2>&1 &
+    done
+    gpu_tests state engines-states; wait; tail -2 "$OUT"/long-*.log ;;
   engine-tests)  # the rest of the CPU-Adam gpu tests (cross-engine checkpoints, delayed resume)
     # and TensorBoard, beside every conf/offload option training (exit codes and losses matter)
     python bench/run_benchmarks.py run --suite options-1 --iters 8 \
       --out "$OUT/results-options-1.json" --work-dir "$WORK/bench" > "$OUT/options.log" 2>&1 &
-    gpu_tests "(cpu_adam or cpu-adam or tensorboard) and not state and not matches_hybrid and not lands_one" \
-      engines-rest; wait; tail -3 "$OUT/options.log" ;;
-  two-gpu-states)  # (two GPUs) DP2 with and without state offload (both modes), then resume on
-    # DP2: both state offloads and cpu_adam_delayed
+    gpu_tests "tensorboard or (moves_between and not states) or (resume and delayed)" engines-rest
+    wait; tail -3 "$OUT/options.log" ;;
+  two-gpu-states)  # (two GPUs) DP2 with and without state offload, then resume on DP2: state
+    # offload and cpu_adam_delayed
     python bench/run_benchmarks.py run --suite two-gpu-states --iters 12 \
       --out "$OUT/results-two-gpu-states.json" --work-dir "$WORK/bench"
     gpu_tests "resume and (states or delayed)" states-dp2 ;;

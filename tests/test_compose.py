@@ -175,7 +175,6 @@ def test_config_groups_lists_offload_groups_and_recipes() -> None:
         "cpu_adam_delayed",
         "disabled",
         "states",
-        "states_whole",
     ]
     assert groups["offload/activation"] == ["auto", "disabled", "enabled"]
     assert groups["offload/weight"] == ["disabled", "enabled"]

@@ -234,7 +234,7 @@ def test_step_cost_model() -> None:
 
     cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     for option, expected in (("cpu_adam", 1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
-                             ("states", 12 / 50e9), ("states_whole", 2 * 12 / 50e9)):  # fmt: skip
+                             ("states", 12 / 50e9)):  # fmt: skip
         run = compose_run("recipe=tiny", f"offload/optimizer={option}")
         rank = make_plan(run).ranks[0]
         params = count_parameters(run.model).total

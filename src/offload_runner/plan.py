@@ -202,18 +202,6 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     return moments + (PARAM_REMAINDER_BYTES if master == 4 else master)
 
 
-def states_window_bytes(run: RunConfig) -> int:
-    """GPU bytes the state offload's step holds: its window (whole tensors: unbounded)."""
-    window = run.optimizer.offload_states_window_mb
-    return window * 1024**2 if window > 0 else math.inf
-
-
-def states_link_passes(run: RunConfig) -> int:
-    """How many times a state offload's bytes cross the link on the step's critical path: once
-    (windowed: both directions at once), twice (whole tensors: out, then back)."""
-    return 1 if run.optimizer.offload_states_window_mb > 0 else 2
-
-
 def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
     m, o, t = run.model, run.optimizer, run.train
     stage = rank // (layout.world // layout.pp)
@@ -236,8 +224,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         pinned_per_param, on_cpu = CPU_ADAM_PINNED_BYTES, int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
     else:
         pinned_per_param = HDO_PINNED_BYTES
-    if o.offload_optimizer_states:  # the step holds the window, or every state back (whole)
-        resident, step_only = 0, min(adam, states_window_bytes(run)) if adam else 0
+    if o.offload_optimizer_states:  # the step holds the window the states pass through
+        resident, step_only = 0, min(adam, o.offload_states_window_mb * 1024**2)
 
     tokens = t.micro_batch_size * m.seq_length / layout.cp
     layers = m.num_layers // layout.pp
@@ -363,9 +351,8 @@ HDO_RATE_SHARE = 0.27
 @dataclass(frozen=True)
 class StepCost:
     """The model: CPU Adam runs at ``cpu_adam_params_per_s`` per rank (HybridDeviceOptimizer at
-    HDO_RATE_SHARE of it) and is not hidden in exact mode; windowed state offload streams its
-    12 B/param through the GPU both ways at once at ``host_link_gb_per_s`` each way, whole-tensor
-    state offload copies them out and back, one direction at a time."""
+    HDO_RATE_SHARE of it) and is not hidden in exact mode; state offload streams its 12 B/param
+    through the GPU window both ways at once, at ``host_link_gb_per_s`` each way."""
 
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float
@@ -377,7 +364,7 @@ class StepCost:
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
-        link = states_link_passes(run) * rank.states_moved / (self.host_link_gb_per_s * 1e9)
+        link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
         return cpu + link
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
@@ -386,10 +373,8 @@ class StepCost:
             parts.append(f"{rank.cpu_adam_params / 1e9:.2f}B params of Adam on the CPU at "
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s")  # fmt: skip
         if rank.states_moved:
-            passes = states_link_passes(run)
-            parts.append(f"{passes} x {rank.states_moved / 1e9:.1f} GB of states over "
-                         f"{self.host_link_gb_per_s:.0f} GB/s"
-                         + (" (both ways at once)" if passes == 1 else ""))  # fmt: skip
+            parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
+                         f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip
         return ", ".join(parts) or "nothing offloaded from the optimizer"
 
 

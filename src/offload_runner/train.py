@@ -167,7 +167,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     if run.checkpoint.load:
         start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
         log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
-    offloader = optimizer_states.attach(run, optimizer, config)
+    optimizer_states.attach(optimizer, config)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -187,8 +187,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     def save(iteration: int) -> None:
         for engine in engines:
             engine.finish()  # host masters and states complete (a delayed update: not landed)
-        with optimizer_states.resident(offloader):
-            checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
+        checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
 
     reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval,
                                run.logger.tensorboard_dir)  # fmt: skip
@@ -220,13 +219,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             )
             phase[1].record()
             fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
-            if offloader and offloader.peak_before_reload is not None:
-                # the states came back at the end of backward: the phase's own peak is before
-                fwd_bwd_peak = offloader.peak_before_reload / GB
             torch.cuda.reset_peak_memory_stats()
             _, grad_norm, _ = optimizer.step()
-            if offloader:
-                offloader.offload()
             scheduler.step(increment=t.global_batch_size)
             loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
             torch.cuda.current_stream().synchronize()
@@ -236,7 +230,6 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
             pinned = host_pinned_bytes()
             if pinned is not None:  # registered with cudaHostRegister, not torch's
-                pinned += offloader.host_bytes if offloader else 0
                 pinned += sum(engine.pinned_bytes for engine in engines)
             reporter.record(
                 StepMetrics(

@@ -22,7 +22,6 @@ from offload_runner.config.schema import (
     CpuOffloadEngine,
     CudaGraphImpl,
     OffloadModule,
-    OptimizerConfig,
     OptimizerType,
     RunConfig,
     TransformerImpl,
@@ -83,14 +82,9 @@ def _cpu_adam_on(c: RunConfig) -> bool:
     return _cpu_adam_selected(c) and c.optimizer.optimizer_cpu_offload
 
 
-def _states_windowed(c: RunConfig) -> bool:
-    o = c.optimizer
-    return o.offload_optimizer_states and o.offload_states_window_mb > 0
-
-
 def _precision_aware(c: RunConfig) -> bool:
     """Megatron-Core builds its precision-aware DistributedOptimizer (TE's FusedAdam inside)."""
-    return c.optimizer.use_precision_aware_optimizer or _states_windowed(c)
+    return c.optimizer.use_precision_aware_optimizer or c.optimizer.offload_optimizer_states
 
 
 def _low_precision_adam(c: RunConfig) -> bool:
@@ -424,54 +418,40 @@ RULES: tuple[Rule, ...] = (
         "set optimizer.use_distributed_optimizer=true",
     ),
     Rule(
-        "states_window_non_negative",
-        lambda c, e: c.optimizer.offload_states_window_mb < 0,
-        "offload_states_window_mb must be >= 0 (MiB of GPU window; 0 moves whole tensors)",
+        "states_window_positive",
+        lambda c, e: c.optimizer.offload_states_window_mb < 1,
+        "offload_states_window_mb must be at least 1 (MiB of GPU window the states pass through)",
         "e.g. optimizer.offload_states_window_mb=512",
     ),
     Rule(
-        "states_window_needs_bf16",
-        lambda c, e: _states_windowed(c) and not c.model.bf16,
+        "states_need_bf16",
+        lambda c, e: c.optimizer.offload_optimizer_states and not c.model.bf16,
         "offload/optimizer=states streams the fp32 masters of bf16 parameters, and model.bf16="
         "false has none: nothing would leave the GPU",
-        "set model.bf16=true, or use offload/optimizer=states_whole",
+        "set model.bf16=true",
     ),
     Rule(
-        "states_window_needs_fp32_grads",
-        lambda c, e: _states_windowed(c) and not c.ddp.grad_reduce_in_fp32,
+        "states_need_fp32_grads",
+        lambda c, e: c.optimizer.offload_optimizer_states and not c.ddp.grad_reduce_in_fp32,
         "offload/optimizer=states runs Adam on fp32 gradients in the DDP buffer "
         "(ddp.grad_reduce_in_fp32=false was set)",
-        "remove ddp.grad_reduce_in_fp32=false, or use offload/optimizer=states_whole",
+        "remove ddp.grad_reduce_in_fp32=false",
     ),
     Rule(
-        "states_window_needs_adamw",
-        lambda c, e: _states_windowed(c) and not c.optimizer.decoupled_weight_decay,
+        "states_need_adamw",
+        lambda c, e: (
+            c.optimizer.offload_optimizer_states and not c.optimizer.decoupled_weight_decay
+        ),
         "offload/optimizer=states runs AdamW (decoupled weight decay) on the window",
-        "set optimizer.decoupled_weight_decay=true, or use offload/optimizer=states_whole",
+        "set optimizer.decoupled_weight_decay=true",
     ),
     Rule(
-        "states_window_needs_fp32_states",
-        lambda c, e: _states_windowed(c) and _low_precision_adam(c),
+        "states_need_fp32_states",
+        lambda c, e: c.optimizer.offload_optimizer_states and _low_precision_adam(c),
         "offload/optimizer=states keeps fp32 masters and moments on the host; "
         "main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype other than fp32 are not supported",
         "drop the optimizer.*_dtype keys, or offload/optimizer=disabled to keep bf16 states on "
         "the GPU (itself a memory saver)",
-    ),
-    Rule(
-        "states_chunk_only_whole",
-        lambda c, e: (
-            _states_windowed(c)
-            and c.optimizer.offload_states_chunk_mb != OptimizerConfig.offload_states_chunk_mb
-        ),
-        "optimizer.offload_states_chunk_mb sizes the copies of whole-tensor state offload; the "
-        "windowed mode moves pieces of offload_states_window_mb / 4 instead",
-        "use optimizer.offload_states_window_mb=..., or offload/optimizer=states_whole",
-    ),
-    Rule(
-        "states_chunk_non_negative",
-        lambda c, e: c.optimizer.offload_states_chunk_mb < 0,
-        "offload_states_chunk_mb must be >= 0 (MiB per copy; 0 copies each tensor whole)",
-        "e.g. optimizer.offload_states_chunk_mb=64",
     ),
     Rule(
         "states_need_adam",
@@ -736,7 +716,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
         optimizer = replace(
             optimizer,
             use_precision_aware_optimizer=False,
-            offload_states_window_mb=0,
+            offload_optimizer_states=False,
             **dict.fromkeys(dtypes, OptimizerDtype.fp32),
         )
     builders: list[tuple[str, Callable[[], object]]] = [
@@ -766,7 +746,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
 # Fields whose range has a row of its own in RULES, with a message of its own, are left out:
 # optimizer.optimizer_offload_fraction, cpu_adam_threads, cpu_adam_chunk_mb, cpu_adam_exact_steps,
-# offload_states_chunk_mb, offload_states_window_mb.
+# offload_states_window_mb.
 RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("model", "num_layers"): (1, None),
     ("model", "hidden_size"): (1, None),

@@ -234,15 +234,11 @@ class OptimizerConfig:
     # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
     cpu_adam_chunk_mb: int = 64
 
-    # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU
+    # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU ...
     offload_optimizer_states: bool = False
     # ... streamed through a GPU window of this many MiB during the step (4 pieces: one updated,
-    # one going out, the next coming in); 0: whole tensors, parked between steps and all brought
-    # back for the step (offload/optimizer=states_whole)
+    # one going out, the next coming in)
     offload_states_window_mb: int = 512
-    # whole-tensor mode: copied in pieces of this many MiB (0: one copy per tensor) so that the
-    # small copies of forward (MoE token counts) are not queued behind gigabytes of state
-    offload_states_chunk_mb: int = 64
 
 
 @dataclass

@@ -73,7 +73,7 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
         # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
         values["optimizer_cpu_offload"] = False
-    if optimizer.offload_optimizer_states and optimizer.offload_states_window_mb > 0:
+    if optimizer.offload_optimizer_states:
         # ... and offload/optimizer_states.py puts its windowed engine in the same place.
         values["use_precision_aware_optimizer"] = True
     return _known_kwargs(MCoreOptimizerConfig, values)

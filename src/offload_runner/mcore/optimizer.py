@@ -19,7 +19,7 @@ def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_worl
     optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
     if cpu_adam.enabled(run):
         cpu_adam.attach(run, optimizer, local_rank, local_world)
-    if optimizer_states.windowed(run):
+    if run.optimizer.offload_optimizer_states:
         optimizer_states.install(run, optimizer)
     return optimizer
 

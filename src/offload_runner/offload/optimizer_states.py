@@ -1,12 +1,10 @@
 """Optimizer-state offload: Adam on the GPU, its fp32 masters and moments in host memory.
 
-Not in any megatron-core release. Two ways, chosen by ``optimizer.offload_states_window_mb``:
-
-**Windowed (the default, ``offload/optimizer=states``).** ``WindowedStates`` is the inner
-optimizer of Megatron-Core's precision-aware DistributedOptimizer (host_adam.HostAdam: layout,
-checkpoints), so the GPU never holds the states and masters whole. They live in page-locked host
-arrays (12 B/param) and the Adam step streams them through a GPU window of
-``offload_states_window_mb`` MiB, split into ``SLOTS`` slots of one piece each:
+Not in any megatron-core release. ``WindowedStates`` is the inner optimizer of Megatron-Core's
+precision-aware DistributedOptimizer (host_adam.HostAdam: layout, checkpoints), so the GPU never
+holds the states and masters whole. They live in page-locked host arrays (12 B/param) and the Adam
+step streams them through a GPU window of ``offload_states_window_mb`` MiB, split into ``SLOTS``
+slots of one piece each:
 
 1. at the tail of backward (Megatron-Core's gradient finalize, before the data-parallel reduction)
    the side stream ``h2d`` starts bringing in the first ``SLOTS`` pieces (masters, exp_avg,
@@ -28,55 +26,27 @@ buffer, so each array of a piece moves with one copy.
 Cost: 12 B/param each way, the two directions concurrently: about 12 B/param / 50.8 GB/s on PCIe
 Gen5 (0.74 s for the 3.11B-param proxy); the peak is forward+backward's own plus the window.
 
-**Whole tensors (``offload_states_window_mb=0``, ``offload/optimizer=states_whole``).**
-``OptimizerStateOffloader`` parks the states of Megatron-Core's ordinary DistributedOptimizer on
-the host between steps and brings every tensor back before Adam runs. The timeline of a step:
-
-1. ``optimizer.step()`` runs as usual (Adam on the GPU: Transformer Engine's FusedAdam, or
-   whatever Adam Megatron-Core picked), then copies the masters into the bf16 parameters.
-2. ``offload()``: the side stream ``d2h`` waits for that, copies every tensor into its pinned
-   buffer (in ``chunk_bytes`` pieces, so forward's own small copies, e.g. MoE token counts, are
-   not queued behind gigabytes on the copy engine), and the GPU storage is released at once
-   (``record_stream`` keeps the allocator from reusing it before the copy has finished).
-3. Forward and backward of the next iteration run without the states.
-4. ``start_reload()`` (called when Megatron-Core finalizes the gradients, i.e. at the tail of
-   backward, before the data-parallel gradient reduction): storage is re-allocated on the compute
-   stream, and the side stream ``h2d`` copies the pinned buffers back.
-5. The inner optimizer's step pre-hook makes the compute stream wait for ``h2d``: gradient
-   unscaling, norm and clipping overlap with the copy; only Adam itself waits.
-
-The step therefore holds every state again (the peak falls only where forward and backward set
-it), and the copies run one direction at a time, but out of the step: out under the next forward,
-back under the tail of backward. Where forward and backward are long against 2 x 12 B/param over
-the link (long sequences, many micro-batches), that hides what the window pays in the step.
-
-The first step has only the masters to bring back (Adam creates its states lazily in its first
-step); the states are found anew at every offload, so states created later (first step,
-checkpoint load) are included. Pinned buffers are allocated once per tensor and reused.
-
-Which tensors move: the fp32 masters of bf16 parameters (``shard_fp32_from_float16_groups``;
-fp32 parameters' shards are views of the model's own weights and stay), and the ``exp_avg``,
-``exp_avg_sq`` (and ``master_param``, for precision-aware Adam) entries of the inner optimizer's
-state. Any other optimizer state stays on the GPU; the validation table admits Adam only.
+Whole tensors, the first design (every state parked on the host between steps and all brought
+back before Adam, copies out under the next forward and back under the tail of backward), was
+measured beside the window in one suite and removed: it held every state again at the step (peak
+52.45 GB where the window's is 23.49 GB on the proxy) and cost more at GBS 4 (2121 ms against
+1514 ms) and at a 32k sequence (2035 ms against 1396 ms), where forward and backward are longest
+(docs/BENCHMARKS.md, suites ``states`` and ``states-long``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, host_adam, optimizer_parts
+from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece
-from offload_runner.offload.host_memory import HostArenas, aligned
 
 log = logging.getLogger("offload_runner")
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
 BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
 SLOTS = 4  # pieces in the window: one in Adam, one going out, one or two coming in
 HISTORY = 500  # steps kept for the metrics
@@ -85,238 +55,21 @@ HISTORY = 500  # steps kept for the metrics
 DISABLED = {"optimizer.offload_optimizer_states": False}
 
 
-def windowed(run: RunConfig) -> bool:
-    """The windowed engine (else whole tensors), when state offload is on."""
-    return run.optimizer.offload_optimizer_states and run.optimizer.offload_states_window_mb > 0
-
-
 def describe(run: RunConfig) -> OffloadSummary:
     o = run.optimizer
     if not o.offload_optimizer_states:
-        return OffloadSummary("optimizer states", "offload/optimizer=states*", False, "-")
+        return OffloadSummary("optimizer states", "offload/optimizer=states", False, "-")
     params = count_parameters(run.model).total
-    moves = (f"fp32 master + exp_avg + exp_avg_sq ({BYTES_PER_PARAM} B/param, ~"
-             f"{params * BYTES_PER_PARAM / 1e9:.1f} GB for the whole model before DP sharding) "
-             "live on the host; Adam runs on the GPU")  # fmt: skip
-    if windowed(run):
-        return OffloadSummary(
-            "optimizer states", "offload/optimizer=states", True, moves,
-            f"streamed through a {o.offload_states_window_mb} MiB GPU window during the step, "
-            "both directions at once",
-        )  # fmt: skip
     return OffloadSummary(
-        "optimizer states", "offload/optimizer=states_whole", True, moves,
-        "whole tensors: out under the next forward, back during gradient reduction",
-    )  # fmt: skip
-
-
-@dataclass
-class _Slot:
-    """One offloaded tensor, its host buffer, and the event that marks its copy to the host."""
-
-    tensor: object  # torch.Tensor on the GPU; its storage is resized to 0 while offloaded
-    host: object  # torch.Tensor (uint8) in a page-locked arena where the tensor is on CUDA
-    nbytes: int
-    copied: object = None  # torch.cuda.Event recorded after the D2H copy
-
-
-class OptimizerStateOffloader:
-    """Moves the optimizer states and fp32 masters of Megatron-Core distributed optimizers.
-
-    ``optimizer`` is what ``get_megatron_optimizer`` returned (a DistributedOptimizer or a
-    ChainedOptimizer of them, e.g. dense + expert parameters for MoE).
-
-    Host memory: one pageable arena per batch of new tensors (the masters at attach, the Adam
-    states after the first step), page-locked with ``cudaHostRegister``. torch's pinned-memory
-    allocator would round every buffer up to a power of two (up to 2x the bytes).
-    """
-
-    def __init__(self, optimizer, chunk_bytes: int = 0) -> None:
-        self.chunk_bytes = chunk_bytes  # copy granularity; 0: one copy per tensor
-        self.parts = optimizer_parts(optimizer)
-        for part in self.parts:
-            if not hasattr(part, "shard_fp32_from_float16_groups"):
-                raise TypeError(
-                    f"offload_optimizer_states needs Megatron-Core's DistributedOptimizer, got "
-                    f"{type(part).__name__}"
-                )
-        self._host: dict[tuple[int, str], object] = {}
-        self._arenas = HostArenas()
-        self._offloaded: list[_Slot] = []
-        self._reloading = False
-        self._streams = None
-        self.peak_before_reload: int | None = None  # GPU peak of forward + backward, in bytes
-        self._hooks = [p.optimizer.register_step_pre_hook(self._before_adam) for p in self.parts]
-
-    # -- which tensors -------------------------------------------------------------------
-    def _tensors(self) -> Iterator[tuple[tuple[int, str], object]]:
-        """(key, tensor) for every master shard and Adam state tensor, once per storage."""
-        seen: set[int] = set()
-        for part in self.parts:
-            for group in part.shard_fp32_from_float16_groups:
-                for master in group:
-                    yield from self._once(seen, (id(master), "master"), master)
-            for param, state in part.optimizer.state.items():
-                for key in STATE_KEYS:
-                    value = state.get(key)
-                    if value is not None and hasattr(value, "untyped_storage"):
-                        yield from self._once(seen, (id(param), key), value)
-
-    @staticmethod
-    def _once(seen: set[int], key: tuple[int, str], tensor) -> Iterator[tuple[tuple, object]]:
-        storage = tensor.untyped_storage()
-        if tensor.numel() == 0 or storage.size() == 0 or storage.data_ptr() in seen:
-            return
-        seen.add(storage.data_ptr())
-        yield key, tensor
-
-    def _host_buffers(self, found: list[tuple[tuple[int, str], object]]) -> list[object]:
-        """The host buffer of each tensor; tensors seen for the first time share a new arena."""
-
-        def fits(key, tensor) -> bool:
-            buffer = self._host.get(key)
-            return buffer is not None and buffer.numel() == tensor.untyped_storage().size()
-
-        new = [(key, tensor) for key, tensor in found if not fits(key, tensor)]
-        if new:
-            sizes = [tensor.untyped_storage().size() for _, tensor in new]
-            offsets = [0]
-            for size in sizes:
-                offsets.append(offsets[-1] + aligned(size))
-            arena = self._arenas.allocate(
-                offsets[-1], pin=new[0][1].is_cuda, what="offload/optimizer=states"
-            )
-            for (key, _), start, size in zip(new, offsets, sizes, strict=False):
-                self._host[key] = arena[start : start + size]
-        return [self._host[key] for key, _ in found]
-
-    def _stream_pair(self, on_cuda: bool):
-        import torch
-
-        if not on_cuda:
-            return None
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-        return self._streams
-
-    # -- the three moves ----------------------------------------------------------------
-    def offload(self) -> None:
-        """Copy states and masters to the host asynchronously; release their GPU storage."""
-        import torch
-
-        self.wait_reload()
-        found = list(self._tensors())
-        if not found:
-            return
-        slots = [
-            _Slot(tensor, host, host.numel())
-            for (_, tensor), host in zip(found, self._host_buffers(found), strict=True)
-        ]
-        streams = self._stream_pair(slots[0].tensor.is_cuda)
-        if streams is None:
-            for slot in slots:
-                _copy_in_chunks(slot.host, _bytes_of(slot.tensor), self.chunk_bytes)
-        else:
-            d2h = streams[0]
-            d2h.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(d2h):
-                for slot in slots:
-                    _copy_in_chunks(slot.host, _bytes_of(slot.tensor), self.chunk_bytes)
-                    slot.tensor.record_stream(d2h)
-                    slot.copied = torch.cuda.Event()
-                    slot.copied.record(d2h)
-        for slot in slots:
-            slot.tensor.untyped_storage().resize_(0)
-        self._offloaded = slots
-
-    def start_reload(self) -> None:
-        """Re-allocate on the compute stream, copy back on the side stream (no wait here).
-
-        Each copy back waits only for its own copy out, so the two directions overlap when the
-        reload starts before the offload has finished."""
-        import torch
-
-        if not self._offloaded or self._reloading:
-            return
-        if self._offloaded[0].tensor.is_cuda:
-            self.peak_before_reload = torch.cuda.max_memory_allocated()
-        for slot in self._offloaded:
-            slot.tensor.untyped_storage().resize_(slot.nbytes)
-        streams = self._stream_pair(self._offloaded[0].tensor.is_cuda)
-        if streams is None:
-            for slot in self._offloaded:
-                _copy_in_chunks(_bytes_of(slot.tensor), slot.host, self.chunk_bytes)
-        else:
-            h2d = streams[1]
-            h2d.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(h2d):
-                for slot in self._offloaded:
-                    h2d.wait_event(slot.copied)
-                    _copy_in_chunks(_bytes_of(slot.tensor), slot.host, self.chunk_bytes)
-        self._reloading = True
-
-    def wait_reload(self) -> None:
-        """Make the compute stream wait for the copies back (starting them if needed)."""
-        import torch
-
-        if not self._offloaded:
-            return
-        self.start_reload()
-        if self._streams is not None:
-            torch.cuda.current_stream().wait_stream(self._streams[1])
-        self._offloaded, self._reloading = [], False
-
-    def _before_adam(self, optimizer, args, kwargs) -> None:
-        self.wait_reload()
-
-    # -- integration ----------------------------------------------------------------------
-    def finalize_grads_with_prefetch(self, finalize):
-        """Wrap Megatron-Core's finalize_model_grads so the copies back start before it."""
-
-        def finalize_and_prefetch(*args, **kwargs):
-            self.start_reload()
-            return finalize(*args, **kwargs)
-
-        return finalize_and_prefetch
-
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """States and masters on the GPU inside (checkpoint save/load), offloaded after."""
-        self.wait_reload()
-        yield
-        self.offload()
-
-    @property
-    def offloaded_bytes(self) -> int:
-        return sum(slot.nbytes for slot in self._offloaded)
-
-    @property
-    def host_bytes(self) -> int:
-        return self._arenas.nbytes
-
-    def remove(self) -> None:
-        """Bring everything back, detach from the optimizer, unpin the host arenas."""
-        self.wait_reload()
-        for handle in self._hooks:
-            handle.remove()
-        self._arenas.release()
-        self._host = {}
-
-
-def _bytes_of(tensor):
-    """The whole storage of ``tensor`` as a flat uint8 tensor (views and dtypes alike)."""
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-
-
-def _copy_in_chunks(dst, src, chunk_bytes: int) -> None:
-    """``dst.copy_(src, non_blocking=True)`` as copies of at most ``chunk_bytes`` (1-D uint8), so
-    the copy engine can run other streams' small copies (MoE routing's token counts) between
-    them instead of after the whole tensor."""
-    step = chunk_bytes or dst.numel()
-    for start in range(0, dst.numel(), step):
-        dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
+        "optimizer states",
+        "offload/optimizer=states",
+        True,
+        f"fp32 master + exp_avg + exp_avg_sq ({BYTES_PER_PARAM} B/param, ~"
+        f"{params * BYTES_PER_PARAM / 1e9:.1f} GB for the whole model before DP sharding) live on "
+        "the host; Adam runs on the GPU",
+        f"streamed through a {o.offload_states_window_mb} MiB GPU window during the step, both "
+        "directions at once",
+    )
 
 
 # --- windowed: the states stream through a small GPU window during the step --------------------
@@ -599,27 +352,11 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     return built
 
 
-def attach(run: RunConfig, optimizer, transformer_config) -> OptimizerStateOffloader | None:
-    """Wire state offload into Megatron-Core's gradient finalize hook: the windowed engines
-    (installed with the optimizer) prefetch their first window there; the whole-tensor offloader
-    is returned (None otherwise), with the masters already on their way to the host."""
+def attach(optimizer, transformer_config) -> None:
+    """Wire the windowed engines (installed with the optimizer) into Megatron-Core's gradient
+    finalize hook, where they prefetch their first window."""
     engines = windowed_engines(optimizer)
     if engines:
         transformer_config.finalize_model_grads_func = _prefetching(
             engines, transformer_config.finalize_model_grads_func
         )
-    if not run.optimizer.offload_optimizer_states or windowed(run):
-        return None
-    offloader = OptimizerStateOffloader(
-        optimizer, chunk_bytes=run.optimizer.offload_states_chunk_mb * 1024**2
-    )
-    transformer_config.finalize_model_grads_func = offloader.finalize_grads_with_prefetch(
-        transformer_config.finalize_model_grads_func
-    )
-    offloader.offload()
-    return offloader
-
-
-def resident(offloader: OptimizerStateOffloader | None):
-    """Context in which every optimizer tensor is on the GPU (a no-op without offloader)."""
-    return offloader.resident() if offloader else contextlib.nullcontext()
