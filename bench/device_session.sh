@@ -50,7 +50,10 @@ case "$1" in
     # offload and cpu_adam_delayed
     python bench/run_benchmarks.py run --suite two-gpu-states --iters 12 \
       --out "$OUT/results-two-gpu-states.json" --work-dir "$WORK/bench"
-    gpu_tests "resume and (states or delayed)" states-dp2 ;;
+    # beside the tests, on GPU 0 alone: exact mode's long run again (its noise; losses only)
+    CUDA_VISIBLE_DEVICES=0 python bench/run_benchmarks.py run --suite cpu-adam-long-5 --iters 200 \
+      --out "$OUT/results-cpu-adam-long-5.json" --work-dir "$WORK/bench-5" > "$OUT/long-5.log" 2>&1 &
+    gpu_tests "resume and (states or delayed)" states-dp2; wait; tail -2 "$OUT/long-5.log" ;;
   determinism)  # MoE proxy twice with deterministic algorithms
     bench proxy-det ;;
   verify)  # --verify on the MoE proxy (with a repeated baseline: the noise floor) and tiny

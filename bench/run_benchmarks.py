@@ -258,6 +258,10 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-long-2": [LONG_DELAYED],
     "cpu-adam-long-3": LONG_DELAYED_LATER[:1],
     "cpu-adam-long-4": LONG_DELAYED_LATER[1:],
+    # exact mode again: how far two runs of one command drift apart (MoE routing and TE's
+    # kernels are not deterministic here), the noise the delayed runs are judged against
+    "cpu-adam-long-5": [Case("long cpu_adam 100% (repeat)", PROXY_RECIPE,
+                             (*GBS1, "offload/optimizer=cpu_adam"), "long cpu_adam 100%")],
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
         Case(
