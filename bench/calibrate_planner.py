@@ -36,6 +36,8 @@ class Calibration:
     planned_fwd_bwd_gb: float
     measured_step_gb: float | None
     planned_step_gb: float
+    measured_pinned_gb: float | None = None  # page-locked host memory (offload runs)
+    planned_pinned_gb: float = 0.0
 
     @property
     def error(self) -> float:
@@ -80,7 +82,8 @@ def calibrate(files: list[Path]) -> list[Calibration]:
             rows.append(Calibration(
                 data["suite"], result["case"]["name"], nproc, s["gpu_peak_allocated_gb"],
                 worst.gpu_peak / GiB, s.get("gpu_peak_fwd_bwd_gb"), worst.fwd_bwd_peak / GiB,
-                s.get("gpu_peak_step_gb"), worst.step_peak / GiB,
+                s.get("gpu_peak_step_gb"), worst.step_peak / GiB, s.get("host_pinned_gb_max"),
+                worst.host_pinned / GiB,
             ))  # fmt: skip
     return rows
 
@@ -92,11 +95,13 @@ def fmt(value: float | None) -> str:
 def render(rows: list[Calibration], min_gb: float) -> str:
     table = markdown_table(
         ["suite", "case", "GPUs", "measured peak GB", "planned GB", "error",
-         "fwd+bwd measured / planned", "step measured / planned"],
+         "fwd+bwd measured / planned", "step measured / planned",
+         "pinned host measured / planned"],
         [[r.suite, r.case, str(r.nproc), fmt(r.measured_gb), fmt(r.planned_gb),
           f"{r.error:+.1%}" + ("" if r.measured_gb >= min_gb else " (overhead-bound)"),
           f"{fmt(r.measured_fwd_bwd_gb)} / {fmt(r.planned_fwd_bwd_gb)}",
-          f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}"] for r in rows],
+          f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}",
+          f"{fmt(r.measured_pinned_gb)} / {fmt(r.planned_pinned_gb)}"] for r in rows],
     )  # fmt: skip
     return "\n".join(table)
 

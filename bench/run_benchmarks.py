@@ -260,8 +260,14 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-long-4": LONG_DELAYED_LATER[1:],
     # exact mode again: how far two runs of one command drift apart (MoE routing and TE's
     # kernels are not deterministic here), the noise the delayed runs are judged against
-    "cpu-adam-long-5": [Case("long cpu_adam 100% (repeat)", PROXY_RECIPE,
-                             (*GBS1, "offload/optimizer=cpu_adam"), "long cpu_adam 100%")],
+    "cpu-adam-long-5": [
+        Case(
+            "long cpu_adam 100% (repeat)",
+            PROXY_RECIPE,
+            (*GBS1, "offload/optimizer=cpu_adam"),
+            "long cpu_adam 100%",
+        )
+    ],
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
         Case(
@@ -471,8 +477,6 @@ def _families(files: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
 
 HOST_LINK_GB_PER_S = 55.0  # pinned host<->GPU copies on the benchmark host (PCIe Gen5), one way
 BOTH_WAYS_GB_PER_S = 50.8  # ... each way, when both directions run at once
-STATES_PEAK_BAR = 0.55  # issue 12: the windowed state offload's peak against its baseline's
-STATES_BOUND_BAR = 1.2  # ... and its overhead against its transfer bound
 
 
 def _states_line(r: dict, base: dict) -> str | None:
@@ -502,10 +506,7 @@ def _states_line(r: dict, base: dict) -> str | None:
         line += (f"; the pass (step() to the last copy out) "
                  f"{s['states_stream_s_median'] * 1000:.0f} ms, "
                  f"{s['states_link_gb_per_s']:.1f} GB/s each way; window "
-                 f"{s['states_window_gb'] * 1024:.0f} MiB; bars: peak <= {STATES_PEAK_BAR}x "
-                 f"{'met' if peak <= STATES_PEAK_BAR else 'MISSED'}, overhead <= "
-                 f"{STATES_BOUND_BAR}x the bound "
-                 f"{'met' if overhead <= STATES_BOUND_BAR * bound else 'MISSED'}")  # fmt: skip
+                 f"{s['states_window_gb'] * 1024:.0f} MiB")  # fmt: skip
     return line
 
 

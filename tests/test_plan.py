@@ -205,6 +205,14 @@ def test_planner_matches_every_measured_peak_within_10_percent() -> None:
     assert len(rows) >= 20
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) < 0.10, f"{worst.suite}/{worst.case}: {worst.error:+.1%}"
+    # state offload: both phases and its page-locked host memory (the states, 12 B/param)
+    states = [r for r in rows if "states offload" in r.case]
+    assert len(states) >= 6
+    for r in states:
+        for measured, planned in ((r.measured_fwd_bwd_gb, r.planned_fwd_bwd_gb),
+                                  (r.measured_step_gb, r.planned_step_gb),
+                                  (r.measured_pinned_gb, r.planned_pinned_gb)):  # fmt: skip
+            assert abs(planned - measured) < 0.10 * measured, f"{r.suite}/{r.case}"
 
 
 def test_context_parallel_halves_each_ranks_sequence_and_shards_over_dp_x_cp() -> None:
