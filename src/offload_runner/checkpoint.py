@@ -63,7 +63,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
-    from offload_runner.offload import cpu_adam
+    from offload_runner.offload import host_adam
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
@@ -72,7 +72,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     unwrap_model(model[0]).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     hybrid_optimizer.restore_after_load(optimizer)
-    for engine in cpu_adam.engines(optimizer):
+    for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload
         engine.restore_after_load()
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])

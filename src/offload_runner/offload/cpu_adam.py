@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, host_adam, optimizer_parts
+from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece
 from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES, GiB
 
@@ -475,7 +475,7 @@ class CpuAdam(HostAdam):
 
 def engines(optimizer) -> list[CpuAdam]:
     """The CpuAdam engines inside what ``get_megatron_optimizer`` returned."""
-    return [e for e in host_adam.engines(optimizer) if isinstance(e, CpuAdam)]
+    return host_adam.engines(optimizer, CpuAdam)
 
 
 def _is_expert_part(part) -> bool:
@@ -501,7 +501,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     """Make a CpuAdam the inner optimizer of every DistributedOptimizer of ``optimizer`` (built on
     Megatron-Core's precision-aware path, so no fp32 masters were allocated on the GPU)."""
     o = run.optimizer
-    parts = [p for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None]
+    parts = host_adam.inner_parts(optimizer)
     sizes = [sum(q.numel() for g in p.optimizer.param_groups for q in g["params"]) for p in parts]
     fractions = part_fractions(sizes, [_is_expert_part(p) for p in parts],
                                o.optimizer_offload_fraction, o.cpu_adam_delayed_update)  # fmt: skip

@@ -56,7 +56,7 @@ class HostAdam(HybridDeviceOptimizer):
     ``params`` are the param groups of the precision-aware DistributedOptimizer: bf16 views of the
     DDP parameter buffer, their gradients in ``decoupled_grad`` (fp32 views of the grad buffer).
     On a machine without CUDA (tests) every tensor is on the CPU and copies are synchronous.
-    Subclasses allocate the host arrays (``_allocate``) and implement ``step``.
+    Subclasses allocate the host arrays (``_allocate_states``) and implement ``step``.
     """
 
     def __init__(
@@ -336,24 +336,27 @@ def hyper(group: dict) -> dict:
             "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"])}  # fmt: skip
 
 
-def engines(optimizer) -> list[HostAdam]:
-    """The host-Adam engines (CPU Adam, windowed state offload) inside what
-    ``get_megatron_optimizer`` returned."""
+def inner_parts(optimizer) -> list:
+    """The DistributedOptimizers inside what ``get_megatron_optimizer`` returned that hold an
+    inner optimizer (the ones an engine goes into)."""
     from offload_runner.offload import optimizer_parts
 
-    inner = [getattr(part, "optimizer", None) for part in optimizer_parts(optimizer)]
-    return [e for e in inner if isinstance(e, HostAdam)]
+    return [p for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None]
+
+
+def engines(optimizer, kind: type | None = None) -> list:
+    """The engines of type ``kind`` (default: every HostAdam: CPU Adam, windowed state offload)
+    inside what ``get_megatron_optimizer`` returned."""
+    return [
+        p.optimizer for p in inner_parts(optimizer) if isinstance(p.optimizer, kind or HostAdam)
+    ]
 
 
 def install(optimizer, build) -> list[HostAdam]:
-    """Make ``build(part)`` the inner optimizer of every DistributedOptimizer of ``optimizer``
-    (built on Megatron-Core's precision-aware path, so no fp32 masters were allocated on the
-    GPU); ``build`` gets the part and its index."""
-    from offload_runner.offload import optimizer_parts
-
+    """Make ``build(part, index)`` the inner optimizer of every part of ``inner_parts`` (built on
+    Megatron-Core's precision-aware path, so no fp32 masters were allocated on the GPU)."""
     built = []
-    parts = [p for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None]
-    for index, part in enumerate(parts):
+    for index, part in enumerate(inner_parts(optimizer)):
         part.optimizer = build(part, index)
         built.append(part.optimizer)
     return built

@@ -197,13 +197,15 @@ class WindowedStates(HostAdam):
                 self._streams = (torch.cuda.Stream(), torch.cuda.Stream())  # h2d, d2h
         self.prefetch()
         if self._pass is not None:
+            # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
+            steps = None if self._adam else torch.tensor(float(step), device=self.device)
             compute = torch.cuda.current_stream() if self._streams else None
             if compute is not None:
                 self._pass.began = _record(compute)
             for index, piece in enumerate(self._pieces):
                 if compute is not None:
                     compute.wait_event(self._pass.loaded[index])
-                self._update(piece, self._slot(index), step, hypers)
+                self._update(piece, self._slot(index), step, steps, hypers)
                 self._unload(index)
                 if self._pass.queued < len(self._pieces):
                     self._load_next()
@@ -212,7 +214,7 @@ class WindowedStates(HostAdam):
         self._end_step(step)
         return None
 
-    def _update(self, piece: Piece, slot: tuple, step: int, hypers: list[dict]) -> None:
+    def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict]) -> None:
         """Adam on one piece in the window; its masters rounded into the bf16 parameters."""
         import torch
 
@@ -224,8 +226,8 @@ class WindowedStates(HostAdam):
                 self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
             else:
                 torch._fused_adamw_(
-                    [master[span]], [grad], [exp_avg[span]], [exp_avg_sq[span]], [],
-                    [torch.tensor(float(step), device=master.device)], lr=h["lr"],
+                    [master[span]], [grad], [exp_avg[span]], [exp_avg_sq[span]], [], [steps],
+                    lr=h["lr"],
                     beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
                     eps=h["eps"], amsgrad=False, maximize=False,
                 )  # fmt: skip
@@ -300,7 +302,7 @@ def _te_adam(device):
 
 
 def windowed_engines(optimizer) -> list[WindowedStates]:
-    return [e for e in host_adam.engines(optimizer) if isinstance(e, WindowedStates)]
+    return host_adam.engines(optimizer, WindowedStates)
 
 
 def metrics(optimizer) -> dict:
