@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
-from offload_runner.plan import GiB, make_plan  # noqa: E402
+from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
 from offload_runner.report import markdown_table  # noqa: E402
 
 
@@ -68,6 +68,13 @@ def is_whole_states(result: dict) -> bool:
             or "states_offloaded_params" not in (result.get("summary") or {}))  # fmt: skip
 
 
+def plan_of(result: dict) -> Plan:
+    """The planner's plan for a recorded run's command line, on the run's GPU count."""
+    nproc = result["case"].get("nproc", 1)
+    run = to_run_config(compose_config(overrides_of(result["command"])))
+    return make_plan(run, world=nproc, gpus_per_node=nproc)
+
+
 def calibrate(files: list[Path]) -> list[Calibration]:
     rows = []
     for path in files:
@@ -77,8 +84,7 @@ def calibrate(files: list[Path]) -> list[Calibration]:
             if result["status"] != "ok" or not s or is_whole_states(result):
                 continue  # the planner knows the offloads that exist
             nproc = result["case"].get("nproc", 1)
-            run = to_run_config(compose_config(overrides_of(result["command"])))
-            worst = make_plan(run, world=nproc, gpus_per_node=nproc).worst
+            worst = plan_of(result).worst
             rows.append(Calibration(
                 data["suite"], result["case"]["name"], nproc, s["gpu_peak_allocated_gb"],
                 worst.gpu_peak / GiB, s.get("gpu_peak_fwd_bwd_gb"), worst.fwd_bwd_peak / GiB,

@@ -12,7 +12,7 @@ export OFFLOAD_RUNNER_COMMIT=${OFFLOAD_RUNNER_COMMIT:-$(git rev-parse --short HE
 PROXY=(--recipe qwen3_30b_a3b_proxy train.global_batch_size=4 train.micro_batch_size=1)
 bench() { python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" --work-dir "$WORK/bench"; }
 gpu_tests() {  # gpu_tests PYTEST_K NAME: the gpu-marked tests selected by -k, their verdicts to $OUT
-  timeout 560 python -m pytest -v -s -m gpu -k "$1" tests/ 2>&1 \
+  timeout "${TEST_TIMEOUT:-560}" python -m pytest -v -s -m gpu -k "$1" tests/ 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|max \|Δloss\||params/s|passed|failed|Error" \
     | tee "$OUT/pytest-gpu-$2.txt" || true
 }
@@ -109,9 +109,10 @@ case "$1" in
   cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
     bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
     bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
-  full-4gpu)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), offloads that fit, PP2
-    python bench/run_benchmarks.py run --suite full-4gpu --iters 20 \
-      --out "$OUT/results-full-4gpu.json" --work-dir "$WORK/bench" ;;
+  full-4gpu-1|full-4gpu-2)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), the least
+    # offload that fits, PP2 (-1); state offload, HDO 50% (-2). TIME_LIMIT: seconds for the suite
+    python bench/run_benchmarks.py run --suite "$1" --iters 20 --time-limit "${TIME_LIMIT:-530}" \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   two-agents)  # (four GPUs) launcher=multinode: two torchrun agents of two GPUs each meeting on
     # localhost, against one agent of four GPUs, deterministic: the same losses
     C=(--recipe qwen3_30b_a3b_proxy parallel=ep4 model.deterministic_mode=true
@@ -124,8 +125,32 @@ case "$1" in
         launcher.rdzv_endpoint=localhost:29400 output_dir="$WORK/two-agents" > "$OUT/agent$r.log" 2>&1 &
     done
     wait
-    python -c "import json,sys; a,b=(json.load(open(f'$WORK/{d}/summary.json'))['losses'] for d in ('one-agent','two-agents')); print('one agent:', a); print('two agents:', b); print('max |Δloss|', max(abs(x-y) for x,y in zip(a,b,strict=True)))" \
-      | tee "$OUT/two-agents.txt" ;;
+    python bench/compare_losses.py "$WORK/one-agent" "$WORK/two-agents" | tee "$OUT/two-agents.txt" ;;
+  full-resume)  # (four GPUs) resume on the PP2 EP2 layout with cpu_adam 50%: the full model's
+    # width at 4 of its 48 layers (a 48-layer checkpoint, 14 B/param, would not fit on the disk)
+    R=(--recipe qwen3_30b_a3b model.num_layers=4 parallel=pp2_ep2 offload/optimizer=cpu_adam
+       optimizer.optimizer_offload_fraction=0.5 train.global_batch_size=16 train.micro_batch_size=1
+       scheduler.lr_warmup_iters=2 model.deterministic_mode=true launcher.nproc_per_node=4)
+    python run_recipe.py "${R[@]}" train.train_iters=6 output_dir="$WORK/resume-full" > "$OUT/resume.log" 2>&1
+    python run_recipe.py "${R[@]}" train.train_iters=3 scheduler.lr_decay_iters=6 \
+      checkpoint.save="$WORK/ckpt-full" output_dir="$WORK/resume-first" >> "$OUT/resume.log" 2>&1
+    python run_recipe.py "${R[@]}" train.train_iters=6 checkpoint.load="$WORK/ckpt-full" \
+      output_dir="$WORK/resume-second" >> "$OUT/resume.log" 2>&1
+    du -sh "$WORK/ckpt-full" | tee "$OUT/full-resume.txt"
+    python bench/compare_losses.py "$WORK/resume-full" "$WORK/resume-second" --tail 3 \
+      | tee -a "$OUT/full-resume.txt" ;;
+  four-gpu-side)  # (four GPUs, one job per pair or GPU, side by side): resume of state offload
+    # and delayed mode on DP2 (GPUs 0-1), every HDO option then the MoE calibration spread (GPU
+    # 2), the dense calibration spread (GPU 3)
+    CUDA_VISIBLE_DEVICES=0,1 TEST_TIMEOUT=500 gpu_tests "resume and (states or delayed)" states-dp2 &
+    (export CUDA_VISIBLE_DEVICES=2
+     python bench/run_benchmarks.py run --suite options-2 --iters 8 --time-limit 220 \
+       --out "$OUT/results-options-2.json" --work-dir "$WORK/bench-2"
+     python bench/run_benchmarks.py run --suite spread-2 --iters 4 --time-limit 260 \
+       --out "$OUT/results-spread-2.json" --work-dir "$WORK/bench-2") > "$OUT/gpu2.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 python bench/run_benchmarks.py run --suite spread-1 --iters 4 \
+      --time-limit 480 --out "$OUT/results-spread-1.json" --work-dir "$WORK/bench-3" > "$OUT/gpu3.log" 2>&1 &
+    wait; tail -n 8 "$OUT"/gpu*.log ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from calibrate_planner import is_whole_states  # noqa: E402
+from calibrate_planner import is_whole_states, plan_of  # noqa: E402
 
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
 from offload_runner.offload.cpu_adam import fused_adamw_rate  # noqa: E402
@@ -203,7 +203,7 @@ OPTIONS_1 = [
 ]  # fmt: skip
 OPTIONS_2 = [
     _option("no offload"),
-    *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (25, 50, 75, 100)),
+    *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (75, 25, 50, 100)),
 ]
 
 # The full 48-layer Qwen3-30B-A3B on one 4-GPU node (nvidia-h200-x4): no offload runs out of GPU
@@ -223,7 +223,66 @@ FULL_4GPU = [
           "optimizer.optimizer_offload_fraction=0.5"),
     _full("EP4 HDO 50%", "parallel=ep4", "offload/optimizer=cpu_50"),
     _full("EP4 optimizer states", "parallel=ep4", "offload/optimizer=states"),
-    _full("PP2 EP2 cpu_adam 100%", "parallel=pp2_ep2", "offload/optimizer=cpu_adam"),
+    _full("PP2 EP2 cpu_adam 50%", "parallel=pp2_ep2", "offload/optimizer=cpu_adam",
+          "optimizer.optimizer_offload_fraction=0.5"),
+]  # fmt: skip
+
+
+# The planner's calibration spread (issue: within 10% on configurations it was not fitted on): a
+# dense SwiGLU model (Llama-3 8B's layer, 4 layers) and the MoE proxy, micro-batch 1-4, sequence
+# 2k-32k, recompute off / selective / full, every optimizer offload mode and bf16 Adam states. One
+# micro-batch per step: the peak is what is measured, and with PP1 more micro-batches add nothing.
+def _spread(name: str, model: str, mb: int, seq: int, *overrides: str) -> Case:
+    recipe, base = (
+        ("llama3_8b", "spread dense MB1 4k")
+        if model == "dense"
+        else (PROXY_RECIPE, "spread MoE MB2 4k")
+    )
+    extra = ("model.num_layers=4",) if model == "dense" else ()
+    return Case(
+        f"spread {model} MB{mb} {seq // 1024}k{name}",
+        recipe,
+        (
+            *extra,
+            f"train.micro_batch_size={mb}",
+            f"train.global_batch_size={mb}",
+            f"model.seq_length={seq}",
+            "scheduler.lr_warmup_iters=2",
+            *overrides,
+        ),
+        base,
+    )
+
+
+SELECTIVE = ("model.recompute_granularity=selective",)
+FULL_RECOMPUTE = (
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
+)
+BF16_STATES = (
+    "optimizer.use_precision_aware_optimizer=true",
+    "optimizer.exp_avg_dtype=bf16",
+    "optimizer.exp_avg_sq_dtype=bf16",
+)
+SPREAD = [
+    _spread("", "dense", 1, 4096),
+    _spread("", "dense", 4, 4096),
+    _spread(" selective recompute", "dense", 2, 8192, *SELECTIVE),
+    _spread(" full recompute", "dense", 1, 16384, *FULL_RECOMPUTE),
+    _spread(" cpu_adam 100%", "dense", 4, 4096, "offload/optimizer=cpu_adam"),
+    _spread(" states", "dense", 4, 4096, "offload/optimizer=states"),
+    _spread(" HDO 100%", "dense", 2, 4096, "offload/optimizer=cpu_100"),
+    _spread(" bf16 Adam states", "dense", 2, 4096, *BF16_STATES),
+    _spread("", "MoE", 2, 4096),
+    _spread(" full recompute, states", "MoE", 1, 32768, *FULL_RECOMPUTE,
+            "offload/optimizer=states"),
+    _spread(" cpu_adam 50%", "MoE", 4, 2048, "offload/optimizer=cpu_adam",
+            "optimizer.optimizer_offload_fraction=0.5"),
+    _spread(" selective recompute", "MoE", 1, 8192, *SELECTIVE),
+    _spread(" bf16 Adam states", "MoE", 2, 4096, *BF16_STATES),
+    _spread(" activation offload 2 layers", "MoE", 1, 8192, "offload/activation=enabled",
+            "model.cpu_offloading_num_layers=2"),
 ]  # fmt: skip
 
 LONG_EXACT = Case("long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"),
@@ -249,8 +308,12 @@ SUITES: dict[str, list[Case]] = {
     # Data parallel over two GPUs: each rank updates its half of the shard on its share of cores.
     "cpu-adam-dp2": _cpu_adam_cases(4, (0.25,), nproc=2),
     # Delayed against exact over many iterations (run with --iters 200): the loss curves.
-    "full-4gpu": FULL_4GPU,
+    # one device call each (a full-model case takes minutes)
+    "full-4gpu-1": [FULL_4GPU[i] for i in (0, 1, 4)],  # oom, the least offload that fits, PP2
+    "full-4gpu-2": [FULL_4GPU[i] for i in (3, 2)],
     "options-1": OPTIONS_1,
+    "spread-1": SPREAD[:7],  # dense (one GPU each, two calls side by side)
+    "spread-2": SPREAD[7:],  # MoE
     "options-2": OPTIONS_2,
     "cpu-adam-long": [LONG_EXACT, LONG_DELAYED],
     # The same two split over device calls (the family renders as one table).
@@ -436,8 +499,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             str(n): fused_adamw_rate(n) for n in sorted({cores, max(1, cores - 2)})
         }
         print(f"torch AdamW(fused=True) alone: {env['cpu_adam_reference_params_per_s']}")
-    results = []
+    results, began = [], time.perf_counter()
     for case in cases:
+        longest = max((r["wall_s"] for r in results), default=0.0)
+        if args.time_limit and time.perf_counter() - began + longest > args.time_limit:
+            print(f"{case.name}: not started, the next case would pass --time-limit", flush=True)
+            continue
         result = run_case(case, out_dir, args.iters)
         s = result.summary
         print(
@@ -576,6 +643,38 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _scale_lines(results: list[dict]) -> list[str]:
+    """Multi-GPU runs: the planner's verdict and prediction beside time to first step, every
+    rank's GPU peak and the node's RAM (the run's own, over what the node used before)."""
+    rows = []
+    for r in results:
+        if not any(arg.startswith("planner.gpu_memory_gb=") for arg in r["command"]):
+            continue  # planned for the machine it names, as --plan would be
+        plan, s = plan_of(r), r["summary"]
+        ranks = [rank.gpu_peak / 2**30 for rank in plan.ranks]
+        planned_host = plan.max_node_host_gb
+        verdict = "fits" if plan.limiting is None else f"does not fit ({plan.limiting})"
+        measured = s.get("gpu_peak_per_rank_gb")
+        before, peak = s.get("host_used_gb_before_per_node"), s.get("host_used_gb_max_per_node")
+        startup = s.get("startup_s") or {}
+        rows.append([
+            case_label(r), verdict, r["status"],
+            fmt(s.get("time_to_first_step_s"), ".0f")
+            + (f" ({', '.join(f'{k} {v:.0f}' for k, v in startup.items())})" if startup else ""),
+            f"{min(measured):.1f}-{max(measured):.1f}" if measured else "-",
+            f"{min(ranks):.1f}-{max(ranks):.1f}",
+            fmt(max(p - b for p, b in zip(peak, before, strict=True)), ".1f") if peak else "-",
+            f"{planned_host:.1f}",
+        ])  # fmt: skip
+    if not rows:
+        return []
+    return ["", "Per rank and per node, beside `--plan` on the same command line:", "",
+            *markdown_table(
+        ["config", "--plan", "status", "time to first step s (phases s)",
+         "GPU peak per rank GB", "planned GB", "node RAM used by the run GB", "planned host GB"],
+        rows)]  # fmt: skip
+
+
 def render(files: list[Path]) -> str:
     lines = [
         "# Benchmarks",
@@ -643,6 +742,7 @@ def render(files: list[Path]) -> str:
         )  # fmt: skip
         lines += _transfer_bound_lines(results, by_name)
         lines += _cpu_adam_lines(results, by_name)
+        lines += _scale_lines(results)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
@@ -671,6 +771,12 @@ def main() -> int:
     run.add_argument("--out", required=True, help="result JSON file")
     run.add_argument("--work-dir", default="bench-runs", help="where the run directories go")
     run.add_argument("--iters", type=int, default=ITERS)
+    run.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: start no case that would end past this (the longest so far)",
+    )
     report = sub.add_parser("report", help="Markdown from result files")
     report.add_argument("files", nargs="+", type=Path)
     args = parser.parse_args()

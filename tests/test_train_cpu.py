@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ import torch.multiprocessing as mp
 from offload_runner.config.schema import LauncherConfig
 from offload_runner.launch import in_torchrun, nodes, torchrun_args
 from offload_runner.mcore.data import MicroBatchSampler, parse_blend
+from offload_runner.metrics import LAUNCHED_AT_ENV, Startup
 from offload_runner.train import context_parallel_slice, loss_func
 
 
@@ -160,3 +162,30 @@ def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(monkeypatch, 
     err = " ".join(capsys.readouterr().err.split())
     assert "rank 2 ran out of GPU memory" in err and "offload/optimizer=auto" in err
     assert "Traceback" not in err
+
+
+def _startup_rank(rank: int, world: int, tmp: Path) -> None:
+    """Two gloo ranks of one node: only local rank 0 samples the node's RAM."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
+                            world_size=world)  # fmt: skip
+    startup = Startup(is_node_sampler=rank == 0)
+    startup.phase("model")
+    hold = bytearray(64 * 1024**2)  # the node's RAM in use grows while the run holds memory
+    hold[::4096] = b"x" * len(hold[::4096])
+    startup.first_step_done()
+    startup.sample_host()
+    torch.save(startup.gathered(gpu_peak_gb=1.5 + rank), tmp / f"startup{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_startup_reports_every_ranks_peak_and_the_nodes_ram(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(LAUNCHED_AT_ENV, str(time.time() - 5))
+    mp.spawn(_startup_rank, args=(2, tmp_path), nprocs=2)
+    report = torch.load(tmp_path / "startup0.pt")
+    assert report == torch.load(tmp_path / "startup1.pt")  # every rank knows all
+    assert report["gpu_peak_per_rank_gb"] == [1.5, 2.5]
+    assert 5 <= report["time_to_first_step_s"] < 60  # counted from the launcher's clock
+    assert set(report["startup_s"]) == {"model"}
+    (before,), (peak,) = (report["host_used_gb_before_per_node"],
+                          report["host_used_gb_max_per_node"])  # fmt: skip
+    assert 0 < before <= peak

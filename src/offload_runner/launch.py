@@ -11,12 +11,14 @@ A failing rank ends the job; the launcher names it and its log file and returns 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from offload_runner import console
 from offload_runner.config.schema import LauncherConfig, RunConfig
+from offload_runner.metrics import LAUNCHED_AT_ENV
 from offload_runner.rundir import create_run_dir, rank_log, write_status
 
 WORKER_MODULE = "offload_runner.worker"
@@ -114,6 +116,7 @@ def launch(
         f"launching {nproc} process(es) per node x {run.launcher.nnodes} node(s); "
         f"run directory [bold]{run_dir}[/]"
     )
+    os.environ[LAUNCHED_AT_ENV] = str(time.time())  # workers count time to first step from here
     try:
         torchrun(parse_args(torchrun_args(run.launcher, nproc, run_dir)))
     except ChildFailedError as err:

@@ -7,6 +7,7 @@ lines when the output is not a terminal); the final summary goes to summary.json
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +61,80 @@ def host_pinned_bytes() -> int | None:
         if key in stats:
             return int(stats[key])
     return None
+
+
+def host_used_bytes() -> int | None:
+    """RAM in use on this node (MemTotal - MemAvailable: every process, not page cache)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return None
+    kib = {k: int(v.split()[0]) for k, v in fields.items() if k in ("MemTotal", "MemAvailable")}
+    if len(kib) != 2:
+        return None
+    return (kib["MemTotal"] - kib["MemAvailable"]) * 1024
+
+
+# The launcher's wall clock when it started torchrun (time.time()), for time to first step.
+LAUNCHED_AT_ENV = "OFFLOAD_RUNNER_LAUNCHED_AT"
+
+
+class Startup:
+    """Time to first step and where it went (process group, model, optimizer, checkpoint), and
+    this node's RAM in use: before the model is built and at its highest while training (sampled
+    by the node's local rank 0 after every phase and iteration)."""
+
+    def __init__(self, is_node_sampler: bool) -> None:
+        import time
+
+        self.began = time.time()
+        self.launched_at = float(os.environ.get(LAUNCHED_AT_ENV, self.began))
+        self.phases: dict[str, float] = {}
+        self._mark = time.perf_counter()
+        self.is_node_sampler = is_node_sampler
+        self.host_before = host_used_bytes() if is_node_sampler else None
+        self.host_max = self.host_before
+        self.first_step_s: float | None = None
+
+    def phase(self, name: str) -> None:
+        """The phase ``name`` ended now."""
+        import time
+
+        now = time.perf_counter()
+        self.phases[name] = now - self._mark
+        self._mark = now
+        self.sample_host()
+
+    def sample_host(self) -> None:
+        if self.is_node_sampler and (used := host_used_bytes()) is not None:
+            self.host_max = max(self.host_max or 0, used)
+
+    def first_step_done(self) -> None:
+        import time
+
+        if self.first_step_s is None:
+            self.first_step_s = time.time() - self.launched_at
+
+    def gathered(self, gpu_peak_gb: float) -> dict:
+        """Every rank's GPU peak and every node's RAM (collective: all ranks call it)."""
+        import torch.distributed as dist
+
+        mine = {"gpu_peak": gpu_peak_gb, "node": int(os.environ.get("GROUP_RANK", 0)),
+                "host_before": self.host_before, "host_max": self.host_max,
+                "first_step": self.first_step_s}  # fmt: skip
+        everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        nodes = {r["node"]: r for r in everyone if r["host_max"] is not None}
+        return {
+            # the job's first step is done when the last rank's is
+            "time_to_first_step_s": max(
+                (r["first_step"] for r in everyone if r["first_step"] is not None), default=None
+            ),
+            "startup_s": {k: round(v, 2) for k, v in self.phases.items()},
+            "gpu_peak_per_rank_gb": [r["gpu_peak"] for r in everyone],
+            "host_used_gb_before_per_node": [nodes[n]["host_before"] / GB for n in sorted(nodes)],
+            "host_used_gb_max_per_node": [nodes[n]["host_max"] / GB for n in sorted(nodes)],
+        }
 
 
 def _median(values) -> float | None:

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from offload_runner.config.schema import RunConfig
-from offload_runner.metrics import GB, MetricsReporter, StepMetrics, gpu_memory, host_pinned_bytes
+from offload_runner.metrics import (
+    GB,
+    MetricsReporter,
+    Startup,
+    StepMetrics,
+    gpu_memory,
+    host_pinned_bytes,
+)
 from offload_runner.model_size import training_flops_per_token
 
 log = logging.getLogger("offload_runner")
@@ -151,14 +158,18 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     from offload_runner.offload import cpu_adam, host_adam, optimizer_states
     from offload_runner.profiling import IterationProfiler
 
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    startup = Startup(is_node_sampler=local_rank == 0)
     initialize(run)
+    startup.phase("process_group")
     t, m = run.train, run.model
     config = build_transformer_config(m)
     model = build_model(run, config)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    startup.phase("model")
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     engines = host_adam.engines(optimizer)  # CPU Adam, windowed state offload
     scheduler = build_scheduler(run, optimizer)
+    startup.phase("optimizer")
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync
     config.grad_scale_func = optimizer.scale_loss
@@ -167,6 +178,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     if run.checkpoint.load:
         start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
         log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
+        startup.phase("checkpoint_load")
     optimizer_states.attach(optimizer, config)
 
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -174,14 +186,16 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
     dataset = build_train_dataset(run)
     data = build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+    startup.phase("data")
     forward_backward = get_forward_backward_func()
     tokens = t.global_batch_size * m.seq_length
     flops = training_flops_per_token(m) * tokens / dist.get_world_size()
     is_writer = dist.get_rank() == 0
     log.info(
-        "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s",
+        "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s; ready after %s",
         dist.get_world_size(), dp_size, m.context_parallel_size, micro_batches, t.micro_batch_size,
         type(optimizer).__name__,
+        ", ".join(f"{name} {s:.1f} s" for name, s in startup.phases.items()),
     )  # fmt: skip
 
     def save(iteration: int) -> None:
@@ -228,6 +242,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000
             step_peak, allocated = gpu_memory()
             peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
+            startup.first_step_done()
+            startup.sample_host()
             pinned = host_pinned_bytes()
             if pinned is not None:  # registered with cudaHostRegister, not torch's
                 pinned += sum(engine.pinned_bytes for engine in engines)
@@ -260,6 +276,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
         for engine in engines:
             engine.flush()  # the last delayed update lands: the model in memory is final
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
+    extra.update(startup.gathered(peak_so_far))
     extra.update(cpu_adam.metrics(optimizer))
     extra.update(optimizer_states.metrics(optimizer))
     summary = reporter.write_summary(extra)
