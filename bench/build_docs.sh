@@ -82,6 +82,44 @@ PY
   echo "60-160). Delayed mode's convergence at GBS 1 is therefore not established; at larger batches"
   echo "(ZeRO-Offload's DPU setting) it is not measured here."
   echo
+  echo "## The full Qwen3-30B-A3B on four H200 (suite \`full-4gpu\`)"
+  echo
+  python - <<'PY'
+import json, pathlib, sys
+sys.path.insert(0, "bench"); sys.path.insert(0, "src")
+from calibrate_planner import plan_of
+from offload_runner.config.compose import compose_config, to_run_config
+from offload_runner.model_size import count_parameters
+runs = {r["case"]["name"]: r for path in sorted(pathlib.Path("bench/results").glob("results-full-4gpu-*.json"))
+        for r in json.loads(path.read_text())["results"]}
+oom, ep4 = runs["full EP4 no offload"], runs["full EP4 cpu_adam 50%"]
+params = count_parameters(to_run_config(compose_config(["recipe=qwen3_30b_a3b"])).model).total
+s = ep4["summary"]
+print(f"""48 layers, 128 experts, {params / 1e9:.1f}B parameters, GBS 16, micro-batch 1, sequence 4096, one
+node of four H200 (64 cores, 512 GB RAM; `bash bench/device_session.sh full-4gpu-1` and `full-4gpu-3`).
+Without offload the job stops with status {oom['status']} after {oom['wall_s']:.0f} s, exit {oom['returncode']}, as
+`--plan` says ({plan_of(oom).worst.gpu_peak / 2**30:.0f} GB planned per rank on a 139 GB GPU); half of Adam on
+the CPU (the CPU-Adam engine) trains on EP4 and on PP2 x EP2, the loss falling over 20 iterations (the
+suite table above, with GPU peak per rank and node RAM beside the plan). Not run for lack of device
+time: state offload and HybridDeviceOptimizer 50% on the full model (suite `full-4gpu-2`). Time to
+first step counts from the launcher's start to the last rank's first iteration; on EP4 its largest
+phase is the optimizer's ({s['startup_s']['optimizer']:.0f} s), which allocates and page-locks the host-side
+masters and states ({s['host_pinned_gb_max']:.1f} GB pinned per rank). A 48-layer checkpoint would hold
+14 B/param, {params * 14 / 1e9:.0f} GB: more than the machine's 235 GB disk, hence resume below at 4 layers.""")
+PY
+  echo
+  echo "- Two torchrun agents of two GPUs each meeting through c10d on localhost (\`launcher=multinode\`),"
+  echo "  against one agent of four GPUs, proxy on EP4, deterministic, 10 iterations"
+  echo "  (\`bash bench/device_session.sh two-agents\`): evidence/two-agents-h200x4.txt,"
+  echo "  $(grep -o 'max .*' docs/evidence/two-agents-h200x4.txt)."
+  echo "- Resume on the PP2 x EP2 layout with cpu_adam 50%, the full model's width at 4 of its 48 layers"
+  echo "  (the model's own layout and width, on a disk that holds its checkpoint): 6"
+  echo "  iterations against 3 + 3 resumed, deterministic (\`bash bench/device_session.sh full-resume\`):"
+  echo "  evidence/full-resume-pp2-ep2-h200x4.txt, checkpoint $(head -1 docs/evidence/full-resume-pp2-ep2-h200x4.txt | cut -f1),"
+  echo "  $(grep -o 'max .*' docs/evidence/full-resume-pp2-ep2-h200x4.txt)."
+  echo "- Resume on DP2 (GPUs 0-1 of the same machine, beside other jobs): optimizer-state offload and"
+  echo "  cpu_adam_delayed (evidence/pytest-gpu-states-dp2-h200x4.txt): $(grep -c PASSED docs/evidence/pytest-gpu-states-dp2-h200x4.txt) passed."
+  echo
   echo "## Checkpoint resume and the gpu-marked tests"
   echo
   echo "\`python -m pytest -m gpu tests/\` (tests/test_gpu_training.py, tiny recipe in deterministic"
@@ -113,8 +151,7 @@ PY
   echo "the states, it resumes within 1e-3, and its checkpoint resumes under cpu_adam;"
   echo "pytest-gpu-engines-h200.txt (\`engine-tests\`): checkpoints move between"
   echo "HybridDeviceOptimizer 100% and cpu_adam both ways (max |Δloss| 0), cpu_adam_delayed resumes,"
-  echo "TensorBoard gets every iteration. Resume of both on DP2 (\`two-gpu-states\`) was started on"
-  echo "two H200 and ran out of the call's time: not yet shown."
+  echo "TensorBoard gets every iteration. Resume of both on DP2: see the four-H200 section above."
   echo
   echo "pytest-gpu-h200.txt is every gpu-marked test on one H200 at commit 2bdfa10"
   echo "(\`bash bench/device_session.sh tests\`; the two-GPU tests skip there). The resume logs are"

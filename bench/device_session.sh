@@ -109,7 +109,7 @@ case "$1" in
   cpu-adam-long-tests)  # both at once: the long run's losses matter, not its speed
     bash "$0" cpu-adam-long > "$OUT/long.log" 2>&1 &
     bash "$0" cpu-adam-tests; wait; tail -4 "$OUT/long.log" ;;
-  full-4gpu-1|full-4gpu-2)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), the least
+  full-4gpu-1|full-4gpu-2|full-4gpu-3)  # (four GPUs) the full Qwen3-30B-A3B: no offload (oom), the least
     # offload that fits, PP2 (-1); state offload, HDO 50% (-2). TIME_LIMIT: seconds for the suite
     python bench/run_benchmarks.py run --suite "$1" --iters 20 --time-limit "${TIME_LIMIT:-530}" \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;

@@ -311,6 +311,7 @@ SUITES: dict[str, list[Case]] = {
     # one device call each (a full-model case takes minutes)
     "full-4gpu-1": [FULL_4GPU[i] for i in (0, 1, 4)],  # oom, the least offload that fits, PP2
     "full-4gpu-2": [FULL_4GPU[i] for i in (3, 2)],
+    "full-4gpu-3": [FULL_4GPU[4]],  # PP2 alone (-1 ran out of its call's time before it)
     "options-1": OPTIONS_1,
     "spread-1": SPREAD[:7],  # dense (one GPU each, two calls side by side)
     "spread-2": SPREAD[7:],  # MoE
@@ -485,7 +486,8 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
         status=status,
         wall_s=wall,
         summary=summary,
-        error_tail="" if status == "ok" else (text + _rank_logs(run_dir))[-3000:],
+        # the launcher's own last lines (its one-line verdict), then the ranks' logs
+        error_tail="" if status == "ok" else text[-1000:] + "\n" + _rank_logs(run_dir)[-2000:],
     )
 
 

@@ -24,6 +24,29 @@ ROOT = Path(__file__).resolve().parents[1]
 P_TINY = count_parameters(compose_run("recipe=tiny").model).total  # 5,245,440
 
 
+TINY_LAYER = 11264  # bytes per token one tiny layer keeps (test_tiny_without_offload)
+TINY_MODEL_LEVEL = 4 * 2 * 256  # embedding out, final norm in and out, output layer in
+TINY_ACTIVATIONS = (4 * TINY_LAYER + TINY_MODEL_LEVEL) * 512
+
+
+def test_recompute_keeps_layer_inputs_and_rebuilds_one_group() -> None:
+    base = make_plan(compose_run("recipe=tiny")).ranks[0]
+    full = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=full",
+                                 "model.recompute_method=uniform",
+                                 "model.recompute_num_layers=2")).ranks[0]  # fmt: skip
+    hidden = 2 * 256 * 512
+    assert full.activations == 2 * hidden + 4 * hidden  # two groups' inputs + model level
+    assert full.recomputed == 2 * TINY_LAYER * 512  # backward rebuilds one group of 2 layers
+    assert full.fwd_bwd_peak == full.static + full.activations + max(full.logits, full.recomputed)
+    block = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=full",
+                                  "model.recompute_method=block",
+                                  "model.recompute_num_layers=1")).ranks[0]  # fmt: skip
+    assert block.activations == (hidden + 3 * TINY_LAYER * 512) + 4 * hidden
+    # selective (core attention): flash attention keeps no score matrix, nothing to save
+    selective = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=selective"))
+    assert selective.ranks[0].gpu_peak == base.gpu_peak
+
+
 def test_tiny_parameter_count_by_hand() -> None:
     # embedding + output 2 x 4096 x 256; per layer: qkv 256 x (256 + 2*128), proj 256 x 256,
     # q/k norms 2 x 32, MLP 256 x 768 x 2 + 768 x 256, two norms 2 x 256; final norm 256
@@ -35,11 +58,15 @@ def test_tiny_without_offload() -> None:
     rank = make_plan(compose_run("recipe=tiny", "planner.gpu_memory_gb=80")).ranks[0]
     assert (rank.weights, rank.grads, rank.optimizer_gpu) == (2 * P_TINY, 4 * P_TINY, 12 * P_TINY)
     assert rank.optimizer_step_only == rank.host_pinned == rank.host_pageable == 0
-    # one micro-batch of 2 x 256 tokens in flight, 4 layers; logits 6 B x vocab per token
-    assert activation_bytes_per_token(compose_run("recipe=tiny")) == 3328 + 5632
-    assert rank.activations == 4 * 8960 * 512
+    # per layer and token (h 256, q 256, kv 128, f 768): QKV out 2 x 512, attention out 2 x 256,
+    # rotary Q and K 2 x 384, QK norms 2 x 384; two norms' inputs and outputs 8h; GLU MLP fc1
+    # out 4f, silu(x) 2f, fc2 input 2f
+    assert activation_bytes_per_token(compose_run("recipe=tiny")) == 3072 + 2048 + 6144
+    # one micro-batch of 2 x 256 tokens in flight, 4 layers + 4 hidden-sized model-level copies;
+    # logits 6 B x vocab per token
+    assert rank.activations == TINY_ACTIVATIONS
     assert rank.logits == 6 * 4096 * 512
-    assert rank.gpu_peak == 18 * P_TINY + WORKSPACE_BYTES + 4 * 8960 * 512 + 6 * 4096 * 512
+    assert rank.gpu_peak == 18 * P_TINY + WORKSPACE_BYTES + TINY_ACTIVATIONS + 6 * 4096 * 512
 
 
 def test_hybrid_optimizer_moves_its_fraction_to_the_host() -> None:
@@ -63,7 +90,7 @@ def test_distributed_optimizer_shards_over_data_parallel_ranks() -> None:
     assert [r.optimizer_gpu for r in plan.ranks] == [12 * P_TINY // 4] * 4
     assert [r.node for r in plan.ranks] == [0, 0, 1, 1]
     # gbs 4 / (mbs 2 x DP 4) rounds up to one micro-batch per rank: same activations
-    assert plan.ranks[0].activations == 4 * 8960 * 512
+    assert plan.ranks[0].activations == TINY_ACTIVATIONS
 
 
 def test_experts_split_over_ep_and_shard_over_expert_data_parallel() -> None:
@@ -82,9 +109,9 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches() -> None
                       "train.global_batch_size=8")  # fmt: skip
     plan = make_plan(run, world=2)
     first, last = plan.ranks
-    per_layer = 8960 * 512
-    assert first.activations == 2 * 2 * per_layer  # 2 layers x 2 micro-batches in flight (1F1B)
-    assert last.activations == 2 * 1 * per_layer
+    stage = (2 * TINY_LAYER + TINY_MODEL_LEVEL) * 512  # 2 layers each
+    assert first.activations == 2 * stage  # 2 micro-batches in flight (1F1B)
+    assert last.activations == 1 * stage
     assert first.logits == 0 and last.logits == 6 * 4096 * 512
 
 
@@ -92,7 +119,7 @@ def test_activation_offload_takes_layers_off_the_peak() -> None:
     base = make_plan(compose_run("recipe=tiny")).ranks[0]
     off = make_plan(compose_run("recipe=tiny", "offload/activation=enabled",
                                 "model.cpu_offloading_num_layers=2")).ranks[0]  # fmt: skip
-    assert 0 < off.activations_offloaded < 2 * 8960 * 512
+    assert 0 < off.activations_offloaded < 2 * TINY_LAYER * 512
     assert off.activations == base.activations - off.activations_offloaded
 
 
@@ -205,6 +232,11 @@ def test_planner_matches_every_measured_peak_within_10_percent() -> None:
     assert len(rows) >= 20
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) < 0.10, f"{worst.suite}/{worst.case}: {worst.error:+.1%}"
+    # the spread (dense and MoE, micro-batch 1-4, sequence 2k-32k, recompute, every optimizer
+    # offload mode, four GPUs): the runs the activation model was not read from, within 10%
+    held_out = [r for r in rows if r.held_out and r.suite.startswith(("spread", "full-4gpu"))]
+    assert len(held_out) >= 7
+    assert max(abs(r.error) for r in held_out) < 0.10
     # state offload: both phases and its page-locked host memory (the states, 12 B/param)
     states = [r for r in rows if "states offload" in r.case]
     assert len(states) >= 6
@@ -275,3 +307,19 @@ def test_precision_aware_dtypes_shrink_adam_and_reach_megatron_core() -> None:
     assert (
         kwargs["exp_avg_dtype"] is torch.bfloat16 and kwargs["main_params_dtype"] is torch.float32
     )
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_plan_verdicts_of_the_full_model_on_four_gpus(case: int, capsys) -> None:
+    """bench suite full-4gpu, planned for four 139 GB GPUs and 500 GB of RAM: no offload does not
+    fit (exit 1); every offloaded command line fits (exit 0)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from run_benchmarks import FULL_4GPU
+
+    c = FULL_4GPU[case]
+    argv = ["--recipe", c.recipe, *c.overrides, f"launcher.nproc_per_node={c.nproc}", "--plan"]
+    offloaded = any(o.startswith("offload/") for o in c.overrides)
+    assert main(argv) == (EXIT_OK if offloaded else EXIT_FAILED)
+    assert ("fits: peak" if offloaded else "does not fit") in capsys.readouterr().out

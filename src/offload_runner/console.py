@@ -123,6 +123,7 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
         ("activations", "activations"),
         ("... moved by activation offload", "activations_offloaded"),
         ("logits + loss", "logits"),
+        ("... or a group rebuilt by recompute", "recomputed"),
         ("workspace", "workspace"),
         ("peak in forward + backward", "fwd_bwd_peak"),
         ("peak in the optimizer step", "step_peak"),

@@ -8,16 +8,21 @@ Per rank (its pipeline stage, its share of TP/EP and its distributed-optimizer s
   dense parameters sharded over DP x CP, experts over the expert-data-parallel group);
   HybridDeviceOptimizer keeps (1 - fraction) of them on the GPU; state offload keeps none of
   them on the GPU during forward and backward, all of them during the step;
-- activations per layer and micro-batch (bf16 tensors saved for backward with flash attention;
-  routed MoE tokens counted top-k times) x the micro-batches in flight (1F1B: PP - stage), minus
-  what layer-level activation offload takes, plus the output layer's logits and loss;
+- activations per layer and micro-batch (the bf16 tensors each op saves for backward with flash
+  attention, counted in ``layer_activations``; routed MoE tokens counted top-k times; TP splits
+  them, and the norms' share only with sequence parallelism) x the micro-batches in flight (1F1B:
+  PP - stage), minus what layer-level activation offload takes; full recompute keeps each
+  checkpointed group's input and rebuilds one group in backward, selective recompute of core
+  attention keeps as much as none (flash attention stores no score matrix); plus the larger of
+  the output layer's logits and loss and the rebuilt group;
 - a fixed allowance for workspaces (cuBLAS, NCCL, allocator rounding).
 
 The GPU peak is the larger of the forward/backward phase and the optimizer-step phase (the
 optimizer-state offload moves memory from one to the other). Host memory per rank: HDO's CPU
 Adam (12 B/param) and pinned transfer buffers, the state-offload arena (12 B/param), activation
-offload's pinned buffers; summed per node. Constants were fitted to the runs in
-docs/BENCHMARKS.md; ``bench/calibrate_planner.py`` prints the error for each run.
+offload's pinned buffers; summed per node. The tensor counts were read from four runs of the
+calibration spread (bench/calibrate_planner.py FITTED_ON) and hold within 10% on the rest
+(tests/test_plan.py); ``bench/calibrate_planner.py`` prints the error for each run.
 """
 
 from __future__ import annotations
@@ -104,24 +109,74 @@ def stage_params(run: RunConfig, layout: Layout, stage: int) -> StageParams:
     return StageParams(int(dense), int(experts))
 
 
-def activation_bytes_per_token(run: RunConfig) -> float:
-    """Bytes one transformer layer keeps for backward per token (bf16, flash attention)."""
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes per token one transformer layer keeps for backward (bf16, flash attention):
+    ``split`` is divided over TP ranks; ``replicated`` (norm inputs and outputs) only with
+    sequence parallelism."""
+
+    split: float
+    replicated: float
+
+    def per_rank(self, tp: int, sequence_parallel: bool) -> float:
+        return self.split / tp + self.replicated / (tp if sequence_parallel else 1)
+
+
+def layer_activations(run: RunConfig) -> LayerActivations:
+    """What one layer saves per token, tensor by tensor (Transformer Engine spec, bf16).
+
+    Attention: the fused QKV output (V stays a view of it), rotary-embedded copies of Q and K,
+    the attention output (the projection's input); QK layernorm adds its outputs. The MLP: fc1's
+    output (its GLU halves are views), the activation's output, fc2's input; an unfused GLU
+    (Megatron-Core's default, bias_activation_fusion off) also keeps silu(x) for the product's
+    backward: +2f. MoE: the router's probabilities and, per routed copy, the permuted input and
+    the expert MLP (grouped GEMM, fused activation). Norms: input and output, 4h each."""
     m = run.model
     h, kv = m.hidden_size, kv_channels(m)
     q_width = m.num_attention_heads * kv
     kv_width = (m.num_query_groups or m.num_attention_heads) * kv
     up = 2 if m.gated_linear_unit else 1
-    attention = 4 * h + 2 * (q_width + 2 * kv_width) + 2 * q_width
+    attention = 2 * (q_width + 2 * kv_width) + 2 * q_width
+    if m.position_embedding_type.value == "rope":
+        attention += 2 * (q_width + kv_width)
     if m.qk_layernorm:
         attention += 2 * (q_width + kv_width)
+    norms = 4 * h + 4 * h
     if m.num_moe_experts:
         f = m.moe_ffn_hidden_size or m.ffn_hidden_size
         per_copy = 4 * h + 2 * up * f + 2 * f  # permuted input, fc1 out, activation, unpermute
-        mlp = 4 * h + 8 * m.num_moe_experts + m.moe_router_topk * per_copy
+        mlp = 8 * m.num_moe_experts + m.moe_router_topk * per_copy
     else:
         f = m.ffn_hidden_size
-        mlp = 4 * h + 2 * up * f + 2 * f
-    return attention + mlp
+        mlp = 2 * up * f + 2 * f + (2 * f if m.gated_linear_unit else 0)
+    return LayerActivations(split=attention + mlp, replicated=norms)
+
+
+def activation_bytes_per_token(run: RunConfig) -> float:
+    """Bytes one layer keeps for backward per token on one GPU (no TP)."""
+    return layer_activations(run).per_rank(1, False)
+
+
+# Once per model and token, outside the layers: the embedding's output, the final norm's input
+# and output, the output layer's input (bf16, hidden-sized each).
+MODEL_ACTIVATION_HIDDEN_COPIES = 4
+
+
+def recompute_stored_and_rebuilt(run: RunConfig, layers: int, per_layer: float,
+                                 layer_input: float) -> tuple[float, float]:  # fmt: skip
+    """Full recompute: what a stage keeps per micro-batch in flight (checkpointed layers keep
+    only their input), and what backward rebuilds at once (one checkpointed group). Selective
+    recompute of core attention saves nothing with flash attention, which keeps no score matrix;
+    no recompute keeps every layer."""
+    m = run.model
+    if m.recompute_granularity is None or m.recompute_granularity.value != "full":
+        return layers * per_layer, 0.0
+    n = max(1, m.recompute_num_layers or 1)
+    if m.recompute_method is not None and m.recompute_method.value == "block":
+        checkpointed = min(n, layers)  # the first n layers, one at a time
+        return checkpointed * layer_input + (layers - checkpointed) * per_layer, per_layer
+    groups = math.ceil(layers / n)  # uniform: every group of n layers keeps its input
+    return groups * layer_input, min(n, layers) * per_layer
 
 
 @dataclass
@@ -143,6 +198,7 @@ class RankPlan:
     host_pageable: int
     cpu_adam_params: int = 0  # params this rank updates on the CPU each step
     states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
+    recomputed: int = 0  # one checkpointed group rebuilt in backward (full recompute)
 
     @property
     def static(self) -> int:
@@ -150,7 +206,8 @@ class RankPlan:
 
     @property
     def fwd_bwd_peak(self) -> int:
-        return self.static + self.activations + self.logits
+        # the logits live at the end of forward, a rebuilt group later in backward
+        return self.static + self.activations + max(self.logits, self.recomputed)
 
     @property
     def step_peak(self) -> int:
@@ -231,12 +288,15 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     layers = m.num_layers // layout.pp
     micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * layout.dp))
     in_flight = min(layout.pp - stage, micro_batches)
-    per_layer = activation_bytes_per_token(run) * tokens / layout.tp
+    per_layer = layer_activations(run).per_rank(layout.tp, m.sequence_parallel) * tokens
+    hidden = 2 * m.hidden_size * tokens / (layout.tp if m.sequence_parallel else 1)
+    stored, rebuilt = recompute_stored_and_rebuilt(run, layers, per_layer, hidden)
     offloaded_layers = (
         m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0
     )
     offloaded = int(offloaded_layers * per_layer * ACTIVATION_OFFLOAD_EFFICIENCY)
-    activations = int(in_flight * layers * per_layer) - offloaded
+    model_level = MODEL_ACTIVATION_HIDDEN_COPIES * hidden
+    activations = int(in_flight * (stored + model_level)) - offloaded
     last = stage == layout.pp - 1
     logits = int(6 * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 
@@ -244,6 +304,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights),
         grads=int(grads), optimizer_gpu=resident, optimizer_step_only=step_only,
         activations=activations, activations_offloaded=offloaded, logits=logits,
+        recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
         host_pinned=int(shard * pinned_per_param * hdo)
         + (adam if o.offload_optimizer_states else 0)
