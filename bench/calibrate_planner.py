@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
 from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
-from offload_runner.report import markdown_table  # noqa: E402
+from offload_runner.report import fmt, markdown_table  # noqa: E402
 
 # The runs the activation model was read from (tensor by tensor, see plan.layer_activations and
 # plan.recompute_stored_and_rebuilt): every other run is held out, and the test holds those to 10%.
@@ -105,10 +105,6 @@ def calibrate(files: list[Path]) -> list[Calibration]:
                 worst.host_pinned / GiB,
             ))  # fmt: skip
     return rows
-
-
-def fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def render(rows: list[Calibration], min_gb: float) -> str:

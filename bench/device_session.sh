@@ -139,17 +139,18 @@ case "$1" in
     du -sh "$WORK/ckpt-full" | tee "$OUT/full-resume.txt"
     python bench/compare_losses.py "$WORK/resume-full" "$WORK/resume-second" --tail 3 \
       | tee -a "$OUT/full-resume.txt" ;;
-  four-gpu-side)  # (four GPUs, one job per pair or GPU, side by side): resume of state offload
-    # and delayed mode on DP2 (GPUs 0-1), every HDO option then the MoE calibration spread (GPU
-    # 2), the dense calibration spread (GPU 3)
-    CUDA_VISIBLE_DEVICES=0,1 TEST_TIMEOUT=500 gpu_tests "resume and (states or delayed)" states-dp2 &
+  four-gpu-side)  # (four GPUs, one job per pair or GPU, side by side; what ran at commit
+    # d88003d): resume of state offload and delayed mode on DP2 (GPUs 0-1), every HDO option then
+    # the MoE calibration spread (GPU 2), the dense calibration spread (GPU 3)
+    B=(python bench/run_benchmarks.py run)
+    (CUDA_VISIBLE_DEVICES=0,1 TEST_TIMEOUT=440 gpu_tests "resume and (states or delayed)" states-dp2) &
     (export CUDA_VISIBLE_DEVICES=2
-     python bench/run_benchmarks.py run --suite options-2 --iters 8 --time-limit 220 \
-       --out "$OUT/results-options-2.json" --work-dir "$WORK/bench-2"
-     python bench/run_benchmarks.py run --suite spread-2 --iters 4 --time-limit 260 \
-       --out "$OUT/results-spread-2.json" --work-dir "$WORK/bench-2") > "$OUT/gpu2.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=3 python bench/run_benchmarks.py run --suite spread-1 --iters 4 \
-      --time-limit 480 --out "$OUT/results-spread-1.json" --work-dir "$WORK/bench-3" > "$OUT/gpu3.log" 2>&1 &
+     timeout 220 "${B[@]}" --suite options-2 --iters 8 --time-limit 190 \
+       --out "$OUT/results-options-2.json" --work-dir "$WORK/b2"
+     timeout 220 "${B[@]}" --suite spread-2 --iters 4 --time-limit 200 \
+       --out "$OUT/results-spread-2.json" --work-dir "$WORK/b2") > "$OUT/gpu2.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 timeout 440 "${B[@]}" --suite spread-1 --iters 4 --time-limit 420 \
+      --out "$OUT/results-spread-1.json" --work-dir "$WORK/b3" > "$OUT/gpu3.log" 2>&1 &
     wait; tail -n 8 "$OUT"/gpu*.log ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \

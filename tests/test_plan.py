@@ -13,8 +13,8 @@ from offload_runner.model_size import count_parameters
 from offload_runner.plan import (
     WORKSPACE_BYTES,
     Layout,
-    activation_bytes_per_token,
     choose_offload,
+    layer_activations,
     make_plan,
     minimal_world_size,
 )
@@ -61,7 +61,8 @@ def test_tiny_without_offload() -> None:
     # per layer and token (h 256, q 256, kv 128, f 768): QKV out 2 x 512, attention out 2 x 256,
     # rotary Q and K 2 x 384, QK norms 2 x 384; two norms' inputs and outputs 8h; GLU MLP fc1
     # out 4f, silu(x) 2f, fc2 input 2f
-    assert activation_bytes_per_token(compose_run("recipe=tiny")) == 3072 + 2048 + 6144
+    layer = layer_activations(compose_run("recipe=tiny"))
+    assert layer.per_rank(tp=1, sequence_parallel=False) == 3072 + 2048 + 6144
     # one micro-batch of 2 x 256 tokens in flight, 4 layers + 4 hidden-sized model-level copies;
     # logits 6 B x vocab per token
     assert rank.activations == TINY_ACTIVATIONS

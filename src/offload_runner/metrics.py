@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,10 +86,7 @@ class Startup:
     by the node's local rank 0 after every phase and iteration)."""
 
     def __init__(self, is_node_sampler: bool) -> None:
-        import time
-
-        self.began = time.time()
-        self.launched_at = float(os.environ.get(LAUNCHED_AT_ENV, self.began))
+        self.launched_at = float(os.environ.get(LAUNCHED_AT_ENV, time.time()))
         self.phases: dict[str, float] = {}
         self._mark = time.perf_counter()
         self.is_node_sampler = is_node_sampler
@@ -98,8 +96,6 @@ class Startup:
 
     def phase(self, name: str) -> None:
         """The phase ``name`` ended now."""
-        import time
-
         now = time.perf_counter()
         self.phases[name] = now - self._mark
         self._mark = now
@@ -110,8 +106,6 @@ class Startup:
             self.host_max = max(self.host_max or 0, used)
 
     def first_step_done(self) -> None:
-        import time
-
         if self.first_step_s is None:
             self.first_step_s = time.time() - self.launched_at
 

@@ -152,11 +152,6 @@ def layer_activations(run: RunConfig) -> LayerActivations:
     return LayerActivations(split=attention + mlp, replicated=norms)
 
 
-def activation_bytes_per_token(run: RunConfig) -> float:
-    """Bytes one layer keeps for backward per token on one GPU (no TP)."""
-    return layer_activations(run).per_rank(1, False)
-
-
 # Once per model and token, outside the layers: the embedding's output, the final norm's input
 # and output, the output layer's input (bf16, hidden-sized each).
 MODEL_ACTIVATION_HIDDEN_COPIES = 4
