@@ -152,6 +152,16 @@ case "$1" in
     CUDA_VISIBLE_DEVICES=3 timeout 440 "${B[@]}" --suite spread-1 --iters 4 --time-limit 420 \
       --out "$OUT/results-spread-1.json" --work-dir "$WORK/b3" > "$OUT/gpu3.log" 2>&1 &
     wait; tail -n 8 "$OUT"/gpu*.log ;;
+  bridge-gpu)  # (four GPUs, side by side) GPUs 0-1: PP2 x VPP2 resume with fully parallel saves and
+    # an offline W&B run (wandb from the wheels carried in .gpu/wb); GPU 2: every conf/offload option
+    # (options-2: HDO 75% as itself first), alone on its GPU
+    python3 -m pip install -q --no-index --find-links .gpu/wb --target /tmp/wbsite wandb
+    export PYTHONPATH="${PYTHONPATH:-}:/tmp/wbsite"
+    (CUDA_VISIBLE_DEVICES=0,1 TEST_TIMEOUT=400 gpu_tests "pp2-vpp2 or wandb" bridge) &
+    CUDA_VISIBLE_DEVICES=2 timeout 420 python bench/run_benchmarks.py run --suite options-2 \
+      --iters 8 --time-limit 400 --out "$OUT/results-options-2.json" --work-dir "$WORK/b2" \
+      > "$OUT/gpu2.log" 2>&1 &
+    wait; tail -n 12 "$OUT/gpu2.log" ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;

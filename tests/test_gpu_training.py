@@ -132,6 +132,13 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exac
             id="cpu-adam-50",
         ),
         pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
+        # interleaved pipeline: two model chunks per rank, checkpoint keys model0/model1,
+        # every data-parallel rank writing its share
+        pytest.param(
+            ("model.num_layers=4", "model.pipeline_model_parallel_size=2",
+             "model.virtual_pipeline_model_parallel_size=2", "checkpoint.fully_parallel_save=true"),
+            id="pp2-vpp2", marks=TWO_GPUS,
+        ),  # fmt: skip
     ],
 )
 def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, ...]) -> None:
@@ -182,6 +189,19 @@ def test_tensorboard_event_file_of_a_real_run(root: str) -> None:
     events.Reload()
     for tag in ("lm loss", "time/step_s", "memory/gpu_peak_allocated_gb"):
         assert len(events.Scalars(tag)) == ITERS, tag
+
+
+def test_wandb_offline_run_of_a_real_run(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """logger.wandb_project with WANDB_MODE=offline: the run is written for `wandb sync`."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    saved = Path(root) / "wandb-saved"
+    train(Path(root) / "wandb-run", "logger.wandb_project=offload-runner",
+          f"logger.wandb_save_dir={saved}")  # fmt: skip
+    (run,) = (saved / "wandb").glob("offline-run-*")
+    history = next(run.glob("*.wandb")).read_bytes()
+    for tag in (b"lm loss", b"time/step_s", b"memory/gpu_peak_allocated_gb"):
+        assert tag in history, tag
 
 
 @TWO_GPUS

@@ -31,9 +31,14 @@ def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_load
     key with ``module.`` when saving but not when loading."""
     from megatron.core.utils import unwrap_model
 
-    model_state = unwrap_model(model[0]).sharded_state_dict()
+    chunks = [unwrap_model(chunk).sharded_state_dict() for chunk in model]
+    # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual pipeline stages
+    model_state = (
+        {"model": chunks[0]} if len(chunks) == 1
+        else {f"model{i}": state for i, state in enumerate(chunks)}
+    )  # fmt: skip
     return {
-        "model": model_state,
+        **model_state,
         "optimizer": optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
         ),
@@ -42,7 +47,25 @@ def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_load
     }
 
 
-def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, scheduler) -> Path:
+def _save_strategy(fully_parallel: bool):
+    """Megatron-Core's default sharded strategy; fully parallel: each data-parallel rank writes
+    its share of what the replicas hold alike."""
+    if not fully_parallel:
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
+def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, scheduler,
+                    fully_parallel: bool = False) -> Path:  # fmt: skip
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -51,7 +74,7 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
-    dist_checkpointing.save(state, str(path))
+    dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(root) / LATEST).write_text(str(iteration))
@@ -69,7 +92,8 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     load_dir = resolve_load_dir(path)
     state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, str(load_dir))
-    unwrap_model(model[0]).load_state_dict(loaded["model"])
+    for i, chunk in enumerate(model):
+        unwrap_model(chunk).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
     optimizer.load_state_dict(loaded["optimizer"])
     hybrid_optimizer.restore_after_load(optimizer)
     for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload

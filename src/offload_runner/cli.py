@@ -48,12 +48,18 @@ from offload_runner.config.compose import (
     to_run_config,
     unknown_keys,
 )
-from offload_runner.config.schema import RunConfig
+from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import choose_offload, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
-from offload_runner.validation import Environment, errors, range_violations, validate
+from offload_runner.validation import (
+    Environment,
+    choice_violations,
+    errors,
+    range_violations,
+    validate,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -136,6 +142,8 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             )
             if takes_value and args:
                 hydra_flags.append(args.pop(0))
+        elif arg.partition("=")[0].lstrip("+") == "mixed_precision":
+            hydra_args += _mixed_precision_recipe(arg.partition("=")[2])
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
@@ -145,6 +153,19 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             raise UsageError("--json goes with --plan", "python run_recipe.py ... --plan --json")
         options.mode = Mode.plan_json
     return options, hydra_args
+
+
+def _mixed_precision_recipe(name: str) -> list[str]:
+    """``mixed_precision=bf16_mixed`` (Megatron-Bridge's recipe name) as the keys it sets."""
+    if name not in MIXED_PRECISION_RECIPES:
+        close = difflib.get_close_matches(name, MIXED_PRECISION_RECIPES, n=1)
+        raise UsageError(
+            f"unknown mixed_precision recipe {name!r}"
+            + (f" (did you mean {close[0]}?)" if close else ""),
+            "one of: " + ", ".join(MIXED_PRECISION_RECIPES),
+        )
+    values = MIXED_PRECISION_RECIPES[name]
+    return [f"mixed_precision.{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
 def _check_override_key(arg: str) -> None:
@@ -252,7 +273,7 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
-    ranges = range_violations(run)
+    ranges = range_violations(run) + choice_violations(run)
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
         return EXIT_USAGE

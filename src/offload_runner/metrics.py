@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from offload_runner import console
+from offload_runner.config.schema import LoggerConfig
 from offload_runner.rundir import SUMMARY_FILE, metrics_file
 
 GB = 1024**3
@@ -155,17 +156,57 @@ TENSORBOARD_TAGS = {
 }  # fmt: skip
 
 
-class MetricsReporter:
-    """Collects StepMetrics; rank 0 prints them and writes metrics.jsonl / summary.json."""
+class ScalarSinks:
+    """Where rank 0 sends each step's scalars besides metrics.jsonl: TensorBoard
+    (``logger.tensorboard_dir``) and Weights & Biases (``logger.wandb_project``; ``WANDB_MODE=
+    offline`` keeps the run on disk for ``wandb sync``)."""
 
-    def __init__(self, run_dir: Path, total_iters: int, first_iter: int, is_writer: bool,
-                 log_interval: int, tensorboard_dir: str | None = None) -> None:  # fmt: skip
-        self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, log_interval
-        self.tensorboard = None
-        if is_writer and tensorboard_dir:
+    def __init__(self, logger: LoggerConfig, run_dir: Path, config: dict | None) -> None:
+        self.tensorboard = self.wandb = None
+        if logger.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+            self.tensorboard = SummaryWriter(log_dir=logger.tensorboard_dir)
+        if logger.wandb_project:
+            import wandb
+
+            save_dir = Path(logger.wandb_save_dir or run_dir)
+            save_dir.mkdir(parents=True, exist_ok=True)
+            self.wandb = wandb.init(
+                project=logger.wandb_project, entity=logger.wandb_entity,
+                name=logger.wandb_exp_name or Path(run_dir).name, dir=str(save_dir),
+                config=config or {},
+            )  # fmt: skip
+
+    def add(self, scalars: dict[str, float], iteration: int) -> None:
+        tagged = {TENSORBOARD_TAGS.get(k, k): v for k, v in scalars.items()}
+        if self.tensorboard:
+            for tag, value in tagged.items():
+                self.tensorboard.add_scalar(tag, value, iteration)
+        if self.wandb:
+            self.wandb.log(tagged, step=iteration)
+
+    def summary(self, summary: dict) -> None:
+        if self.wandb:
+            self.wandb.summary.update(
+                {k: v for k, v in summary.items() if isinstance(v, int | float | str)}
+            )
+
+    def close(self) -> None:
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+class MetricsReporter:
+    """Collects StepMetrics; rank 0 prints them, writes metrics.jsonl / summary.json, and sends
+    the scalars to TensorBoard and W&B when the logger section asks for them."""
+
+    def __init__(self, run_dir: Path, total_iters: int, first_iter: int, is_writer: bool,
+                 logger: LoggerConfig, config: dict | None = None) -> None:  # fmt: skip
+        self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, logger.log_interval
+        self.sinks = ScalarSinks(logger, run_dir, config) if is_writer else None
         self.history: list[StepMetrics] = []
         self.progress = Progress(
             TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -183,8 +224,8 @@ class MetricsReporter:
         self.progress.stop()
         if self.file:
             self.file.close()
-        if self.tensorboard:
-            self.tensorboard.close()
+        if self.sinks:
+            self.sinks.close()
 
     def record(self, step: StepMetrics) -> None:
         self.history.append(step)
@@ -193,11 +234,8 @@ class MetricsReporter:
         row = asdict(step)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tensorboard:
-            for key, value in row.items():
-                if key != "iteration" and isinstance(value, int | float):
-                    self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, key), value,
-                                                step.iteration)  # fmt: skip
+        scalars = {k: v for k, v in row.items() if k != "iteration" and isinstance(v, int | float)}
+        self.sinks.add(scalars, step.iteration)
         self.progress.advance(self.task)
         if step.iteration % self.log_interval == 0 or step.iteration == 1:
             self.progress.console.print(step.line(), highlight=False)
@@ -228,6 +266,7 @@ class MetricsReporter:
         summary = {**self.summary(), **extra}
         if self.is_writer and summary:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+            self.sinks.summary(summary)
             table = Table(title="run summary", title_justify="left")
             table.add_column("metric")
             table.add_column("value", justify="right")

@@ -291,7 +291,12 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     )
     offloaded = int(offloaded_layers * per_layer * ACTIVATION_OFFLOAD_EFFICIENCY)
     model_level = MODEL_ACTIVATION_HIDDEN_COPIES * hidden
-    activations = int(in_flight * (stored + model_level)) - offloaded
+    vpp = m.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1:  # interleaved 1F1B: stage s warms up 2(PP-s-1) + (VPP-1)PP chunks of L/(PP VPP)
+        chunks = min(2 * (layout.pp - stage - 1) + (vpp - 1) * layout.pp + 1, micro_batches * vpp)
+        activations = int(chunks * (stored + model_level) / vpp) - offloaded
+    else:
+        activations = int(in_flight * (stored + model_level)) - offloaded
     last = stage == layout.pp - 1
     logits = int(6 * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 

@@ -80,9 +80,17 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def resolved_config(run_dir: Path) -> dict:
+    """The resolved config a launcher wrote into the run directory, as plain data ({} if none)."""
+    path = Path(run_dir) / CONFIG_FILE
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}  # type: ignore[return-value]
+
+
 def load_resolved(run_dir: Path):  # -> RunConfig
     """The typed config a launcher wrote into the run directory."""
-    from offload_runner.config.schema import RunConfig
+    from offload_runner.config.megatron_fields import run_schema
 
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / CONFIG_FILE))
+    merged = OmegaConf.merge(
+        OmegaConf.structured(run_schema()), OmegaConf.load(run_dir / CONFIG_FILE)
+    )
     return OmegaConf.to_object(merged)

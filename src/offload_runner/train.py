@@ -27,6 +27,7 @@ from offload_runner.metrics import (
     host_pinned_bytes,
 )
 from offload_runner.model_size import training_flops_per_token
+from offload_runner.rundir import resolved_config
 
 log = logging.getLogger("offload_runner")
 
@@ -46,9 +47,10 @@ def initialize(run: RunConfig) -> None:
         context_parallel_size=m.context_parallel_size,
         expert_model_parallel_size=m.expert_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
     )
     torch.manual_seed(run.train.seed)
-    model_parallel_cuda_manual_seed(run.train.seed)
+    model_parallel_cuda_manual_seed(run.train.seed, te_rng_tracker=run.rng.te_rng_tracker)
     if m.deterministic_mode:
         # MoE token permutation scatters with atomics unless torch is told otherwise.
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -171,7 +173,8 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     scheduler = build_scheduler(run, optimizer)
     startup.phase("optimizer")
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync
+    no_sync = [chunk.no_sync for chunk in model]  # one per virtual pipeline stage
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.grad_scale_func = optimizer.scale_loss
 
     start = 0
@@ -185,7 +188,9 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     dp_size = parallel_state.get_data_parallel_world_size()
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
     dataset = build_train_dataset(run)
-    data = build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+    # The interleaved schedule draws each micro-batch once per model chunk: one iterator each.
+    data = [build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+            for _ in model]  # fmt: skip
     startup.phase("data")
     forward_backward = get_forward_backward_func()
     tokens = t.global_batch_size * m.seq_length
@@ -201,10 +206,11 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     def save(iteration: int) -> None:
         for engine in engines:
             engine.finish()  # host masters and states complete (a delayed update: not landed)
-        checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler)
+        checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler,
+                                   run.checkpoint.fully_parallel_save)  # fmt: skip
 
-    reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger.log_interval,
-                               run.logger.tensorboard_dir)  # fmt: skip
+    reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger,
+                               resolved_config(run_dir) if is_writer else None)  # fmt: skip
     peak_so_far = torch.cuda.max_memory_allocated() / GB
     saved_at = None
     profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
@@ -224,7 +230,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             optimizer.zero_grad()
             losses = forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=data,
+                data_iterator=data[0] if len(data) == 1 else data,
                 model=model,
                 num_microbatches=micro_batches,
                 seq_length=m.seq_length,

@@ -41,11 +41,16 @@ class Environment:
     launching: bool = False  # True right before training starts on this machine
     world_size: int | None = None  # known once torchrun's world is known
     tensorboard_available: bool = True
+    wandb_available: bool = True
+    deep_ep_available: bool = True
 
     @staticmethod
     def detect(launching: bool = False, world_size: int | None = None) -> Environment:
-        tensorboard = importlib.util.find_spec("tensorboard") is not None
-        return Environment(te_available(), launching, world_size, tensorboard)
+        def installed(name: str) -> bool:
+            return importlib.util.find_spec(name) is not None
+
+        return Environment(te_available(), launching, world_size, installed("tensorboard"),
+                           installed("wandb"), installed("deep_ep"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -227,8 +232,8 @@ RULES: tuple[Rule, ...] = (
         "fine_grained_attn_proj_needs_core_attn",
         lambda c, e: (
             c.model.fine_grained_activation_offloading
-            and OffloadModule.attn_proj in c.model.offload_modules
-            and OffloadModule.core_attn not in c.model.offload_modules
+            and OffloadModule.attn_proj in (c.model.offload_modules or [])
+            and OffloadModule.core_attn not in (c.model.offload_modules or [])
         ),
         "attn_proj cannot be set to offload_modules alone without core_attn because the input of "
         "attn_proj is the output of core_attn, which is needed in core_attn.backward().",
@@ -659,6 +664,162 @@ RULES: tuple[Rule, ...] = (
         "({t.train_iters}): nothing would be profiled",
         "set profiling.profile_step_start to at most {t.train_iters}",
     ),
+    # --- Megatron-Bridge's sections: keys that must agree, values not supported here ---------
+    Rule(
+        "distributed_optimizer_sections_differ",
+        lambda c, e: c.ddp.use_distributed_optimizer != c.optimizer.use_distributed_optimizer,
+        "ddp.use_distributed_optimizer={c.ddp.use_distributed_optimizer} and "
+        "optimizer.use_distributed_optimizer={o.use_distributed_optimizer} differ",
+        "set both to the same value (ddp.* follows optimizer.* when only that one is set)",
+    ),
+    Rule(
+        "dataset_seq_length_differs",
+        lambda c, e: c.dataset.seq_length != c.model.seq_length,
+        "dataset.seq_length={c.dataset.seq_length} and model.seq_length={m.seq_length} differ",
+        "set both to the same value (dataset.* follows model.* when only that one is set)",
+    ),
+    Rule(
+        "tokenizer_vocab_differs",
+        lambda c, e: c.tokenizer.vocab_size not in (None, c.model.vocab_size),
+        "tokenizer.vocab_size={c.tokenizer.vocab_size} and model.vocab_size={m.vocab_size} "
+        "differ (the model's embedding is sized by model.vocab_size)",
+        "set model.vocab_size={c.tokenizer.vocab_size}",
+    ),
+    Rule(
+        "tokenizer_vocab_divisor_differs",
+        lambda c, e: (
+            c.tokenizer.make_vocab_size_divisible_by
+            not in (None, c.model.make_vocab_size_divisible_by)
+        ),
+        "tokenizer.make_vocab_size_divisible_by={c.tokenizer.make_vocab_size_divisible_by} and "
+        "model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} differ",
+        "set model.make_vocab_size_divisible_by={c.tokenizer.make_vocab_size_divisible_by}",
+    ),
+    Rule(
+        "dataset_blend_spelling",
+        lambda c, e: c.dataset.blend is not None or c.dataset.blend_per_split is not None,
+        "dataset.blend / dataset.blend_per_split are Megatron-Bridge's Python spelling of a blend",
+        "give the prefixes as data=indexed dataset.data_path=[0.7,/data/a,0.3,/data/b]",
+    ),
+    Rule(
+        "checkpoint_format",
+        lambda c, e: c.checkpoint.ckpt_format.value != "torch_dist",
+        "checkpoint.ckpt_format={c.checkpoint.ckpt_format.value}: offload-runner saves and loads "
+        "Megatron-Core dist_checkpointing (torch_dist) checkpoints only",
+        "set checkpoint.ckpt_format=torch_dist",
+    ),
+    Rule(
+        "fp16_not_supported",
+        lambda c, e: c.mixed_precision.fp16,
+        "fp16 mixed precision is not supported by offload-runner (bf16 or fp32 only)",
+        "use mixed_precision=bf16_mixed (or mixed_precision.fp16=false)",
+    ),
+    Rule(
+        "fp8_not_supported",
+        lambda c, e: c.model.fp8 is not None,
+        "FP8 training (model.fp8={m.fp8}) is not supported by offload-runner: its offload engines "
+        "keep bf16 parameters and fp32 masters, and FP8 runs are not tested with them",
+        "use mixed_precision=bf16_mixed (or mixed_precision.fp8=null)",
+    ),
+    Rule(
+        "virtual_pipeline_needs_pipeline",
+        lambda c, e: (
+            (c.model.virtual_pipeline_model_parallel_size or 1) > 1
+            and c.model.pipeline_model_parallel_size == 1
+        ),
+        "virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size} needs "
+        "pipeline parallelism (model.pipeline_model_parallel_size > 1)",
+        "set model.pipeline_model_parallel_size=2 or more, or "
+        "model.virtual_pipeline_model_parallel_size=null",
+    ),
+    Rule(
+        "wsd_needs_decay_iters",
+        lambda c, e: (
+            c.scheduler.lr_decay_style.value == "WSD" and not c.scheduler.lr_wsd_decay_iters
+        ),
+        "scheduler.lr_decay_style=WSD needs the length of its final decay",
+        "set scheduler.lr_wsd_decay_iters=N (e.g. a tenth of train.train_iters)",
+    ),
+    Rule(
+        "flex_dispatcher_needs_deep_ep",
+        lambda c, e: c.model.moe_token_dispatcher_type.value == "flex" and not e.deep_ep_available,
+        "model.moe_token_dispatcher_type=flex needs DeepEP (or HybridEP), and the deep_ep "
+        "package is not installed here",
+        "install DeepEP where the job runs, or set model.moe_token_dispatcher_type=alltoall",
+        environment=True,
+    ),
+    Rule(
+        "wandb_needs_package",
+        lambda c, e: c.logger.wandb_project is not None and not e.wandb_available,
+        "logger.wandb_project is set, and the wandb package is not installed here",
+        "pip install 'offload-runner[wandb]', or drop logger.wandb_project",
+        environment=True,
+    ),
+    # --- accepted for Megatron-Bridge's command lines, with nothing to act on here: warnings --
+    Rule(
+        "evaluation_not_run",
+        lambda c, e: bool(c.validation.eval_interval) and bool(c.validation.eval_iters),
+        "validation.eval_interval / eval_iters have no effect: offload-runner reports the "
+        "training loss and runs no evaluation",
+        "drop validation.* (or set validation.eval_iters=0)",
+        Level.warning,
+    ),
+    Rule(
+        "manual_gc_eval_unused",
+        lambda c, e: c.train.manual_gc_eval not in (0, 1),
+        "train.manual_gc_eval={t.manual_gc_eval} has no effect: no evaluation runs here",
+        "drop train.manual_gc_eval (train.manual_gc_interval sets training's collections)",
+        Level.warning,
+    ),
+    Rule(
+        "dataloader_keys_unused",
+        lambda c, e: (
+            c.dataset.dataloader_type != "single"
+            or not c.dataset.data_sharding
+            or not c.dataset.skip_getting_attention_mask_from_dataset
+            or c.dataset.num_dataset_builder_threads != 1
+        ),
+        "dataset.dataloader_type / data_sharding / skip_getting_attention_mask_from_dataset / "
+        "num_dataset_builder_threads have no effect: offload-runner's loader reads each global "
+        "batch once, sharded by data-parallel rank, with causal masks from the attention kernel",
+        "drop those dataset.* keys",
+        Level.warning,
+    ),
+    Rule(
+        "tokenizer_not_loaded",
+        lambda c, e: (
+            c.tokenizer.tokenizer_type != "NullTokenizer"
+            or c.tokenizer.tokenizer_model is not None
+            or c.tokenizer.use_tokenizer_vocab_size
+            or c.tokenizer.hf_tokenizer_kwargs is not None
+        ),
+        "tokenizer.{c.tokenizer.tokenizer_type} is not loaded: the data is token IDs (mock, or "
+        ".bin/.idx made by Megatron's preprocessing) and the vocabulary is "
+        "model.vocab_size={m.vocab_size}",
+        "set model.vocab_size to the tokenizer's vocabulary size; drop tokenizer.*",
+        Level.warning,
+    ),
+    Rule(
+        "async_save_not_run",
+        lambda c, e: c.checkpoint.async_save,
+        "checkpoint.async_save=true has no effect: checkpoints are saved synchronously",
+        "drop checkpoint.async_save",
+        Level.warning,
+    ),
+    Rule(
+        "mxfp8_buffer_reuse_unused",
+        lambda c, e: (
+            c.model.fp8 is None
+            and (
+                c.mixed_precision.fp8_param_gather
+                or c.mixed_precision.reuse_grad_buf_for_mxfp8_param_ag
+            )
+        ),
+        "mixed_precision.fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag have no effect "
+        "without FP8",
+        "drop them",
+        Level.warning,
+    ),  # fmt: skip
 )
 
 
@@ -771,6 +932,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("model", "expert_model_parallel_size"): (1, None),
     ("model", "expert_tensor_parallel_size"): (1, None),
     ("model", "context_parallel_size"): (1, None),
+    ("model", "virtual_pipeline_model_parallel_size"): (1, None),
     ("model", "recompute_num_layers"): (1, None),
     ("model", "cpu_offloading_num_layers"): (0, None),
     ("model", "min_offloaded_tensor_size"): (0, None),
@@ -783,6 +945,10 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("optimizer", "clip_grad"): (0, None),
     ("scheduler", "lr_warmup_iters"): (0, None),
     ("scheduler", "lr_decay_iters"): (1, None),
+    ("scheduler", "lr_wsd_decay_iters"): (1, None),
+    ("scheduler", "lr_warmup_init"): (0, None),
+    ("scheduler", "start_weight_decay"): (0, None),
+    ("scheduler", "end_weight_decay"): (0, None),
     ("ddp", "bucket_size"): (1, None),
     ("train", "train_iters"): (1, None),
     ("train", "global_batch_size"): (1, None),
@@ -824,10 +990,28 @@ def range_violations(run: RunConfig) -> list[Violation]:
     return found
 
 
+def choice_violations(run: RunConfig) -> list[Violation]:
+    """Every Megatron-Core field typed ``Literal[...]`` whose value is not one of its choices
+    (such a field is a str key here; see config/megatron_fields.py)."""
+    from offload_runner.config.megatron_fields import literal_choices
+
+    found = []
+    for key, choices in literal_choices().items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(run, section), name, None)
+        if value is None or value in choices:
+            continue
+        shown = ", ".join(map(str, choices))
+        found.append(Violation(f"choice_{section}_{name}", Level.error,
+                               f"{key}={value} is not one of Megatron-Core's choices: {shown}",
+                               f"set {key} to one of: {shown}"))  # fmt: skip
+    return found
+
+
 def validate(run: RunConfig, env: Environment) -> list[Violation]:
-    """All violations: value ranges first (nothing else is meaningful without them), then the
-    table's rows, then Megatron-Core's own checks (without repeats)."""
-    ranges = range_violations(run)
+    """All violations: value ranges and choices first (nothing else is meaningful without
+    them), then the table's rows, then Megatron-Core's own checks (without repeats)."""
+    ranges = range_violations(run) + choice_violations(run)
     if ranges:
         return ranges
     found = check_rules(run, env)

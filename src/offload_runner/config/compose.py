@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from offload_runner.config.schema import RunConfig, register_configs
+from offload_runner.config.megatron_fields import run_schema
+from offload_runner.config.schema import RunConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,12 @@ def register_recipes(extra: Sequence[Path] = ()) -> None:
         store.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
 
 
+def register_configs() -> None:
+    """Register the schema (with the installed Megatron-Core's fields) for conf/config.yaml's
+    defaults list."""
+    ConfigStore.instance().store(name="run_schema", node=run_schema())
+
+
 def register_all(extra_recipe_dirs: Sequence[Path] = ()) -> None:
     register_configs()
     register_recipes(extra_recipe_dirs)
@@ -127,7 +134,7 @@ def schema_keys() -> frozenset[str]:
             if isinstance(nested, type) and dataclasses.is_dataclass(nested):
                 yield from keys_of(nested, f"{prefix}{f.name}.")
 
-    return frozenset(keys_of(RunConfig, ""))
+    return frozenset(keys_of(run_schema(), ""))
 
 
 def closest_key(key: str, known: frozenset[str]) -> str | None:

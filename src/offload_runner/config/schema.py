@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
-
-from hydra.core.config_store import ConfigStore
+from typing import Any, Optional
 
 
 class Normalization(str, Enum):
@@ -53,6 +51,7 @@ class TransformerImpl(str, Enum):
 class TokenDispatcher(str, Enum):
     alltoall = "alltoall"
     allgather = "allgather"
+    flex = "flex"  # DeepEP / HybridEP (model.moe_flex_dispatcher_backend): the deep_ep package
 
 
 class OffloadModule(str, Enum):
@@ -91,6 +90,28 @@ class LRDecayStyle(str, Enum):
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
+    inverse_square_root = "inverse-square-root"
+    WSD = "WSD"  # warmup, stable, decay over scheduler.lr_wsd_decay_iters
+
+
+class WeightDecayStyle(str, Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class WSDDecayStyle(str, Enum):
+    exponential = "exponential"
+    linear = "linear"
+    cosine = "cosine"
+    minus_sqrt = "minus_sqrt"
+
+
+class CheckpointFormat(str, Enum):
+    torch_dist = "torch_dist"  # Megatron-Core dist_checkpointing (the one offload-runner writes)
+    torch = "torch"
+    fsdp_dtensor = "fsdp_dtensor"
+    zarr = "zarr"
 
 
 class DatasetKind(str, Enum):
@@ -126,7 +147,8 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
-    bf16: bool = True
+    bf16: bool = "${mixed_precision.bf16}"  # type: ignore[assignment]
+    fp8: Optional[str] = "${mixed_precision.fp8}"  # type: ignore[assignment]
     # Bit-reproducible runs: deterministic embedding backward and attention kernels (slower).
     deterministic_mode: bool = False
     transformer_impl: TransformerImpl = TransformerImpl.transformer_engine
@@ -146,6 +168,8 @@ class ModelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # Interleaved pipeline: each rank holds this many model chunks (layers / (PP x VPP) each)
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     # How attention talks across CP ranks (Transformer Engine): p2p, all_gather, a2a or a2a+p2p;
     # None leaves Megatron-Core's default (p2p).
     cp_comm_type: Optional[str] = None
@@ -155,6 +179,10 @@ class ModelConfig:
     recompute_granularity: Optional[RecomputeGranularity] = None
     recompute_method: Optional[RecomputeMethod] = None
     recompute_num_layers: Optional[int] = None
+    # selective recompute's modules (Megatron-Core's default: core_attn); e.g. [mlp], [moe_act]
+    recompute_modules: Optional[list[str]] = None
+    # Transformer Engine's RNG tracker (rng.te_rng_tracker sets both, as Megatron-Bridge does)
+    use_te_rng_tracker: bool = "${rng.te_rng_tracker}"  # type: ignore[assignment]
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
 
     # Layer-level activation / weight offload (Transformer Engine's offload context)
@@ -166,7 +194,7 @@ class ModelConfig:
 
     # Module-level activation offload
     fine_grained_activation_offloading: bool = False
-    offload_modules: list[OffloadModule] = field(default_factory=list)
+    offload_modules: Optional[list[OffloadModule]] = field(default_factory=list)  # null: none
     min_offloaded_tensor_size: int = 1024 * 1024
 
     @property
@@ -198,7 +226,7 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     decoupled_weight_decay: bool = True
     clip_grad: float = 1.0
-    bf16: bool = True
+    bf16: bool = "${model.bf16}"  # type: ignore[assignment]
     use_distributed_optimizer: bool = True
     # HybridDeviceOptimizer reuses the precision-aware path, so it follows the offload switch
     # unless set explicitly.
@@ -243,9 +271,18 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
+    """Megatron-Core's OptimizerParamScheduler, with Megatron-Bridge's key names."""
+
     lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0  # the learning rate warmup starts from
     lr_decay_style: LRDecayStyle = LRDecayStyle.cosine
     lr_decay_iters: Optional[int] = None
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: iterations of its final decay
+    lr_wsd_decay_style: WSDDecayStyle = WSDDecayStyle.exponential
+    # Weight decay moves from start to end over the decay iterations (null: optimizer.weight_decay)
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: WeightDecayStyle = WeightDecayStyle.constant
     # On resume: the checkpoint's schedule wins (default); override_opt_param_scheduler=true
     # makes this config's schedule win instead (e.g. after changing train.train_iters).
     use_checkpoint_opt_param_scheduler: bool = True
@@ -254,9 +291,14 @@ class SchedulerConfig:
 
 @dataclass
 class DDPConfig:
+    """Megatron-Core DistributedDataParallelConfig keys."""
+
+    # Megatron-Bridge sets it in both sections; here it follows optimizer.* unless set (the two
+    # must agree: rule distributed_optimizer_sections_differ).
+    use_distributed_optimizer: bool = "${optimizer.use_distributed_optimizer}"  # type: ignore[assignment]
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = "${mixed_precision.grad_reduce_in_fp32}"  # type: ignore[assignment]
     average_in_collective: bool = False
     bucket_size: Optional[int] = None
 
@@ -266,12 +308,13 @@ class TrainConfig:
     train_iters: int = 20
     global_batch_size: int = 8
     micro_batch_size: int = 1
-    seed: int = 1234
+    seed: int = "${rng.seed}"  # type: ignore[assignment]
     exit_on_oom: bool = False
     # Megatron-Bridge's manual GC: Python's collector off during training, gc.collect() every
     # manual_gc_interval iterations (0: never), so no rank pauses at its own moment.
     manual_gc: bool = False
     manual_gc_interval: int = 0
+    manual_gc_eval: int = 1  # Megatron-Bridge: collect around evaluation (none runs here)
 
 
 @dataclass
@@ -281,6 +324,15 @@ class LoggerConfig:
     # TFLOP/s, GPU peak, pinned host memory per iteration), written by rank 0. Needs the
     # tensorboard package (pip install 'offload-runner[tensorboard]').
     tensorboard_dir: Optional[str] = None
+    # Step, forward-backward and optimizer times go to TensorBoard in any case.
+    log_timers_to_tensorboard: bool = False
+    # Weights & Biases, from rank 0 (pip install 'offload-runner[wandb]'): the same scalars as
+    # TensorBoard, the resolved config, and the summary. WANDB_MODE=offline writes the run under
+    # wandb_save_dir (default: the run directory) for a later `wandb sync`, without network.
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None  # null: the run directory's name
+    wandb_entity: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
 
 
 @dataclass
@@ -288,6 +340,11 @@ class CheckpointConfig:
     save: Optional[str] = None
     save_interval: Optional[int] = None
     load: Optional[str] = None
+    ckpt_format: CheckpointFormat = CheckpointFormat.torch_dist
+    # Each data-parallel rank writes its share of the replicated state (Megatron-Core's
+    # FullyParallelSaveStrategyWrapper) instead of DP rank 0 writing it all.
+    fully_parallel_save: bool = False
+    async_save: bool = False
 
 
 @dataclass
@@ -297,8 +354,19 @@ class DatasetConfig:
     kind: DatasetKind = DatasetKind.mock
     # One prefix, several prefixes, or a blend "weight prefix weight prefix ..."
     data_path: list[str] = field(default_factory=list)
+    # Megatron-Bridge's spelling of a blend ([[prefixes], [weights]] or null): give data_path
+    blend: Optional[Any] = None
+    blend_per_split: Optional[Any] = None
     split: str = "99,1,0"
+    seq_length: int = "${model.seq_length}"  # type: ignore[assignment]
+    random_seed: int = "${train.seed}"  # type: ignore[assignment]
     num_workers: int = 2
+    # Megatron-Bridge's loader keys: offload-runner's loader is already what these ask for
+    # (single pass, sharded by data-parallel rank, no attention mask from the data).
+    dataloader_type: str = "single"
+    data_sharding: bool = True
+    skip_getting_attention_mask_from_dataset: bool = True
+    num_dataset_builder_threads: int = 1
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
@@ -306,8 +374,60 @@ class DatasetConfig:
 
 @dataclass
 class TokenizerConfig:
+    """The data is token IDs (mock, or .bin/.idx): only the vocabulary size matters for training,
+    and it is ``model.vocab_size``."""
+
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None  # if set, must equal model.vocab_size
+    make_vocab_size_divisible_by: Optional[int] = None  # likewise with model.*
+    use_tokenizer_vocab_size: bool = False
+    hf_tokenizer_kwargs: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class RNGConfig:
+    """Megatron-Bridge's ``rng`` section: the seed of weights, dropout and data."""
+
+    seed: int = 1234
+    te_rng_tracker: bool = False
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """Megatron-Bridge's ``mixed_precision``: the keys, or a recipe name on the command line
+    (``mixed_precision=bf16_mixed``, see cli.py). model.bf16, ddp.grad_reduce_in_fp32 follow it."""
+
+    bf16: bool = True
+    fp16: bool = False
+    grad_reduce_in_fp32: bool = True
+    fp8: Optional[str] = None
+    fp8_recipe: str = "tensorwise"
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+
+
+# Megatron-Bridge's precision recipes by name (``mixed_precision=bf16_mixed`` on a command line):
+# the mixed_precision.* keys each one sets. FP8 and fp16 ones are then refused by validation.
+MIXED_PRECISION_RECIPES: dict[str, dict[str, object]] = {
+    "bf16_mixed": {"bf16": True, "fp16": False, "fp8": None},
+    "fp16_mixed": {"bf16": False, "fp16": True, "fp8": None},
+    "bf16_with_fp8_delayed_scaling_mixed": {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed"},
+    "bf16_with_fp8_current_scaling_mixed": {"bf16": True, "fp8": "hybrid",
+                                            "fp8_recipe": "tensorwise"},
+    "bf16_with_fp8_subchannel_scaling_mixed": {"bf16": True, "fp8": "e4m3",
+                                               "fp8_recipe": "blockwise"},
+    "bf16_with_mxfp8_mixed": {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8"},
+}  # fmt: skip
+
+
+@dataclass
+class ValidationConfig:
+    """Megatron-Bridge's evaluation keys; offload-runner evaluates nothing (rule
+    evaluation_not_run warns when they ask for it)."""
+
+    eval_interval: Optional[int] = None
+    eval_iters: Optional[int] = None
 
 
 @dataclass
@@ -387,12 +507,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
-
-
-def register_configs() -> None:
-    """Register the schema so conf/config.yaml can name it in its defaults list."""
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)

@@ -31,7 +31,7 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
     d: DatasetConfig = run.dataset
     blend = parse_blend(d.data_path) if d.kind == DatasetKind.indexed else None
     return GPTDatasetConfig(
-        random_seed=run.train.seed,
+        random_seed=run.dataset.random_seed,
         sequence_length=run.model.seq_length,
         blend=blend,
         split=d.split,

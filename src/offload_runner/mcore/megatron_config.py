@@ -16,21 +16,42 @@ from offload_runner.config.schema import (
     CpuOffloadEngine,
     ModelConfig,
     OptimizerConfig,
+    OptimizerDtype,
     RunConfig,
 )
 
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, Enum):
+    """A config value as Megatron-Core takes it: our dtype names as torch dtypes, our own enums
+    as their strings; Megatron-Core's own enums (e.g. AttnBackend) stay as they are."""
+    import torch
+
+    if isinstance(value, OptimizerDtype):
+        return getattr(torch, TORCH_DTYPES[value.value])
+    if isinstance(value, Enum) and type(value).__module__.startswith("offload_runner."):
         return value.value
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
 
 
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def _known_kwargs(target: type, values: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(target) if f.init}
-    return {k: _plain(v) for k, v in values.items() if k in names}
+    """The values ``target`` has fields for; a null where Megatron-Core's default is something
+    else leaves that default (e.g. an object no config file can hold)."""
+    defaults = {f.name: _default(f) for f in dataclasses.fields(target) if f.init}
+    return {
+        k: _plain(v)
+        for k, v in values.items()
+        if k in defaults and not (v is None and defaults[k] not in (None, dataclasses.MISSING))
+    }
 
 
 def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
@@ -40,18 +61,19 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if model.bf16 else torch.float32
-    values = dataclasses.asdict(model)
+    values = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     values.update(
         activation_func={ActivationFunc.silu: F.silu, ActivationFunc.gelu: F.gelu}[
             model.activation_func
         ],
         bf16=model.bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
         # The pipeline schedules pass the batch's real shape; keep Megatron's own default here.
         variable_seq_lengths=False,
     )
-    return _known_kwargs(TransformerConfig, values)
+    kwargs = _known_kwargs(TransformerConfig, values)
+    for key in ("params_dtype", "pipeline_dtype"):  # model.params_dtype=bf16 ..., else model.bf16
+        kwargs[key] = kwargs.get(key) or dtype
+    return kwargs
 
 
 def build_transformer_config(model: ModelConfig):  # -> TransformerConfig
@@ -64,11 +86,8 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
     import torch
     from megatron.core.optimizer import OptimizerConfig as MCoreOptimizerConfig
 
-    values = dataclasses.asdict(optimizer)
+    values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
-    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    for key in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        values[key] = torch_dtypes[_plain(values[key])]
     if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
         # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
@@ -88,6 +107,5 @@ def build_optimizer_config(optimizer: OptimizerConfig, model: ModelConfig):
 def build_ddp_config(run: RunConfig):
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    values = dataclasses.asdict(run.ddp)
-    values["use_distributed_optimizer"] = run.optimizer.use_distributed_optimizer
+    values = {f.name: getattr(run.ddp, f.name) for f in dataclasses.fields(run.ddp)}
     return DistributedDataParallelConfig(**_known_kwargs(DistributedDataParallelConfig, values))

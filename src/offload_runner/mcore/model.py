@@ -39,7 +39,8 @@ def layer_spec(run: RunConfig):
 
 
 def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
-    """One model chunk on this rank's pipeline stage, on the GPU, wrapped as Megatron-LM does."""
+    """This rank's model chunks (one per virtual pipeline stage, else one), on the GPU, each
+    wrapped as Megatron-LM does."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
@@ -49,24 +50,34 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     from offload_runner.mcore.megatron_config import build_ddp_config
 
     m = run.model
-    model = GPTModel(
-        config=transformer_config,
-        transformer_layer_spec=layer_spec(run),
-        vocab_size=padded_vocab_size(m),
-        max_sequence_length=m.max_position_embeddings or m.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type.value,
-        rotary_percent=m.rotary_percent,
-        rotary_base=int(m.rotary_base),
-    )
-    model.cuda(torch.cuda.current_device())
-    if m.bf16:
-        model = Float16Module(transformer_config, model)
-    ddp = DistributedDataParallel(
-        config=transformer_config, ddp_config=build_ddp_config(run), module=model
-    )
-    ddp.broadcast_params()  # identical start on every data-parallel replica
-    return [ddp]
+    chunks = []
+    vpp = m.virtual_pipeline_model_parallel_size
+    for vp_stage in range(vpp or 1):
+        stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
+        model = GPTModel(
+            config=transformer_config,
+            transformer_layer_spec=layer_spec(run),
+            vocab_size=padded_vocab_size(m),
+            max_sequence_length=m.max_position_embeddings or m.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(**stage),
+            post_process=parallel_state.is_pipeline_last_stage(**stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type.value,
+            rotary_percent=m.rotary_percent,
+            rotary_base=int(m.rotary_base),
+            **({"vp_stage": vp_stage} if vpp else {}),
+        )
+        model.cuda(torch.cuda.current_device())
+        if m.bf16:
+            model = Float16Module(transformer_config, model)
+        ddp = DistributedDataParallel(
+            config=transformer_config,
+            ddp_config=build_ddp_config(run),
+            module=model,
+            # Megatron-LM: only the first chunk's buckets overlap the param all-gather
+            disable_bucketing=vp_stage > 0,
+        )
+        ddp.broadcast_params()  # identical start on every data-parallel replica
+        chunks.append(ddp)
+    return chunks

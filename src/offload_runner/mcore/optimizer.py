@@ -31,18 +31,22 @@ def build_scheduler(run: RunConfig, optimizer):
     o, s, t = run.optimizer, run.scheduler, run.train
     batch = t.global_batch_size
     decay_steps = max(s.lr_decay_iters or t.train_iters, s.lr_warmup_iters + 1) * batch
+    wd = (o.weight_decay if s.start_weight_decay is None else s.start_weight_decay,
+          o.weight_decay if s.end_weight_decay is None else s.end_weight_decay)  # fmt: skip
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if s.lr_warmup_iters else o.lr,
+        init_lr=s.lr_warmup_init if s.lr_warmup_iters else o.lr,
         max_lr=o.lr,
         min_lr=o.min_lr if s.lr_decay_style != LRDecayStyle.constant else o.lr,
         lr_warmup_steps=s.lr_warmup_iters * batch,
         lr_decay_steps=decay_steps,
         lr_decay_style=s.lr_decay_style.value,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
+        start_wd=wd[0],
+        end_wd=wd[1],
         wd_incr_steps=decay_steps,
-        wd_incr_style="constant",
+        wd_incr_style=s.weight_decay_incr_style.value,
+        wsd_decay_steps=s.lr_wsd_decay_iters * batch if s.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=s.lr_wsd_decay_style.value,
         use_checkpoint_opt_param_scheduler=(
             s.use_checkpoint_opt_param_scheduler and not s.override_opt_param_scheduler
         ),

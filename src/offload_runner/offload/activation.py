@@ -22,7 +22,7 @@ DISABLED = {
 def describe(run: RunConfig) -> OffloadSummary:
     m = run.model
     if m.fine_grained_activation_offloading:
-        modules = ", ".join(mod.value for mod in m.offload_modules) or "none"
+        modules = ", ".join(mod.value for mod in m.offload_modules or []) or "none"
         return OffloadSummary(
             "activations (fine-grained)",
             "model.fine_grained_activation_offloading",
