@@ -135,9 +135,14 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exac
         # interleaved pipeline: two model chunks per rank, checkpoint keys model0/model1,
         # every data-parallel rank writing its share
         pytest.param(
-            ("model.num_layers=4", "model.pipeline_model_parallel_size=2",
-             "model.virtual_pipeline_model_parallel_size=2", "checkpoint.fully_parallel_save=true"),
-            id="pp2-vpp2", marks=TWO_GPUS,
+            (
+                "model.num_layers=4",
+                "model.pipeline_model_parallel_size=2",
+                "model.virtual_pipeline_model_parallel_size=2",
+                "checkpoint.fully_parallel_save=true",
+            ),
+            id="pp2-vpp2",
+            marks=TWO_GPUS,
         ),  # fmt: skip
     ],
 )

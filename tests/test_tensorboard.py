@@ -56,7 +56,7 @@ def test_wandb_offline_run_holds_the_step_metrics_and_summary(
     with MetricsReporter(tmp_path, 3, 0, True, logger, {"model": {"num_layers": 2}}) as reporter:
         for i in (1, 2, 3):
             reporter.record(_step(i))
-        reporter.write_summary({"world_size": 1})
+    reporter.write_summary({"world_size": 1})  # after the loop, as train() does
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     history = next(runs[0].glob("*.wandb")).read_bytes()

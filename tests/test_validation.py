@@ -30,6 +30,7 @@ class Case:
     env: Environment = WITH_TE
 
 
+RECIPE_TINY = ("recipe=tiny",)
 CASES = [
     Case(
         "cpu_offloading_needs_pp1",
@@ -531,7 +532,65 @@ CASES = [
         ),
         "profiling starts at iteration 50, after the last one (20)",
     ),  # fmt: skip
-]
+    # Megatron-Bridge's sections
+    Case("distributed_optimizer_sections_differ",
+         ("recipe=tiny", "ddp.use_distributed_optimizer=false"),
+         ("recipe=tiny", "ddp.use_distributed_optimizer=false",
+          "optimizer.use_distributed_optimizer=false"),
+         "ddp.use_distributed_optimizer=False and optimizer.use_distributed_optimizer=True differ"),
+    Case("dataset_seq_length_differs", ("recipe=tiny", "dataset.seq_length=128"),
+         ("recipe=tiny", "model.seq_length=128"),
+         "dataset.seq_length=128 and model.seq_length=256 differ"),
+    Case("tokenizer_vocab_differs", ("recipe=tiny", "tokenizer.vocab_size=1000"),
+         ("recipe=tiny", "tokenizer.vocab_size=1000", "model.vocab_size=1000"),
+         "tokenizer.vocab_size=1000 and model.vocab_size="),
+    Case("tokenizer_vocab_divisor_differs",
+         ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=64"),
+         ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=128"),
+         "tokenizer.make_vocab_size_divisible_by=64 and"),
+    Case("dataset_blend_spelling", ("recipe=tiny", "dataset.blend=[[/d/a],[1.0]]"), RECIPE_TINY,
+         "dataset.blend / dataset.blend_per_split are Megatron-Bridge's Python spelling"),
+    Case("checkpoint_format", ("recipe=tiny", "checkpoint.ckpt_format=fsdp_dtensor"),
+         ("recipe=tiny", "checkpoint.ckpt_format=torch_dist"),
+         "checkpoint.ckpt_format=fsdp_dtensor: offload-runner saves and loads"),
+    Case("fp16_not_supported", ("recipe=tiny", "mixed_precision.fp16=true"), RECIPE_TINY,
+         "fp16 mixed precision is not supported"),
+    Case("fp8_not_supported", ("recipe=tiny", "mixed_precision.fp8=hybrid"), RECIPE_TINY,
+         "FP8 training (model.fp8=hybrid) is not supported"),
+    Case("virtual_pipeline_needs_pipeline",
+         ("recipe=tiny", "model.virtual_pipeline_model_parallel_size=2"),
+         ("recipe=tiny", "model.num_layers=4", "model.pipeline_model_parallel_size=2",
+          "model.virtual_pipeline_model_parallel_size=2"),
+         "virtual_pipeline_model_parallel_size=2 needs pipeline parallelism"),
+    Case("wsd_needs_decay_iters", ("recipe=tiny", "scheduler.lr_decay_style=WSD"),
+         ("recipe=tiny", "scheduler.lr_decay_style=WSD", "scheduler.lr_wsd_decay_iters=2"),
+         "scheduler.lr_decay_style=WSD needs the length of its final decay"),
+    Case("flex_dispatcher_needs_deep_ep",
+         ("recipe=qwen3_30b_a3b_proxy", "model.moe_token_dispatcher_type=flex"),
+         ("recipe=qwen3_30b_a3b_proxy",),
+         "model.moe_token_dispatcher_type=flex needs DeepEP",
+         Environment(te_available=True, launching=True, deep_ep_available=False)),
+    Case("wandb_needs_package", ("recipe=tiny", "logger.wandb_project=p"), RECIPE_TINY,
+         "logger.wandb_project is set, and the wandb package is not installed here",
+         Environment(te_available=True, launching=True, wandb_available=False)),
+    Case("evaluation_not_run",
+         ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=32"),
+         ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=0"),
+         "validation.eval_interval / eval_iters have no effect"),
+    Case("manual_gc_eval_unused", ("recipe=tiny", "train.manual_gc_eval=100"), RECIPE_TINY,
+         "train.manual_gc_eval=100 has no effect"),
+    Case("dataloader_keys_unused", ("recipe=tiny", "dataset.dataloader_type=cyclic"),
+         ("recipe=tiny", "dataset.dataloader_type=single"),
+         "dataset.dataloader_type / data_sharding"),
+    Case("tokenizer_not_loaded",
+         ("recipe=tiny", "tokenizer.tokenizer_type=HuggingFaceTokenizer"), RECIPE_TINY,
+         "tokenizer.HuggingFaceTokenizer is not loaded"),
+    Case("async_save_not_run", ("recipe=tiny", "checkpoint.async_save=true"), RECIPE_TINY,
+         "checkpoint.async_save=true has no effect"),
+    Case("mxfp8_buffer_reuse_unused",
+         ("recipe=tiny", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"), RECIPE_TINY,
+         "mixed_precision.fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag have no effect"),
+]  # fmt: skip
 
 
 def test_every_rule_has_a_case() -> None:

@@ -197,6 +197,7 @@ class ScalarSinks:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+        self.tensorboard = self.wandb = None
 
 
 class MetricsReporter:
@@ -224,7 +225,7 @@ class MetricsReporter:
         self.progress.stop()
         if self.file:
             self.file.close()
-        if self.sinks:
+        if self.sinks and exc[0] is not None:  # else write_summary sends the summary, then closes
             self.sinks.close()
 
     def record(self, step: StepMetrics) -> None:
@@ -267,6 +268,8 @@ class MetricsReporter:
         if self.is_writer and summary:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             self.sinks.summary(summary)
+        if self.sinks:
+            self.sinks.close()
             table = Table(title="run summary", title_justify="left")
             table.add_column("metric")
             table.add_column("value", justify="right")
