@@ -31,12 +31,10 @@ def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_load
     key with ``module.`` when saving but not when loading."""
     from megatron.core.utils import unwrap_model
 
-    chunks = [unwrap_model(chunk).sharded_state_dict() for chunk in model]
-    # Megatron-LM's keys: "model", or "model0", "model1", ... with virtual pipeline stages
-    model_state = (
-        {"model": chunks[0]} if len(chunks) == 1
-        else {f"model{i}": state for i, state in enumerate(chunks)}
-    )  # fmt: skip
+    model_state = {
+        key: unwrap_model(chunk).sharded_state_dict()
+        for key, chunk in zip(model_keys(len(model)), model, strict=True)
+    }
     return {
         **model_state,
         "optimizer": optimizer.sharded_state_dict(
@@ -45,6 +43,12 @@ def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_load
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
     }
+
+
+def model_keys(chunks: int) -> list[str]:
+    """Megatron-LM's checkpoint keys of a rank's model: "model", or "model0", "model1", ... with
+    virtual pipeline stages."""
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
 
 
 def _save_strategy(fully_parallel: bool):
@@ -92,8 +96,8 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     load_dir = resolve_load_dir(path)
     state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, str(load_dir))
-    for i, chunk in enumerate(model):
-        unwrap_model(chunk).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    for key, chunk in zip(model_keys(len(model)), model, strict=True):
+        unwrap_model(chunk).load_state_dict(loaded[key])
     optimizer.load_state_dict(loaded["optimizer"])
     hybrid_optimizer.restore_after_load(optimizer)
     for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload

@@ -53,13 +53,7 @@ from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import choose_offload, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
-from offload_runner.validation import (
-    Environment,
-    choice_violations,
-    errors,
-    range_violations,
-    validate,
-)
+from offload_runner.validation import Environment, errors, validate, value_violations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -273,7 +267,7 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
         return EXIT_USAGE
-    ranges = range_violations(run) + choice_violations(run)
+    ranges = value_violations(run)
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
         return EXIT_USAGE

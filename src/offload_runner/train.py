@@ -146,6 +146,12 @@ def global_loss(losses: list[dict], pipeline_size: int, context_size: int) -> fl
     return value.item() / (dist.get_world_size() // (pipeline_size * context_size))
 
 
+def per_chunk(items: list):
+    """What Megatron-Core's schedules take for a rank's model chunks: the one item, or a list
+    with one per virtual pipeline stage."""
+    return items[0] if len(items) == 1 else items
+
+
 def train(run: RunConfig, run_dir: Path) -> dict:
     """Train ``run`` on this rank; returns the summary (rank 0 also writes it)."""
     from megatron.core import parallel_state
@@ -173,8 +179,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     scheduler = build_scheduler(run, optimizer)
     startup.phase("optimizer")
     config.finalize_model_grads_func = finalize_model_grads
-    no_sync = [chunk.no_sync for chunk in model]  # one per virtual pipeline stage
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.no_sync_func = per_chunk([chunk.no_sync for chunk in model])
     config.grad_scale_func = optimizer.scale_loss
 
     start = 0
@@ -230,7 +235,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             optimizer.zero_grad()
             losses = forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=data[0] if len(data) == 1 else data,
+                data_iterator=per_chunk(data),
                 model=model,
                 num_microbatches=micro_batches,
                 seq_length=m.seq_length,

@@ -1008,10 +1008,16 @@ def choice_violations(run: RunConfig) -> list[Violation]:
     return found
 
 
+def value_violations(run: RunConfig) -> list[Violation]:
+    """Values outside their range or their Megatron-Core choices: nothing else (the planner,
+    the table's rows) is meaningful while there are any."""
+    return range_violations(run) + choice_violations(run)
+
+
 def validate(run: RunConfig, env: Environment) -> list[Violation]:
     """All violations: value ranges and choices first (nothing else is meaningful without
     them), then the table's rows, then Megatron-Core's own checks (without repeats)."""
-    ranges = range_violations(run) + choice_violations(run)
+    ranges = value_violations(run)
     if ranges:
         return ranges
     found = check_rules(run, env)

@@ -87,15 +87,17 @@ def cli_type(annotation: Any) -> Any:
     return UNWRITABLE
 
 
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default (its factory's product), or MISSING."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def cli_default(field: dataclasses.Field) -> Any:
     """Megatron-Core's default where a config file can hold it, else None."""
-    if field.default is not dataclasses.MISSING:
-        value = field.default
-    elif field.default_factory is not dataclasses.MISSING:
-        value = field.default_factory()
-    else:
-        return None
-    if value is None or isinstance(value, (*PRIMITIVES, Enum)):
+    value = field_default(field)
+    if value is dataclasses.MISSING or value is None or isinstance(value, (*PRIMITIVES, Enum)):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, PRIMITIVES) for v in value):
         return list(value)
@@ -133,13 +135,14 @@ def _type_hints(cls: type) -> dict[str, Any]:
         return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-@cache
 def megatron_field_names() -> dict[str, frozenset[str]]:
     """Section -> the keys it takes from the installed Megatron-Core (empty without it)."""
-    try:
-        return {s.key: frozenset(name for name, _, _ in _fields_of(s)) for s in SECTIONS}
-    except ImportError:
-        return {s.key: frozenset() for s in SECTIONS}
+    schema = {f.name: f.default_factory for f in dataclasses.fields(run_schema())}
+    return {
+        s.key: frozenset(f.name for f in dataclasses.fields(schema[s.key]))
+        - {f.name for f in dataclasses.fields(s.ours)}
+        for s in SECTIONS
+    }
 
 
 @cache

@@ -11,6 +11,7 @@ import dataclasses
 from enum import Enum
 from typing import Any
 
+from offload_runner.config.megatron_fields import field_default
 from offload_runner.config.schema import (
     ActivationFunc,
     CpuOffloadEngine,
@@ -37,16 +38,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _default(field: dataclasses.Field) -> Any:
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
-
-
 def _known_kwargs(target: type, values: dict[str, Any]) -> dict[str, Any]:
     """The values ``target`` has fields for; a null where Megatron-Core's default is something
     else leaves that default (e.g. an object no config file can hold)."""
-    defaults = {f.name: _default(f) for f in dataclasses.fields(target) if f.init}
+    defaults = {f.name: field_default(f) for f in dataclasses.fields(target) if f.init}
     return {
         k: _plain(v)
         for k, v in values.items()

@@ -51,6 +51,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
 
     m = run.model
     chunks = []
+    ddp_config = build_ddp_config(run)
     vpp = m.virtual_pipeline_model_parallel_size
     for vp_stage in range(vpp or 1):
         stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
@@ -73,7 +74,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             model = Float16Module(transformer_config, model)
         ddp = DistributedDataParallel(
             config=transformer_config,
-            ddp_config=build_ddp_config(run),
+            ddp_config=ddp_config,
             module=model,
             # Megatron-LM: only the first chunk's buckets overlap the param all-gather
             disable_bucketing=vp_stage > 0,
