@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -299,6 +300,26 @@ LONG_DELAYED_LATER = [
     for n in (20, 50)
 ]  # fmt: skip
 
+# Delayed mode's convergence where ZeRO-Offload uses delayed updates: GBS 4 and a warmup of 20
+# iterations, delayed updates from its end (the default start), two seeds (weights and data order)
+# of delayed mode and of the no-offload baseline: the baselines' spread across seeds is the noise
+# the delayed runs are judged against (CONVERGENCE_TAIL). One case per suite: the four run side by
+# side, a GPU each (bench/device_session.sh cpu-adam-conv).
+CONV = ("train.global_batch_size=4", "train.micro_batch_size=1", "scheduler.lr_warmup_iters=20")
+CONV_SEEDS = (1234, 1235)
+CONVERGENCE_TAIL = 20  # the final loss: the mean over the last iterations
+
+
+def _conv(mode: str, seed: int) -> Case:
+    offload = () if mode == "no offload" else (f"offload/optimizer={mode}",)
+    return Case(f"conv {mode} seed {seed}", PROXY_RECIPE, (*CONV, *offload, f"train.seed={seed}"),
+                f"conv no offload seed {seed}")  # fmt: skip
+
+
+CONV_CASES = [
+    _conv(mode, seed) for mode in ("no offload", "cpu_adam_delayed") for seed in CONV_SEEDS
+]
+
 SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4, (0.25, 0.4)),
@@ -332,6 +353,7 @@ SUITES: dict[str, list[Case]] = {
             "long cpu_adam 100%",
         )
     ],
+    **{f"cpu-adam-conv-{i}": [case] for i, case in enumerate(CONV_CASES, 1)},
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
         Case(
@@ -645,6 +667,56 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
     return lines
 
 
+def tail_mean(losses: list[float], n: int = CONVERGENCE_TAIL) -> float:
+    return statistics.fmean(losses[-n:])
+
+
+def convergence(results: list[dict]) -> dict | None:
+    """Runs named ``... seed N``: each configuration's final loss (the mean of the last
+    CONVERGENCE_TAIL iterations) per seed, set against the baseline's spread across seeds.
+    ``within_noise``: every configuration's mean over seeds is within that spread of the
+    baseline's mean."""
+    finals: dict[str, dict[int, float]] = {}
+    baseline = None
+    for r in results:
+        match = re.fullmatch(r"(.*) seed (\d+)", r["case"]["name"])
+        if not match or r["status"] != "ok":
+            continue
+        finals.setdefault(match[1], {})[int(match[2])] = tail_mean(r["summary"]["losses"])
+        if r["case"]["name"] == r["case"]["baseline"]:
+            baseline = match[1]
+    if baseline is None or len(finals.get(baseline, {})) < 2:
+        return None
+    base = finals[baseline]
+    spread = max(base.values()) - min(base.values())
+    rows = {}
+    for name, by_seed in finals.items():
+        if name == baseline:
+            continue
+        gap = statistics.fmean(by_seed.values()) - statistics.fmean(base.values())
+        paired = {seed: v - base[seed] for seed, v in by_seed.items() if seed in base}
+        rows[name] = {"final": by_seed, "gap": gap, "paired": paired,
+                      "within_noise": abs(gap) <= spread}  # fmt: skip
+    return {"baseline": baseline, "baseline_final": base, "spread": spread, "runs": rows}
+
+
+def _convergence_lines(results: list[dict]) -> list[str]:
+    found = convergence(results)
+    if found is None:
+        return []
+    base = found["baseline_final"]
+    lines = ["", f"Final loss (mean of the last {CONVERGENCE_TAIL} iterations) per seed; the "
+             f"baseline ({found['baseline']}) spreads {found['spread']:.3f} across seeds "
+             f"({', '.join(f'{s}: {v:.3f}' for s, v in base.items())}):", ""]  # fmt: skip
+    for name, row in found["runs"].items():
+        finals = ", ".join(f"{s}: {v:.3f}" for s, v in row["final"].items())
+        paired = ", ".join(f"{s}: {d:+.3f}" for s, d in row["paired"].items())
+        verdict = "within" if row["within_noise"] else "outside"
+        lines.append(f"- {name}: {finals}; against the same seed's baseline {paired}; mean "
+                     f"{row['gap']:+.3f} against the baseline's, {verdict} its spread")  # fmt: skip
+    return lines
+
+
 def _scale_lines(results: list[dict]) -> list[str]:
     """Multi-GPU runs: the planner's verdict and prediction beside time to first step, every
     rank's GPU peak and the node's RAM (the run's own, over what the node used before)."""
@@ -745,6 +817,7 @@ def render(files: list[Path]) -> str:
         lines += _transfer_bound_lines(results, by_name)
         lines += _cpu_adam_lines(results, by_name)
         lines += _scale_lines(results)
+        lines += _convergence_lines(results)
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}

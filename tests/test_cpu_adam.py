@@ -282,4 +282,27 @@ def test_delayed_mode_keeps_whole_cores_for_the_training_thread(
     kept = cpu_adam.worker_cpus(run, cpus)
     assert kept == expected
     assert cpu_adam.default_threads(run, kept) == len(expected)
-    assert cpu_adam._ranges(kept) == ("1-3,5-7" if siblings else "2-7")
+    assert cpu_adam.cpu_ranges(kept) == ("1-3,5-7" if siblings else "2-7")
+
+
+def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
+    """summary.json's cpu_adam_hidden_fraction: at the rate the CPU step reached, the share of
+    the rank's shard that one forward+backward covers (capped at 1)."""
+    from types import SimpleNamespace
+
+    from offload_runner.offload import cpu_adam
+
+    buffers = Buffers()
+    eng = engine(buffers, 0.5)
+    for step in range(1, 5):
+        drive(eng, buffers, step)
+    optimizer = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=eng)])
+    found = cpu_adam.metrics(optimizer, forward_backward_s=None)
+    assert found["cpu_adam_hidden_fraction"] is None
+    rate = found["cpu_adam_params_per_s"]
+    fb = 0.25 * sum(SIZES) / rate
+    assert eng.shard_numel == sum(SIZES)
+    hidden = cpu_adam.metrics(optimizer, forward_backward_s=fb)["cpu_adam_hidden_fraction"]
+    assert hidden == pytest.approx(0.25)
+    assert cpu_adam.metrics(optimizer, forward_backward_s=1e6)["cpu_adam_hidden_fraction"] == 1.0
+    eng.close()

@@ -286,6 +286,58 @@ def test_step_cost_model() -> None:
     )
 
 
+def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
+    """Delayed mode: the CPU update beyond planner.forward_backward_s and the step boundary's
+    copies (4 B/param each way at once) cost; unknown forward+backward hides nothing."""
+    from offload_runner.plan import StepCost, hidden_fraction
+
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
+                      "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+    rank = make_plan(run).ranks[0]
+    params = rank.cpu_adam_params
+    cpu, copies = params / 4e9, params * 4 / 50e9
+    blind = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
+    assert blind.seconds(run, rank) == pytest.approx(cpu + copies)
+    assert blind.hidden_fraction(run, rank) is None
+    short = StepCost(4e9, 50.0, forward_backward_s=cpu / 2)
+    assert short.seconds(run, rank) == pytest.approx(cpu / 2 + copies)
+    assert short.hidden_fraction(run, rank) == pytest.approx(0.25)
+    long = StepCost(4e9, 50.0, forward_backward_s=10 * cpu)
+    assert long.seconds(run, rank) == pytest.approx(copies)
+    assert long.hidden_fraction(run, rank) == 1.0
+    exact = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
+                        "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+    assert long.seconds(exact, make_plan(exact).ranks[0]) == pytest.approx(cpu)
+    assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
+
+
+def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
+    """planner.auto_delayed: the CPU-Adam engine in delayed mode; with forward+backward known,
+    the smallest fraction that fits costs least (its copies), and the choice says how much of
+    Adam would hide."""
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+                      "offload/optimizer=auto", "planner.auto_delayed=true",
+                      "planner.forward_backward_s=0.6", "planner.gpu_memory_gb=48",
+                      "planner.host_memory_gb=512",
+                      "planner.cpu_adam_params_per_s=3.7e9")  # fmt: skip
+    choice = choose_offload(run)
+    assert choice.overrides["optimizer.cpu_adam_delayed_update"] is True
+    assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
+    assert choice.description.startswith(
+        "offload/optimizer=cpu_adam_delayed optimizer.optimizer_offload_fraction=0.5"
+    )
+    assert "up to a fraction of 0.71" in choice.description
+
+
+def test_plan_prints_the_predicted_step_cost(capsys) -> None:
+    code = main(["--recipe", "tiny", "offload/optimizer=cpu_adam_delayed",
+                 "planner.cpu_adam_params_per_s=1e9", "planner.forward_backward_s=0.5",
+                 "--plan"])  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == EXIT_OK
+    assert "predicted +0.00 s per step" in out and "delayed: hidden under forward+backward" in out
+
+
 def test_precision_aware_optimizer_keeps_param_remainders_not_fp32_masters() -> None:
     """10 B of Adam per param on the GPU precision-aware path (2 B master remainder), 12 B else."""
     params = count_parameters(compose_run("recipe=tiny").model).total

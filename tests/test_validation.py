@@ -312,6 +312,12 @@ CASES = [
         "optimizer.cpu_adam_chunk_mb must be at least 1",
     ),
     Case(
+        "auto_delayed_needs_cpu_adam",
+        ("recipe=tiny", "planner.auto_delayed=true", "planner.auto_engine=hybrid"),
+        ("recipe=tiny", "planner.auto_delayed=true"),
+        "planner.auto_delayed picks offload-runner's CPU-Adam engine in delayed mode",
+    ),
+    Case(
         "cpu_adam_exact_steps_non_negative",
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_steps=-1"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_steps=0"),

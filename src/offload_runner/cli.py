@@ -51,7 +51,7 @@ from offload_runner.config.compose import (
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
-from offload_runner.plan import choose_offload, make_plan
+from offload_runner.plan import choose_offload, cost_note, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, validate, value_violations
 
@@ -302,6 +302,8 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
 
     if mode in (Mode.plan, Mode.plan_json):
         plan = make_plan(run, world)
+        if (cost := cost_note(run, plan)) is not None:
+            plan.notes.append(cost)
         if mode == Mode.plan_json:
             print(json.dumps({**plan.as_dict(), "auto": auto}, indent=1))
         else:

@@ -409,14 +409,36 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
 HDO_RATE_SHARE = 0.27
 
 
+CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
+
+
+def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float) -> float:
+    """The largest share of a rank's Adam shard that CPU Adam at ``params_per_s`` updates within
+    one forward+backward: delayed mode hides up to this optimizer_offload_fraction."""
+    return min(1.0, forward_backward_s * params_per_s / shard_params) if shard_params else 1.0
+
+
+def delayed_cpu_adam(run: RunConfig) -> bool:
+    """The CPU-Adam engine in delayed mode (its CPU update runs under the next step's compute)."""
+    o = run.optimizer
+    return (
+        o.optimizer_cpu_offload
+        and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+        and o.cpu_adam_delayed_update
+    )
+
+
 @dataclass(frozen=True)
 class StepCost:
     """The model: CPU Adam runs at ``cpu_adam_params_per_s`` per rank (HybridDeviceOptimizer at
-    HDO_RATE_SHARE of it) and is not hidden in exact mode; state offload streams its 12 B/param
-    through the GPU window both ways at once, at ``host_link_gb_per_s`` each way."""
+    HDO_RATE_SHARE of it) and is not hidden in exact mode; in delayed mode it hides under
+    ``forward_backward_s`` (when known), and the copies at the step boundary (4 B/param each way,
+    both at once) are what remains. State offload streams its 12 B/param through the GPU window
+    both ways at once, at ``host_link_gb_per_s`` each way."""
 
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float
+    forward_backward_s: float | None = None
 
     def cpu_rate(self, run: RunConfig) -> float:
         """Params/s of the CPU part of Adam with ``run``'s engine."""
@@ -426,13 +448,35 @@ class StepCost:
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
+        if delayed_cpu_adam(run):
+            boundary = rank.cpu_adam_params * CPU_ADAM_COPY_BYTES / (self.host_link_gb_per_s * 1e9)
+            return max(cpu - (self.forward_backward_s or 0.0), 0.0) + boundary + link
         return cpu + link
+
+    def hidden_fraction(self, run: RunConfig, rank: RankPlan) -> float | None:
+        """Delayed mode: the largest optimizer_offload_fraction whose CPU Adam fits under
+        forward_backward_s (None when that is unknown or nothing is on the CPU)."""
+        fraction = run.optimizer.optimizer_offload_fraction
+        if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
+            return None
+        return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
+                               rank.cpu_adam_params / fraction)  # fmt: skip
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
         if rank.cpu_adam_params:
+            cpu = rank.cpu_adam_params / self.cpu_rate(run)
             parts.append(f"{rank.cpu_adam_params / 1e9:.2f}B params of Adam on the CPU at "
-                         f"{self.cpu_rate(run) / 1e9:.2f} G/s")  # fmt: skip
+                         f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip
+            if delayed_cpu_adam(run):
+                hidden = self.hidden_fraction(run, rank)
+                parts.append(
+                    "delayed: hidden under forward+backward of "
+                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f}, "
+                    if hidden is not None
+                    else "delayed: not counted as hidden (set planner.forward_backward_s), "
+                )
+                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way at the step boundary"
         if rank.states_moved:
             parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
                          f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip
@@ -447,7 +491,16 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     rate = run.planner.cpu_adam_params_per_s or _measured_rate(
         len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
     )
-    return StepCost(rate, run.planner.host_link_gb_per_s)
+    return StepCost(rate, run.planner.host_link_gb_per_s, run.planner.forward_backward_s)
+
+
+def cost_note(run: RunConfig, plan: Plan) -> str | None:
+    """--plan's line on what the optimizer offload adds to a step (None: nothing offloaded)."""
+    if not any(r.cpu_adam_params or r.states_moved for r in plan.ranks):
+        return None
+    cost = step_cost(run, plan.gpus_per_node)
+    worst = max(plan.ranks, key=lambda r: cost.seconds(run, r))
+    return f"predicted +{cost.seconds(run, worst):.2f} s per step: {cost.explain(run, worst)}"
 
 
 @cache
@@ -462,9 +515,11 @@ def _measured_rate(threads: int) -> float:
 AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
-def optimizer_ladder(engine: CpuOffloadEngine) -> tuple[tuple[str, dict], ...]:
+def optimizer_ladder(engine: CpuOffloadEngine,
+                     delayed: bool = False) -> tuple[tuple[str, dict], ...]:  # fmt: skip
     """What offload/optimizer=auto tries, least first: nothing, then 25 ... 100% of Adam on the
-    CPU with ``engine`` (planner.auto_engine: the CPU-Adam engine by default, exact mode)."""
+    CPU with ``engine`` (planner.auto_engine: the CPU-Adam engine by default, in delayed mode
+    with planner.auto_delayed)."""
     steps: list[tuple[str, dict]] = [
         (
             "disabled",
@@ -476,10 +531,12 @@ def optimizer_ladder(engine: CpuOffloadEngine) -> tuple[tuple[str, dict], ...]:
             "optimizer.optimizer_cpu_offload": True,
             "optimizer.optimizer_offload_fraction": f,
             "optimizer.cpu_offload_engine": engine,
-            "optimizer.cpu_adam_delayed_update": False,
+            "optimizer.cpu_adam_delayed_update": delayed,
         }
         if engine == CpuOffloadEngine.cpu_adam:
-            name = "cpu_adam" + ("" if f == 1.0 else f" optimizer.optimizer_offload_fraction={f}")
+            name = ("cpu_adam_delayed" if delayed else "cpu_adam") + (
+                "" if f == 1.0 else f" optimizer.optimizer_offload_fraction={f}"
+            )
             steps.append((name, {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": False}))
         else:
             steps.append(
@@ -519,7 +576,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
     p = run.planner
     optimizer_steps = (
-        (*optimizer_ladder(p.auto_engine), STATES_STEP)
+        (*optimizer_ladder(p.auto_engine, p.auto_delayed), STATES_STEP)
         if p.auto_optimizer
         else (("as configured", {}),)
     )

@@ -288,7 +288,11 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             engine.flush()  # the last delayed update lands: the model in memory is final
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
     extra.update(startup.gathered(peak_so_far))
-    extra.update(cpu_adam.metrics(optimizer))
+    forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
+    found = cpu_adam.metrics(optimizer, forward_backward_s)
+    if is_writer:
+        cpu_adam.report_hidden_fraction(found, forward_backward_s)
+    extra.update(found)
     extra.update(optimizer_states.metrics(optimizer))
     summary = reporter.write_summary(extra)
     for engine in engines:

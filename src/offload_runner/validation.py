@@ -400,6 +400,13 @@ RULES: tuple[Rule, ...] = (
         "e.g. optimizer.cpu_adam_exact_steps=100, or null for the end of the learning-rate warmup",
     ),
     Rule(
+        "auto_delayed_needs_cpu_adam",
+        lambda c, e: c.planner.auto_delayed and c.planner.auto_engine != CpuOffloadEngine.cpu_adam,
+        "planner.auto_delayed picks offload-runner's CPU-Adam engine in delayed mode; "
+        "HybridDeviceOptimizer has no delayed mode",
+        "set planner.auto_engine=cpu_adam, or planner.auto_delayed=false",
+    ),
+    Rule(
         "optimizer_dtypes_with_cpu_offload",
         lambda c, e: c.optimizer.optimizer_cpu_offload and _low_precision_adam(c),
         "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host; "
@@ -966,6 +973,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("planner", "margin_gb"): (0, None),
     ("planner", "host_link_gb_per_s"): (0.001, None),
     ("planner", "cpu_adam_params_per_s"): (1, None),
+    ("planner", "forward_backward_s"): (0, None),
     ("verify", "iters"): (1, None),
     ("verify", "loss_tolerance"): (0, None),
 }

@@ -455,6 +455,7 @@ class PlannerConfig:
     auto_optimizer: bool = False  # offload/optimizer=auto
     # ... with which CPU offload engine: cpu_adam (measured 2-3x faster) or hybrid (HDO)
     auto_engine: CpuOffloadEngine = CpuOffloadEngine.cpu_adam
+    auto_delayed: bool = False  # ... the CPU-Adam engine in delayed mode (cpu_adam_delayed)
     auto_activation: bool = False  # offload/activation=auto
     # The step-time model auto chooses by, and --plan prints: host<->GPU copies run at
     # host_link_gb_per_s each way (PCIe Gen5 with both directions busy; a Grace-Hopper C2C link
@@ -462,6 +463,10 @@ class PlannerConfig:
     # fused AdamW measured here at start, with this rank's share of the cores).
     host_link_gb_per_s: float = 50.8
     cpu_adam_params_per_s: Optional[float] = None
+    # One step's forward+backward in seconds (a run's fwd_bwd_time_s_median): delayed mode's CPU
+    # Adam hides under it (null: counted as not hidden). A cpu_adam run's summary.json gives
+    # cpu_adam_hidden_fraction, the largest fraction that hid under its own.
+    forward_backward_s: Optional[float] = None
 
 
 @dataclass

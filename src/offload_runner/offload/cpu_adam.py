@@ -67,7 +67,12 @@ from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece
-from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES, GiB
+from offload_runner.plan import (
+    CPU_ADAM_PAGEABLE_BYTES,
+    CPU_ADAM_PINNED_BYTES,
+    GiB,
+    hidden_fraction,
+)
 
 log = logging.getLogger("offload_runner")
 
@@ -515,12 +520,12 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
-             "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, _ranges(cpus),
+             "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
              "delayed" if o.cpu_adam_delayed_update else "exact")  # fmt: skip
     return built
 
 
-def _ranges(cpus: list[int]) -> str:
+def cpu_ranges(cpus: list[int]) -> str:
     """``0-3,6-7`` for [0, 1, 2, 3, 6, 7]."""
     spans: list[list[int]] = []
     for c in cpus:
@@ -531,18 +536,24 @@ def _ranges(cpus: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans) or "?"
 
 
-def metrics(optimizer) -> dict:
+def metrics(optimizer, forward_backward_s: float | None = None) -> dict:
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
-    of a rank, and the mode."""
+    of a rank, the mode, and (given the run's median forward+backward) the largest offload
+    fraction whose CPU Adam hides under it in delayed mode, at this run's rate."""
     built = engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
         return {}
     busy = sum(m["cpu_adam_busy_s_median"] for m in found)
     params = sum(m["cpu_offloaded_params"] for m in found)
+    rate = params / busy if busy else None
+    shard = sum(e.shard_numel for e in built)
     return {
         "cpu_offloaded_params": params,
-        "cpu_adam_params_per_s": params / busy if busy else None,
+        "cpu_adam_params_per_s": rate,
+        "cpu_adam_hidden_fraction": hidden_fraction(forward_backward_s, rate, shard)
+        if forward_backward_s and rate
+        else None,
         "cpu_adam_busy_s_median": busy,
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),
         "cpu_adam_wait_s_median": sum(m["cpu_adam_wait_s_median"] for m in found),
@@ -551,3 +562,16 @@ def metrics(optimizer) -> dict:
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
         "cpu_adam_mode": "delayed" if built[0].delayed else "exact",
     }
+
+
+def report_hidden_fraction(found: dict, forward_backward_s: float | None) -> None:
+    """The log's last word on the CPU-Adam engine: what hides under forward+backward."""
+    fraction = found.get("cpu_adam_hidden_fraction")
+    if fraction is None or not forward_backward_s:
+        return
+    log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s: "
+             "delayed mode hides the CPU update up to optimizer.optimizer_offload_fraction=%.2f "
+             "(planner.forward_backward_s=%.2f lets --plan and offload/optimizer=auto use this)",
+             found["cpu_offloaded_params"] / 1e9, found["cpu_adam_params_per_s"] / 1e9,
+             found["cpu_adam_busy_s_median"], forward_backward_s, fraction,
+             forward_backward_s)  # fmt: skip

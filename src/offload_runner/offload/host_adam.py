@@ -141,6 +141,11 @@ class HostAdam(HybridDeviceOptimizer):
         return starts
 
     @property
+    def shard_numel(self) -> int:
+        """Every parameter element of this engine's shard, on the host or not."""
+        return self.offloaded_numel + sum(p.numel() for _, p in self.kept)
+
+    @property
     def host_bytes(self) -> int:
         return self._arenas.nbytes
 
