@@ -162,26 +162,27 @@ case "$1" in
       --iters 8 --time-limit 400 --out "$OUT/results-options-2.json" --work-dir "$WORK/b2" \
       > "$OUT/gpu2.log" 2>&1 &
     wait; tail -n 12 "$OUT/gpu2.log" ;;
-  cpu-adam-conv)  # (four GPUs, side by side) delayed mode's convergence: suites cpu-adam-conv-1..4,
-    # one GPU and its share of the cores each (their losses matter here, not their speed); on the
-    # baselines' two GPUs once they are free: the engine's resume tests on DP2 (delayed mode, 50%)
-    # and an offline W&B run (wandb from the wheels carried in .gpu/wb)
-    python3 -m pip install -q --no-index --find-links .gpu/wb --target /tmp/wbsite wandb || true
-    export PYTHONPATH="${PYTHONPATH:-}:/tmp/wbsite"
-    pids=()
-    for i in 0 1 2 3; do
+  cpu-adam-conv-a|cpu-adam-conv-b)  # (two GPUs, side by side) delayed mode's convergence, one seed
+    # per call: its no-offload run on GPU 0, its delayed run on GPU 1, each with its GPU's share of
+    # the cores (their losses matter here, not their speed). Beside them in -b, on both GPUs: the
+    # engine's resume tests on DP2 (delayed mode, 50%) and an offline W&B run (wandb from the
+    # wheels carried in .gpu/wb)
+    if [ "$1" = cpu-adam-conv-a ]; then suites=(1 3); else suites=(2 4); fi
+    for i in 0 1; do
       cpus=$(python -c "from offload_runner.offload.cpu_adam import rank_cpus, cpu_ranges
-print(cpu_ranges(rank_cpus($i, 4)))" 2>/dev/null)
+print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       pin=(); [ -n "$cpus" ] && pin=(taskset -c "$cpus")
-      echo "GPU $i: cores ${cpus:-all}"
-      CUDA_VISIBLE_DEVICES=$i timeout 560 "${pin[@]}" python bench/run_benchmarks.py run \
-        --suite "cpu-adam-conv-$((i + 1))" --iters 200 --out "$OUT/results-cpu-adam-conv-$((i + 1)).json" \
-        --work-dir "$WORK/conv-$i" > "$WORK/conv-$i.log" 2>&1 &
-      pids+=($!)
+      echo "GPU $i: suite cpu-adam-conv-${suites[$i]}, cores ${cpus:-all}"
+      CUDA_VISIBLE_DEVICES=$i timeout 570 "${pin[@]}" python bench/run_benchmarks.py run \
+        --suite "cpu-adam-conv-${suites[$i]}" --iters 200 \
+        --out "$OUT/results-cpu-adam-conv-${suites[$i]}.json" --work-dir "$WORK/conv-$i" \
+        > "$WORK/conv-$i.log" 2>&1 &
     done
-    wait "${pids[0]}" "${pids[1]}" || true
-    CUDA_VISIBLE_DEVICES=0,1 TEST_TIMEOUT=$(( SECONDS < 540 ? 580 - SECONDS : 40 )) \
-      gpu_tests "(resume and (cpu-adam-delayed or cpu-adam-50)) or wandb" cpu-adam-dp2
+    if [ "$1" = cpu-adam-conv-b ]; then
+      python3 -m pip install -q --no-index --find-links .gpu/wb --target /tmp/wbsite wandb || true
+      (export PYTHONPATH="${PYTHONPATH:-}:/tmp/wbsite"; TEST_TIMEOUT=560 \
+        gpu_tests "(resume and (cpu-adam-delayed or cpu-adam-50)) or wandb" cpu-adam-dp2)
+    fi
     wait; tail -n 2 "$WORK"/conv-*.log ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)
     python bench/run_benchmarks.py run --suite "$1" --iters 8 \
