@@ -162,12 +162,13 @@ case "$1" in
       --iters 8 --time-limit 400 --out "$OUT/results-options-2.json" --work-dir "$WORK/b2" \
       > "$OUT/gpu2.log" 2>&1 &
     wait; tail -n 12 "$OUT/gpu2.log" ;;
-  cpu-adam-conv-a|cpu-adam-conv-b)  # (two GPUs, side by side) delayed mode's convergence, one seed
-    # per call: its no-offload run on GPU 0, its delayed run on GPU 1, each with its GPU's share of
-    # the cores (their losses matter here, not their speed). Beside them in -b, on both GPUs: the
+  cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c)  # (two GPUs, side by side) delayed mode's
+    # convergence: -a and -b one seed each, its no-offload run on GPU 0 and its delayed run on GPU
+    # 1; -c delayed mode with weight prediction, both seeds. Each run has its GPU's share of the
+    # cores (their losses matter here, not their speed). Beside them on both GPUs, in -b: the
     # engine's resume tests on DP2 (delayed mode, 50%) and an offline W&B run (wandb from the
-    # wheels carried in .gpu/wb)
-    if [ "$1" = cpu-adam-conv-a ]; then suites=(1 3); else suites=(2 4); fi
+    # wheels carried in .gpu/wb); in -c: delayed mode's tests (resume, one step late) on DP2
+    case "$1" in cpu-adam-conv-a) suites=(1 3) ;; cpu-adam-conv-b) suites=(2 4) ;; *) suites=(5 6) ;; esac
     for i in 0 1; do
       cpus=$(python -c "from offload_runner.offload.cpu_adam import rank_cpus, cpu_ranges
 print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
@@ -182,6 +183,8 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       python3 -m pip install -q --no-index --find-links .gpu/wb --target /tmp/wbsite wandb || true
       (export PYTHONPATH="${PYTHONPATH:-}:/tmp/wbsite"; TEST_TIMEOUT=560 \
         gpu_tests "(resume and (cpu-adam-delayed or cpu-adam-50)) or wandb" cpu-adam-dp2)
+    elif [ "$1" = cpu-adam-conv-c ]; then
+      TEST_TIMEOUT=560 gpu_tests "cpu_adam_delayed or (resume and cpu-adam-delayed)" predicting-dp2
     fi
     wait; tail -n 2 "$WORK"/conv-*.log ;;
   options-1|options-2)  # every conf/offload option and fine-grained offload, each trains (GBS 4)

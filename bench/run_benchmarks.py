@@ -302,23 +302,29 @@ LONG_DELAYED_LATER = [
 
 # Delayed mode's convergence where ZeRO-Offload uses delayed updates: GBS 4 and a warmup of 20
 # iterations, delayed updates from its end (the default start), two seeds (weights and data order)
-# of delayed mode and of the no-offload baseline: the baselines' spread across seeds is the noise
-# the delayed runs are judged against (CONVERGENCE_TAIL). One case per suite: the four run side by
-# side, a GPU each (bench/device_session.sh cpu-adam-conv).
+# of the no-offload baseline and of delayed mode without and with weight prediction: the
+# baselines' spread across seeds is the noise the delayed runs are judged against
+# (CONVERGENCE_TAIL). One case per suite: they run side by side, a GPU each
+# (bench/device_session.sh cpu-adam-conv-a/-b/-c). cpu-adam-conv-3/4 ran before weight prediction
+# existed (then delayed mode without it).
 CONV = ("train.global_batch_size=4", "train.micro_batch_size=1", "scheduler.lr_warmup_iters=20")
 CONV_SEEDS = (1234, 1235)
 CONVERGENCE_TAIL = 20  # the final loss: the mean over the last iterations
+DELAYED = ("offload/optimizer=cpu_adam_delayed",)
+CONV_MODES = {
+    "no offload": (),
+    "cpu_adam_delayed": (*DELAYED, "optimizer.cpu_adam_weight_prediction=false"),
+    "cpu_adam_delayed predicting": (*DELAYED, "optimizer.cpu_adam_weight_prediction=true"),
+}
 
 
 def _conv(mode: str, seed: int) -> Case:
-    offload = () if mode == "no offload" else (f"offload/optimizer={mode}",)
-    return Case(f"conv {mode} seed {seed}", PROXY_RECIPE, (*CONV, *offload, f"train.seed={seed}"),
+    return Case(f"conv {mode} seed {seed}", PROXY_RECIPE,
+                (*CONV, *CONV_MODES[mode], f"train.seed={seed}"),
                 f"conv no offload seed {seed}")  # fmt: skip
 
 
-CONV_CASES = [
-    _conv(mode, seed) for mode in ("no offload", "cpu_adam_delayed") for seed in CONV_SEEDS
-]
+CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
 
 SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),

@@ -312,6 +312,13 @@ CASES = [
         "optimizer.cpu_adam_chunk_mb must be at least 1",
     ),
     Case(
+        "weight_prediction_needs_delayed_mode",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_weight_prediction=false"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
+         "optimizer.cpu_adam_weight_prediction=false"),
+        "optimizer.cpu_adam_weight_prediction only acts",
+    ),
+    Case(
         "auto_delayed_needs_cpu_adam",
         ("recipe=tiny", "planner.auto_delayed=true", "planner.auto_engine=hybrid"),
         ("recipe=tiny", "planner.auto_delayed=true"),

@@ -43,6 +43,7 @@ ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 PARAM_REMAINDER_BYTES = 2
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
+CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
 CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
 # Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
@@ -273,7 +274,10 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     # Adam) and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the
     # grads (8) and keeps the moments pageable (8).
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
-        pinned_per_param, on_cpu = CPU_ADAM_PINNED_BYTES, int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
+        pinned_per_param = CPU_ADAM_PINNED_BYTES + (
+            CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0
+        )
+        on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
     else:
         pinned_per_param = HDO_PINNED_BYTES
     if o.offload_optimizer_states:  # the step holds the window the states pass through
@@ -428,6 +432,16 @@ def delayed_cpu_adam(run: RunConfig) -> bool:
     )
 
 
+def predicting_weights(run: RunConfig) -> bool:
+    """Delayed mode landing extrapolated weights (optimizer.cpu_adam_weight_prediction)."""
+    return delayed_cpu_adam(run) and run.optimizer.cpu_adam_weight_prediction
+
+
+# A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
+# prediction over its time without (torch CPU ops, measured beside the fused kernel).
+WEIGHT_PREDICTION_CPU_FACTOR = 1.85
+
+
 @dataclass(frozen=True)
 class StepCost:
     """The model: CPU Adam runs at ``cpu_adam_params_per_s`` per rank (HybridDeviceOptimizer at
@@ -443,7 +457,10 @@ class StepCost:
     def cpu_rate(self, run: RunConfig) -> float:
         """Params/s of the CPU part of Adam with ``run``'s engine."""
         engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        return self.cpu_adam_params_per_s * (1 if engine else HDO_RATE_SHARE)
+        if not engine:
+            return self.cpu_adam_params_per_s * HDO_RATE_SHARE
+        slower = WEIGHT_PREDICTION_CPU_FACTOR if predicting_weights(run) else 1.0
+        return self.cpu_adam_params_per_s / slower
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)

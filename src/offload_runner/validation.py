@@ -400,6 +400,17 @@ RULES: tuple[Rule, ...] = (
         "e.g. optimizer.cpu_adam_exact_steps=100, or null for the end of the learning-rate warmup",
     ),
     Rule(
+        "weight_prediction_needs_delayed_mode",
+        lambda c, e: (
+            not c.optimizer.cpu_adam_weight_prediction
+            and not (_cpu_adam_on(c) and c.optimizer.cpu_adam_delayed_update)
+        ),
+        "optimizer.cpu_adam_weight_prediction only acts in the CPU-Adam engine's delayed mode "
+        "(exact mode lands every update before the next forward)",
+        "drop the key, or offload/optimizer=cpu_adam_delayed",
+        Level.warning,
+    ),
+    Rule(
         "auto_delayed_needs_cpu_adam",
         lambda c, e: c.planner.auto_delayed and c.planner.auto_engine != CpuOffloadEngine.cpu_adam,
         "planner.auto_delayed picks offload-runner's CPU-Adam engine in delayed mode; "

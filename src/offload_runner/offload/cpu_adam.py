@@ -40,6 +40,19 @@ share of Adam stays exact. Checkpoints are taken with the worker finished but it
 landed, so the saved masters are one update ahead of the saved bf16 weights; after a load the
 first step lands them, which resumes the uninterrupted run exactly.
 
+Weight prediction (delayed mode, ``optimizer.cpu_adam_weight_prediction``, on by default): what
+lands at step t is not the masters w_(t-1) but w_(t-1) + (w_(t-1) - w_(t-2)), the last update
+applied once more, so step t+1's forward runs on about the weights exact mode would give it
+(Adam's momentum makes consecutive updates close) instead of one update behind: the gradient that
+update t+1 applies to w_t is taken near w_t. The masters and moments stay exact DPU. The worker
+copies each block of masters aside before Adam and extrapolates after it (``lerp`` with weight 2)
+into a page-locked array the landing reads, while the block is still in the caches; after a
+checkpoint load, where w_(t-1) is gone, the guess is the last update recomputed from exp_avg,
+exp_avg_sq and the step (the learning rate of that update is kept in the param groups). The end of
+training lands the masters themselves. On a proxy at GBS 4 delayed updates without it fell behind
+no-offload training where the loss falls fastest; a toy transformer recovered exact mode's curve
+with it (docs/BENCHMARKS.md, suite cpu-adam-conv).
+
 Which parameters go to the CPU at a fraction < 1: whole parameter shards, in the order of the DDP
 buffer, which is backward-ready order (the output layer and last layers first): their gradients
 are final first, and the next forward needs them last. In delayed mode the expert part of a MoE
@@ -66,7 +79,7 @@ from dataclasses import dataclass, field
 from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
-from offload_runner.offload.host_adam import HostAdam, Piece
+from offload_runner.offload.host_adam import HostAdam, Piece, hyper
 from offload_runner.plan import (
     CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
@@ -77,6 +90,8 @@ from offload_runner.plan import (
 log = logging.getLogger("offload_runner")
 
 HOST_BYTES_PER_PARAM = CPU_ADAM_PINNED_BYTES + CPU_ADAM_PAGEABLE_BYTES  # the planner's figures
+LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last update
+GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
 RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
 HISTORY = 500  # CPU updates kept for the metrics
 
@@ -114,6 +129,7 @@ def describe(run: RunConfig) -> OffloadSummary:
     params = count_parameters(run.model).total * o.optimizer_offload_fraction
     mode = (
         f"delayed parameter update after {exact_steps(run)} exact steps"
+        + (", weight prediction" if o.cpu_adam_weight_prediction else "")
         if o.cpu_adam_delayed_update
         else "exact: each update lands before the next forward"
     )
@@ -243,6 +259,7 @@ class _Update:
     step: int
     hyper: list[dict]  # per param group: lr, weight_decay, beta1, beta2, eps
     land_in_worker: bool
+    guess: bool = False  # also extrapolate the updated masters into host_guess
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
     busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
@@ -264,6 +281,7 @@ class CpuAdam(HostAdam):
         eps: float,
         delayed: bool = False,
         exact_steps: int = 0,
+        predict: bool = False,
         threads: int | None = None,
         cpus: list[int] | None = None,
         chunk_bytes: int = 64 * 1024**2,
@@ -274,6 +292,8 @@ class CpuAdam(HostAdam):
                          order_key=order_key)  # fmt: skip
         self.delayed = delayed
         self.exact_steps = exact_steps
+        self.predict = delayed and predict
+        self._guessed = False  # host_guess holds the next weights' extrapolation
         self.threads = threads
         self._pending: _Update | None = None  # a delayed update, not landed
         self._jobs: list[concurrent.futures.Future] = []
@@ -305,6 +325,8 @@ class CpuAdam(HostAdam):
 
         self._allocate_states(pin_moments=False, what="cpu_adam")
         self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+        if self.predict:  # what delayed mode lands: the masters extrapolated by their last update
+            self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
         ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0
         self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._landings = 0
@@ -321,23 +343,32 @@ class CpuAdam(HostAdam):
         if delayed and not self._announced_delay:
             self._announced_delay = True
             log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
-                     "were exact): the CPU update of step t lands before step t+2", step,
-                     step - 1)  # fmt: skip
+                     "were exact): the CPU update of step t lands before step t+2%s", step,
+                     step - 1, ", extrapolated by its own change (weight prediction)"
+                     if self.predict else "")  # fmt: skip
         self._start_fetch()
+        if delayed and self.predict and self._unlanded and not self._guessed:
+            self._worker.submit(self._guess_from_states).result()  # after a checkpoint load
+        # Delayed mode lands the guess from the first delayed step on (the last exact update
+        # made one); masters loaded or finished without a guess land as they are.
+        guess = delayed and self._guessed
         if self._pending is not None:  # land the last update and fetch behind the worker
             previous, self._pending = self._pending, None
             for piece, done in zip(self._pieces, previous.done, strict=True):
                 done.wait()
-                self._land(piece)
+                self._land(piece, previous.guess)
                 self._fetch(piece)
             self._jobs.pop(0).result()
         else:
             for piece in self._pieces:
-                if self._unlanded:
-                    self._land(piece)
+                if self._unlanded or guess:
+                    self._land(piece, guess)
                 self._fetch(piece)
         self._unlanded = False
-        update = _Update(step, hypers, land_in_worker=not delayed,
+        # The worker extrapolates in delayed mode, and at the last exact step for the first
+        # delayed one.
+        guess_next = self.predict and step >= self.exact_steps
+        update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
                          done=[threading.Event() for _ in self._pieces])  # fmt: skip
         job = self._worker.submit(self._run_update, update)
         self._gpu_step(step, hypers)
@@ -351,6 +382,8 @@ class CpuAdam(HostAdam):
             compute.wait_stream(self._streams[1])  # the bf16 params are back
             compute.wait_stream(self._streams[0])  # the grad buffer may be zeroed
         self._end_step(step)
+        for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
+            group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
         return None
 
     def _start_fetch(self) -> None:
@@ -372,12 +405,12 @@ class CpuAdam(HostAdam):
             piece.fetched = torch.cuda.Event(blocking=True)  # the worker sleeps on it
             piece.fetched.record(self._streams[0])
 
-    def _land(self, piece: Piece) -> None:
-        """A piece's masters up and rounded into its bf16 parameters (on ``h2d``; on the CPU,
-        synchronously, without CUDA)."""
+    def _land(self, piece: Piece, guess: bool = False) -> None:
+        """A piece's masters (or, with ``guess``, their extrapolation) up and rounded into its
+        bf16 parameters (on ``h2d``; on the CPU, synchronously, without CUDA)."""
         import torch
 
-        source = self.host_master[piece.start : piece.stop]
+        source = (self.host_guess if guess else self.host_master)[piece.start : piece.stop]
         if self._streams is None:
             piece.param.copy_(source)
             return
@@ -404,13 +437,17 @@ class CpuAdam(HostAdam):
                 piece.landed.synchronize()  # the last update's masters have gone up
             t1 = time.perf_counter()
             for a, b, gi in piece.groups:
-                h = update.hyper[gi]
-                torch._fused_adamw_(
-                    [self.host_master[a:b]], [self.host_grad[a:b]], [self.host_exp_avg[a:b]],
-                    [self.host_exp_avg_sq[a:b]], [], [steps], lr=h["lr"], beta1=h["beta1"],
-                    beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"],
-                    amsgrad=False, maximize=False,
-                )  # fmt: skip
+                if not update.guess:
+                    self._adam(a, b, update.hyper[gi], steps)
+                    continue
+                # in blocks whose arrays stay in the caches between the three passes
+                for c in range(a, b, GUESS_BLOCK):
+                    d = min(c + GUESS_BLOCK, b)
+                    self.host_guess[c:d].copy_(self.host_master[c:d])
+                    self._adam(c, d, update.hyper[gi], steps)
+                    self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
+            if update.guess:
+                self._guessed = True
             t2 = time.perf_counter()
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
@@ -421,6 +458,40 @@ class CpuAdam(HostAdam):
         self.history.append(update)
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
+
+    def _adam(self, a: int, b: int, h: dict, steps) -> None:
+        """torch's fused AdamW on elements [a, b) of the host arrays."""
+        import torch
+
+        torch._fused_adamw_(
+            [self.host_master[a:b]], [self.host_grad[a:b]], [self.host_exp_avg[a:b]],
+            [self.host_exp_avg_sq[a:b]], [], [steps], lr=h["lr"], beta1=h["beta1"],
+            beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
+            maximize=False,
+        )  # fmt: skip
+
+    def _guess_from_states(self) -> None:
+        """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
+        before the last update are gone): the last update recomputed from exp_avg, exp_avg_sq,
+        the step count and the param groups' hyperparameters, added once more."""
+        step = int(self.param_groups[0].get("step", 0)) if self.param_groups else 0
+        if step < 1:
+            self.host_guess.copy_(self.host_master)
+        else:  # the learning rate of that update: the scheduler has moved the groups' since
+            hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in self.param_groups]
+            for gi, p in self.offloaded:
+                a = self._flat[id(p)]
+                self._extrapolate(a, a + p.numel(), hypers[gi], step)
+        self._guessed = True
+
+    def _extrapolate(self, a: int, b: int, h: dict, step: int) -> None:
+        """host_guess[a:b] = master - lr wd master - lr / (1 - beta1^t) m / (sqrt(v / (1 -
+        beta2^t)) + eps): torch's AdamW update of step t applied once more."""
+        guess, master = self.host_guess[a:b], self.host_master[a:b]
+        bias1, bias2 = 1 - h["beta1"] ** step, 1 - h["beta2"] ** step
+        guess.copy_(self.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
+        guess.reciprocal_().mul_(self.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
+        guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
 
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
@@ -445,10 +516,10 @@ class CpuAdam(HostAdam):
             torch.cuda.current_stream().wait_stream(self._streams[1])
 
     def _land_loaded_masters(self) -> None:
-        """Delayed mode lands the loaded masters at the next step, as the uninterrupted run
-        would."""
+        """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
+        the uninterrupted run would."""
         if self.delayed:
-            self._unlanded = True
+            self._unlanded, self._guessed = True, False
             return
         super()._land_loaded_masters()
         self._unlanded = False
@@ -515,7 +586,8 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-        delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run), threads=threads,
+        delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run),
+        predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
     ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
