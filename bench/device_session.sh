@@ -8,7 +8,10 @@ OUT=${OUT:-device-out}
 WORK=${WORK:-/tmp/offload-runner}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export OFFLOAD_RUNNER_COMMIT=${OFFLOAD_RUNNER_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The commit the results record: give it (the device's copy of .git may lag the working tree it
+# was sent, so its HEAD is not trusted), e.g. OFFLOAD_RUNNER_COMMIT=$(git rev-parse --short HEAD) here.
+: "${OFFLOAD_RUNNER_COMMIT:?set OFFLOAD_RUNNER_COMMIT to the commit whose working tree was sent}"
+export OFFLOAD_RUNNER_COMMIT
 PROXY=(--recipe qwen3_30b_a3b_proxy train.global_batch_size=4 train.micro_batch_size=1)
 bench() { python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" --work-dir "$WORK/bench"; }
 gpu_tests() {  # gpu_tests PYTEST_K NAME: the gpu-marked tests selected by -k, their verdicts to $OUT

@@ -3,11 +3,14 @@
     python bench/plots.py sweep OUT.png bench/results/results-cpu-adam-4.json \\
         bench/results/results-cpu-adam-sweep.json
     python bench/plots.py losses OUT.png bench/results/results-cpu-adam-long-*.json
+    python bench/plots.py losses OUT.png bench/results/results-cpu-adam-conv-*.json \\
+        docs/evidence/cpu-adam-conv-predicting-seed*.jsonl
 
 ``sweep``: the CPU-offload fraction sweep, slowdown against each suite's own no-offload run and
 peak GPU memory, one line per engine (HybridDeviceOptimizer + overlap, cpu_adam,
 cpu_adam_delayed) and suite (the baselines of two suites differ, see BENCHMARKS).
-``losses``: each run's per-iteration global loss, raw and as a moving average.
+``losses``: each run's per-iteration global loss, raw and as a moving average (from result files,
+or a run's metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -89,18 +92,29 @@ def moving_average(values: list[float], window: int = WINDOW) -> list[float]:
     return out
 
 
+def curves(path: Path) -> list[tuple[str, list[float]]]:
+    """(name, per-iteration losses) of a bench result file's runs, or of one run's metrics.jsonl
+    (named after the file; a run stopped early has fewer iterations)."""
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [(f"{path.stem} ({len(rows)} iterations)", [r["loss"] for r in rows])]
+    return [(r["case"]["name"], r["summary"].get("losses", []))
+            for r in json.loads(path.read_text())["results"]]  # fmt: skip
+
+
 def losses(out: str, *files: str) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for path in files:
-        for r in json.loads(Path(path).read_text())["results"]:
-            losses = r["summary"].get("losses", [])
-            x = range(1, len(losses) + 1)
-            (line,) = ax.plot(x, moving_average(losses), label=f"{r['case']['name']} "
-                              f"(mean of {WINDOW})")  # fmt: skip
-            ax.plot(x, losses, color=line.get_color(), alpha=0.2, lw=0.8)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    every = [(name, values) for path in files for name, values in curves(Path(path))]
+    for name, values in every:
+        x = range(1, len(values) + 1)
+        (line,) = ax.plot(x, moving_average(values), label=f"{name} (mean of {WINDOW})")
+        ax.plot(x, values, color=line.get_color(), alpha=0.2, lw=0.8)
+    low = min((min(v) for _, v in every if v), default=1.0)
+    if low > 0 and max(max(v) for _, v in every if v) / low > 100:
+        ax.set_yscale("log")  # losses that fall to near zero
     ax.set(xlabel="iteration", ylabel="loss", title="loss against iteration")
-    ax.legend()
+    ax.legend(fontsize=7)
     _save(fig, out)
 
 

@@ -313,9 +313,9 @@ CASES = [
     ),
     Case(
         "weight_prediction_needs_delayed_mode",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_weight_prediction=false"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_weight_prediction=true"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
-         "optimizer.cpu_adam_weight_prediction=false"),
+         "optimizer.cpu_adam_weight_prediction=true"),
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(

@@ -438,8 +438,9 @@ def predicting_weights(run: RunConfig) -> bool:
 
 
 # A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
-# prediction over its time without (torch CPU ops, measured beside the fused kernel).
-WEIGHT_PREDICTION_CPU_FACTOR = 1.85
+# prediction over its time without (`python bench/delayed_update_toy.py --cost`, in
+# docs/evidence/delayed-update-toy.txt).
+WEIGHT_PREDICTION_CPU_FACTOR = 1.84
 
 
 @dataclass(frozen=True)

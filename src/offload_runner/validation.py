@@ -402,7 +402,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "weight_prediction_needs_delayed_mode",
         lambda c, e: (
-            not c.optimizer.cpu_adam_weight_prediction
+            c.optimizer.cpu_adam_weight_prediction
             and not (_cpu_adam_on(c) and c.optimizer.cpu_adam_delayed_update)
         ),
         "optimizer.cpu_adam_weight_prediction only acts in the CPU-Adam engine's delayed mode "

@@ -258,9 +258,10 @@ class OptimizerConfig:
     cpu_adam_exact_steps: Optional[int] = None
     # Delayed mode: land the weights extrapolated by the last update (w + (w - w_prev): the next
     # update's best guess), so the forward runs on about the weights exact mode would use instead
-    # of one update behind. Costs the CPU a copy and an extrapolation per param and 4 B/param of
-    # page-locked host memory.
-    cpu_adam_weight_prediction: bool = True
+    # of one update behind. Costs the CPU a copy and an extrapolation per param (about 1.9x the
+    # CPU step) and 4 B/param of page-locked host memory; it narrows delayed mode's convergence
+    # lag (docs/BENCHMARKS.md, cpu-adam-conv).
+    cpu_adam_weight_prediction: bool = False
     # CPU threads of one rank's Adam (null: its share of the node's cores, less 2 in delayed mode
     # for the training thread and data loading)
     cpu_adam_threads: Optional[int] = None

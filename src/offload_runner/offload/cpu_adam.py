@@ -40,7 +40,7 @@ share of Adam stays exact. Checkpoints are taken with the worker finished but it
 landed, so the saved masters are one update ahead of the saved bf16 weights; after a load the
 first step lands them, which resumes the uninterrupted run exactly.
 
-Weight prediction (delayed mode, ``optimizer.cpu_adam_weight_prediction``, on by default): what
+Weight prediction (delayed mode, ``optimizer.cpu_adam_weight_prediction=true``): what
 lands at step t is not the masters w_(t-1) but w_(t-1) + (w_(t-1) - w_(t-2)), the last update
 applied once more, so step t+1's forward runs on about the weights exact mode would give it
 (Adam's momentum makes consecutive updates close) instead of one update behind: the gradient that
@@ -49,9 +49,12 @@ copies each block of masters aside before Adam and extrapolates after it (``lerp
 into a page-locked array the landing reads, while the block is still in the caches; after a
 checkpoint load, where w_(t-1) is gone, the guess is the last update recomputed from exp_avg,
 exp_avg_sq and the step (the learning rate of that update is kept in the param groups). The end of
-training lands the masters themselves. On a proxy at GBS 4 delayed updates without it fell behind
-no-offload training where the loss falls fastest; a toy transformer recovered exact mode's curve
-with it (docs/BENCHMARKS.md, suite cpu-adam-conv).
+training lands the masters themselves. The cost is the CPU's: about 1.9x the CPU step (a copy
+and an extrapolation per param beside Adam), so it suits fractions whose CPU work hides with room
+to spare. Measured (docs/BENCHMARKS.md, suite cpu-adam-conv): on the MoE proxy at GBS 4, delayed
+updates fall behind no-offload training where the loss falls fastest, and prediction roughly
+halves that lag without closing it; on a toy transformer (bench/delayed_update_toy.py) it
+recovers exact mode's curve.
 
 Which parameters go to the CPU at a fraction < 1: whole parameter shards, in the order of the DDP
 buffer, which is backward-ready order (the output layer and last layers first): their gradients
