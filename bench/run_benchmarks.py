@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -305,16 +306,34 @@ LONG_DELAYED_LATER = [
 # of the no-offload baseline and of delayed mode without and with weight prediction: the
 # baselines' spread across seeds is the noise the delayed runs are judged against
 # (CONVERGENCE_TAIL). One case per suite: they run side by side, a GPU each
-# (bench/device_session.sh cpu-adam-conv-a/-b/-c). cpu-adam-conv-3/4 ran before weight prediction
-# existed (then delayed mode without it).
+# (bench/device_session.sh cpu-adam-conv-a/-b/-c/-d). cpu-adam-conv-3/4 ran before weight
+# prediction existed (then delayed mode without it).
 CONV = ("train.global_batch_size=4", "train.micro_batch_size=1", "scheduler.lr_warmup_iters=20")
 CONV_SEEDS = (1234, 1235)
 CONVERGENCE_TAIL = 20  # the final loss: the mean over the last iterations
 DELAYED = ("offload/optimizer=cpu_adam_delayed",)
+
+
+def expert_share(recipe: str) -> float:
+    """The routed experts' share of ``recipe``'s parameters, rounded down to 1e-4: delayed mode
+    at this fraction offloads the experts (it fills them first) and keeps the dense part, the
+    router among it, exact on the GPU."""
+    from offload_runner.config.compose import compose_config, to_run_config
+    from offload_runner.model_size import count_parameters
+
+    params = count_parameters(to_run_config(compose_config([f"recipe={recipe}"])).model)
+    return math.floor(params.experts / params.total * 1e4) / 1e4
+
+
 CONV_MODES = {
     "no offload": (),
     "cpu_adam_delayed": (*DELAYED, "optimizer.cpu_adam_weight_prediction=false"),
     "cpu_adam_delayed predicting": (*DELAYED, "optimizer.cpu_adam_weight_prediction=true"),
+    # not run yet: are the stale updates of the router and the dense layers what costs?
+    "cpu_adam_delayed experts only": (
+        *DELAYED,
+        f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}",
+    ),
 }
 
 
