@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,9 @@ class Case:
     overrides: tuple[str, ...] = ()
     baseline: str = "no offload"  # the case this one is compared with
     nproc: int = 1
+    # run at the cpu_adam_hidden_fraction this earlier case of the suite reported (the engine
+    # finding the largest fraction whose CPU work hides under forward+backward)
+    hidden_fraction_of: str = ""
 
     @property
     def slug(self) -> str:
@@ -158,6 +161,10 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
         case("cpu_adam_delayed 100%", "offload/optimizer=cpu_adam_delayed", *DELAY),
         *(case(f"cpu_adam_delayed {f:.0%}", "offload/optimizer=cpu_adam_delayed", *DELAY,
                f"optimizer.optimizer_offload_fraction={f}") for f in delayed_fractions),
+        replace(case("cpu_adam_delayed at its hidden fraction",
+                     "offload/optimizer=cpu_adam_delayed", *DELAY),
+                hidden_fraction_of=f"{tag} cpu_adam_delayed 100%"),
+        case("no offload (repeat)"),  # the baseline's own spread within the suite
     ]  # fmt: skip
 
 
@@ -511,6 +518,18 @@ def _rank_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("rank*.log")))
 
 
+def at_hidden_fraction(case: Case, results: list[dict]) -> Case:
+    """``case`` at the offload fraction its ``hidden_fraction_of`` run reported, rounded down to
+    a hundredth (unchanged when that run reported none)."""
+    found = next((r["summary"].get("cpu_adam_hidden_fraction") for r in results
+                  if r["case"]["name"] == case.hidden_fraction_of), None)  # fmt: skip
+    if not found:
+        return case
+    fraction = math.floor(found * 100) / 100
+    found_fraction = f"optimizer.optimizer_offload_fraction={fraction}"
+    return replace(case, overrides=(*case.overrides, found_fraction))
+
+
 def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     command = case.command(out_dir, iters)
     began = time.perf_counter()
@@ -554,6 +573,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.time_limit and time.perf_counter() - began + longest > args.time_limit:
             print(f"{case.name}: not started, the next case would pass --time-limit", flush=True)
             continue
+        if case.hidden_fraction_of:
+            case = at_hidden_fraction(case, results)
         result = run_case(case, out_dir, args.iters)
         s = result.summary
         print(

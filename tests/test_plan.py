@@ -311,6 +311,23 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
 
 
+def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
+    """Predicting weights: 4 B/param more page-locked host memory, and the CPU step slower by
+    WEIGHT_PREDICTION_CPU_FACTOR (its copy and extrapolation)."""
+    from offload_runner.plan import WEIGHT_PREDICTION_CPU_FACTOR, StepCost
+
+    plain = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed")
+    guessing = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
+                           "optimizer.cpu_adam_weight_prediction=true")  # fmt: skip
+    params = count_parameters(plain.model).total
+    a, b = make_plan(plain).ranks[0], make_plan(guessing).ranks[0]
+    assert b.host_pinned - a.host_pinned == pytest.approx(4 * params, rel=1e-6)
+    cost = StepCost(4e9, 50.0)
+    assert cost.cpu_rate(plain) / cost.cpu_rate(guessing) == pytest.approx(
+        WEIGHT_PREDICTION_CPU_FACTOR
+    )
+
+
 def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     """planner.auto_delayed: the CPU-Adam engine in delayed mode; with forward+backward known,
     the smallest fraction that fits costs least (its copies), and the choice says how much of
