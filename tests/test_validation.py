@@ -319,6 +319,18 @@ CASES = [
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(
+        "auto_delayed_needs_auto",
+        ("recipe=tiny", "planner.auto_delayed=true"),
+        ("recipe=tiny", "planner.auto_delayed=true", "planner.auto_optimizer=true"),
+        "planner.auto_delayed only acts when offload/optimizer=auto",
+    ),
+    Case(
+        "forward_backward_time_for_delayed_mode",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "planner.forward_backward_s=0.5"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "planner.forward_backward_s=0.5"),
+        "planner.forward_backward_s only prices delayed mode",
+    ),
+    Case(
         "auto_delayed_needs_cpu_adam",
         ("recipe=tiny", "planner.auto_delayed=true", "planner.auto_engine=hybrid"),
         ("recipe=tiny", "planner.auto_delayed=true"),

@@ -411,6 +411,25 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
+        "auto_delayed_needs_auto",
+        lambda c, e: c.planner.auto_delayed and not c.planner.auto_optimizer,
+        "planner.auto_delayed only acts when offload/optimizer=auto chooses the optimizer offload",
+        "add offload/optimizer=auto, or drop planner.auto_delayed",
+        Level.warning,
+    ),
+    Rule(
+        "forward_backward_time_for_delayed_mode",
+        lambda c, e: (
+            c.planner.forward_backward_s is not None
+            and not c.planner.auto_delayed
+            and not (_cpu_adam_on(c) and c.optimizer.cpu_adam_delayed_update)
+        ),
+        "planner.forward_backward_s only prices delayed mode (its CPU update hides under "
+        "forward+backward); exact offloads and state offload do not overlap with it",
+        "drop it, or use offload/optimizer=cpu_adam_delayed (or planner.auto_delayed=true)",
+        Level.warning,
+    ),
+    Rule(
         "auto_delayed_needs_cpu_adam",
         lambda c, e: c.planner.auto_delayed and c.planner.auto_engine != CpuOffloadEngine.cpu_adam,
         "planner.auto_delayed picks offload-runner's CPU-Adam engine in delayed mode; "

@@ -52,9 +52,9 @@ exp_avg_sq and the step (the learning rate of that update is kept in the param g
 training lands the masters themselves. The cost is the CPU's: about 1.9x the CPU step (a copy
 and an extrapolation per param beside Adam), so it suits fractions whose CPU work hides with room
 to spare. Measured (docs/BENCHMARKS.md, suite cpu-adam-conv): on the MoE proxy at GBS 4, delayed
-updates fall behind no-offload training where the loss falls fastest, and prediction roughly
-halves that lag without closing it; on a toy transformer (bench/delayed_update_toy.py) it
-recovers exact mode's curve.
+updates fall behind no-offload training where the loss falls fastest, and prediction recovers
+part of that lag, not all; on a toy transformer (bench/delayed_update_toy.py) it recovers exact
+mode's curve.
 
 Which parameters go to the CPU at a fraction < 1: whole parameter shards, in the order of the DDP
 buffer, which is backward-ready order (the output layer and last layers first): their gradients
