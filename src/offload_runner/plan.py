@@ -416,6 +416,14 @@ HDO_RATE_SHARE = 0.27
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
 
 
+def param_count(n: float) -> str:
+    """3.11B, 42.5M, 900K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
 def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float) -> float:
     """The largest share of a rank's Adam shard that CPU Adam at ``params_per_s`` updates within
     one forward+backward: delayed mode hides up to this optimizer_offload_fraction."""
@@ -484,7 +492,7 @@ class StepCost:
         parts = []
         if rank.cpu_adam_params:
             cpu = rank.cpu_adam_params / self.cpu_rate(run)
-            parts.append(f"{rank.cpu_adam_params / 1e9:.2f}B params of Adam on the CPU at "
+            parts.append(f"{param_count(rank.cpu_adam_params)} params of Adam on the CPU at "
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip
             if delayed_cpu_adam(run):
                 hidden = self.hidden_fraction(run, rank)

@@ -88,6 +88,7 @@ from offload_runner.plan import (
     CPU_ADAM_PINNED_BYTES,
     GiB,
     hidden_fraction,
+    param_count,
 )
 
 log = logging.getLogger("offload_runner")
@@ -140,8 +141,8 @@ def describe(run: RunConfig) -> OffloadSummary:
         "optimizer (cpu adam)",
         group,
         True,
-        f"{o.optimizer_offload_fraction:.0%} of Adam: fp32 master + states of ~{params / 1e9:.2f}B"
-        f" params on the host, updated in {o.cpu_adam_chunk_mb} MiB pieces",
+        f"{o.optimizer_offload_fraction:.0%} of Adam: fp32 master + states of "
+        f"~{param_count(params)} params on the host, updated in {o.cpu_adam_chunk_mb} MiB pieces",
         mode,
     )
 
