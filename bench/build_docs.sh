@@ -135,7 +135,7 @@ print(f"Delayed updates reach the 0.1 level {mean(delayed) - mean(base):.0f} ite
 print("zero loss (the mock data's next-token rule is learned), but delayed mode's final loss stays")
 print("outside the baseline's spread across seeds: it is slower where the loss falls fastest. On a toy")
 print("transformer on the CPU (`python bench/delayed_update_toy.py`, docs/evidence/delayed-update-toy.txt)")
-print("one update of staleness costs little and prediction recovers exact mode's curve; on the MoE")
+print("one update of staleness costs less and prediction recovers exact mode's curve; on the MoE")
 print("proxy the staleness costs more and prediction recovers part of it. Prefer exact mode where")
 print("convergence per iteration matters; delayed mode trades it for step time.")
 PY
