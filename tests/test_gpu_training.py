@@ -9,8 +9,9 @@ the CLI, as a user runs it, in deterministic mode.
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
 - the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode), and its delayed
-  mode is exact until the warmup ends, then one step stale; both resume, and a checkpoint moves
-  between it and HybridDeviceOptimizer 100% both ways;
+  mode is exact until the warmup ends, then one step stale; both resume (delayed mode with and
+  without weight prediction), and a checkpoint moves between it and HybridDeviceOptimizer 100%
+  both ways;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
   batch split over both) on the same global batch.
 """
@@ -127,6 +128,11 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exac
         pytest.param(("offload/optimizer=cpu_50",), id="hybrid-50"),
         pytest.param(("offload/optimizer=cpu_adam",), id="cpu-adam"),
         pytest.param(("offload/optimizer=cpu_adam_delayed",), id="cpu-adam-delayed"),
+        # the first landing after the load extrapolates from Adam's state
+        pytest.param(
+            ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_weight_prediction=true"),
+            id="cpu-adam-delayed-predicting",
+        ),
         pytest.param(
             ("offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=0.5"),
             id="cpu-adam-50",
