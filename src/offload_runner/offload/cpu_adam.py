@@ -323,8 +323,9 @@ class CpuAdam(HostAdam):
     def _allocate(self) -> None:
         """In the worker, so its own threads touch the host pages first (NUMA placement): the
         masters and a gradient staging array page-locked (the copy engines read and write them),
-        the moments pageable (only the CPU touches them); a ring of two pieces of fp32 masters
-        on the GPU, rounded into the bf16 params there."""
+        the moments pageable (only the CPU touches them), with weight prediction the
+        page-locked guess the landings read; a ring of two pieces of fp32 masters on the GPU,
+        rounded into the bf16 params there."""
         import torch
 
         self._allocate_states(pin_moments=False, what="cpu_adam")
