@@ -65,21 +65,15 @@ PY
   echo "![delayed against exact, 200 iterations](evidence/cpu-adam-long.png)"
   echo
   python - <<'PY'
-import json, pathlib
-runs = {}
-for path in sorted(pathlib.Path("bench/results").glob("results-cpu-adam-long-*.json")):
-    for r in json.loads(path.read_text())["results"]:
-        runs[r["case"]["name"]] = r["summary"]["losses"]
-for name, losses in runs.items():
-    print(f"- {name}: mean loss of the last 20 iterations {sum(losses[-20:]) / 20:.3f}")
-PY
-  echo
-  python - <<'PY'
-import json, pathlib
-runs = {}
-for path in sorted(pathlib.Path("bench/results").glob("results-cpu-adam-long-*.json")):
-    for r in json.loads(path.read_text())["results"]:
-        runs[r["case"]["name"]] = sum(r["summary"]["losses"][-20:]) / 20
+import pathlib, statistics, sys
+sys.path.insert(0, "bench")
+from plots import curves
+runs = {name: statistics.fmean(losses[-20:])
+        for path in sorted(pathlib.Path("bench/results").glob("results-cpu-adam-long-*.json"))
+        for name, losses in curves(path)}
+for name, final in runs.items():
+    print(f"- {name}: mean loss of the last 20 iterations {final:.3f}")
+print()
 exact = [v for k, v in runs.items() if "delayed" not in k]
 print(f"Two runs of the same exact command end {max(exact) - min(exact):.2f} apart here (MoE routing and TE")
 print("kernels are not deterministic in these runs, and at GBS 1 the loss falls through a steep phase")
@@ -104,14 +98,12 @@ PY
   echo "![delayed updates against seeds, GBS 4](evidence/cpu-adam-conv.png)"
   echo
   python - <<'PY'
-import json, pathlib, statistics
-runs = {}
-for path in sorted(pathlib.Path("bench/results").glob("results-cpu-adam-conv-*.json")):
-    for r in json.loads(path.read_text())["results"]:
-        runs[r["case"]["name"]] = r["summary"]["losses"]
-for path in sorted(pathlib.Path("docs/evidence").glob("cpu-adam-conv-predicting-seed*.jsonl")):
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    runs["conv cpu_adam_delayed predicting seed " + path.stem[-4:]] = [r["loss"] for r in rows]
+import pathlib, statistics, sys
+sys.path.insert(0, "bench")
+from plots import curves
+files = [*sorted(pathlib.Path("bench/results").glob("results-cpu-adam-conv-*.json")),
+         *sorted(pathlib.Path("docs/evidence").glob("cpu-adam-conv-predicting-seed*.jsonl"))]
+runs = {name: losses for path in files for name, losses in curves(path)}
 
 def reached(losses, level=0.1, window=20):
     """The first iteration whose trailing 20-iteration mean is below ``level``."""

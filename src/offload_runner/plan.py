@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 
-from offload_runner.config.schema import CpuOffloadEngine, RunConfig
+from offload_runner.config.schema import CpuOffloadEngine, RunConfig, cpu_adam_delayed
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
 
 GiB = 1024**3
@@ -430,19 +430,9 @@ def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params
     return min(1.0, forward_backward_s * params_per_s / shard_params) if shard_params else 1.0
 
 
-def delayed_cpu_adam(run: RunConfig) -> bool:
-    """The CPU-Adam engine in delayed mode (its CPU update runs under the next step's compute)."""
-    o = run.optimizer
-    return (
-        o.optimizer_cpu_offload
-        and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        and o.cpu_adam_delayed_update
-    )
-
-
 def predicting_weights(run: RunConfig) -> bool:
     """Delayed mode landing extrapolated weights (optimizer.cpu_adam_weight_prediction)."""
-    return delayed_cpu_adam(run) and run.optimizer.cpu_adam_weight_prediction
+    return cpu_adam_delayed(run) and run.optimizer.cpu_adam_weight_prediction
 
 
 # A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
@@ -474,7 +464,7 @@ class StepCost:
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
-        if delayed_cpu_adam(run):
+        if cpu_adam_delayed(run):
             boundary = rank.cpu_adam_params * CPU_ADAM_COPY_BYTES / (self.host_link_gb_per_s * 1e9)
             return max(cpu - (self.forward_backward_s or 0.0), 0.0) + boundary + link
         return cpu + link
@@ -494,7 +484,7 @@ class StepCost:
             cpu = rank.cpu_adam_params / self.cpu_rate(run)
             parts.append(f"{param_count(rank.cpu_adam_params)} params of Adam on the CPU at "
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip
-            if delayed_cpu_adam(run):
+            if cpu_adam_delayed(run):
                 hidden = self.hidden_fraction(run, rank)
                 parts.append(
                     "delayed: hidden under forward+backward of "

@@ -25,6 +25,8 @@ from offload_runner.config.schema import (
     OptimizerType,
     RunConfig,
     TransformerImpl,
+    cpu_adam_delayed,
+    cpu_adam_on,
 )
 
 
@@ -81,10 +83,6 @@ def te_available() -> bool:
 
 def _cpu_adam_selected(c: RunConfig) -> bool:
     return c.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-
-
-def _cpu_adam_on(c: RunConfig) -> bool:
-    return _cpu_adam_selected(c) and c.optimizer.optimizer_cpu_offload
 
 
 def _precision_aware(c: RunConfig) -> bool:
@@ -359,21 +357,21 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_adam_needs_bf16",
-        lambda c, e: _cpu_adam_on(c) and not c.model.bf16,
+        lambda c, e: cpu_adam_on(c) and not c.model.bf16,
         "the CPU-Adam engine rounds its fp32 masters into bf16 parameters; model.bf16=false "
         "trains in fp32",
         "set model.bf16=true, or use offload/optimizer=cpu_100 (HybridDeviceOptimizer)",
     ),
     Rule(
         "cpu_adam_needs_fp32_grads",
-        lambda c, e: _cpu_adam_on(c) and not c.ddp.grad_reduce_in_fp32,
+        lambda c, e: cpu_adam_on(c) and not c.ddp.grad_reduce_in_fp32,
         "the CPU-Adam engine reads fp32 gradients from the DDP buffer "
         "(ddp.grad_reduce_in_fp32=false makes them bf16)",
         "set ddp.grad_reduce_in_fp32=true",
     ),
     Rule(
         "cpu_adam_overlap_flag_unused",
-        lambda c, e: _cpu_adam_on(c) and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
+        lambda c, e: cpu_adam_on(c) and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
         "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's: the CPU-Adam engine "
         "always overlaps its copies with the CPU step",
         "remove optimizer.overlap_cpu_optimizer_d2h_h2d",
@@ -401,10 +399,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_prediction_needs_delayed_mode",
-        lambda c, e: (
-            c.optimizer.cpu_adam_weight_prediction
-            and not (_cpu_adam_on(c) and c.optimizer.cpu_adam_delayed_update)
-        ),
+        lambda c, e: c.optimizer.cpu_adam_weight_prediction and not cpu_adam_delayed(c),
         "optimizer.cpu_adam_weight_prediction only acts in the CPU-Adam engine's delayed mode "
         "(exact mode lands every update before the next forward)",
         "drop the key, or offload/optimizer=cpu_adam_delayed",
@@ -422,7 +417,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, e: (
             c.planner.forward_backward_s is not None
             and not c.planner.auto_delayed
-            and not (_cpu_adam_on(c) and c.optimizer.cpu_adam_delayed_update)
+            and not cpu_adam_delayed(c)
         ),
         "planner.forward_backward_s only prices delayed mode (its CPU update hides under "
         "forward+backward); exact offloads and state offload do not overlap with it",

@@ -525,3 +525,14 @@ class RunConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+
+def cpu_adam_on(run: RunConfig) -> bool:
+    """offload-runner's CPU-Adam engine runs the CPU share of Adam (offload/optimizer=cpu_adam*)."""
+    o = run.optimizer
+    return o.optimizer_cpu_offload and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+
+
+def cpu_adam_delayed(run: RunConfig) -> bool:
+    """... in delayed mode: its CPU update runs under the next step's forward and backward."""
+    return cpu_adam_on(run) and run.optimizer.cpu_adam_delayed_update

@@ -79,7 +79,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from offload_runner.config.schema import CpuOffloadEngine, RunConfig
+from offload_runner.config.schema import RunConfig, cpu_adam_on
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece, hyper
@@ -103,11 +103,6 @@ HISTORY = 500  # CPU updates kept for the metrics
 DISABLED = {"optimizer.cpu_offload_engine": "hybrid", "optimizer.cpu_adam_delayed_update": False}
 
 
-def enabled(run: RunConfig) -> bool:
-    o = run.optimizer
-    return o.optimizer_cpu_offload and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-
-
 def exact_steps(run: RunConfig) -> int:
     o = run.optimizer
     return o.cpu_adam_exact_steps if o.cpu_adam_exact_steps is not None else (
@@ -120,14 +115,14 @@ def runtime_environment(run: RunConfig) -> dict[str, str]:
     core between its Adam calls and starve the training thread's kernel launches (measured: the
     proxy's forward and backward took seconds instead of 0.3). Set before torch is imported
     (torchrun's workers inherit it); a value the user exported wins."""
-    if not enabled(run) or "OMP_WAIT_POLICY" in os.environ:
+    if not cpu_adam_on(run) or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def describe(run: RunConfig) -> OffloadSummary:
     group = "offload/optimizer=cpu_adam*"
-    if not enabled(run):
+    if not cpu_adam_on(run):
         return OffloadSummary("optimizer (cpu adam)", group, False, "-")
     o = run.optimizer
     params = count_parameters(run.model).total * o.optimizer_offload_fraction
