@@ -165,15 +165,16 @@ case "$1" in
       --iters 8 --time-limit 400 --out "$OUT/results-options-2.json" --work-dir "$WORK/b2" \
       > "$OUT/gpu2.log" 2>&1 &
     wait; tail -n 12 "$OUT/gpu2.log" ;;
-  cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c|cpu-adam-conv-d)  # (two GPUs, side by side) delayed mode's
+  cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c|cpu-adam-conv-d|cpu-adam-conv-e)  # (two GPUs, side by side) delayed mode's
     # convergence: -a and -b one seed each, its no-offload run on GPU 0 and its delayed run on GPU
     # 1; -c delayed mode with weight prediction, both seeds. Each run has its GPU's share of the
     # cores (their losses matter here, not their speed). Beside them on both GPUs, in -b: the
     # engine's resume tests on DP2 (delayed mode, 50%) and an offline W&B run (wandb from the
     # wheels carried in .gpu/wb); in -c: delayed mode's tests (resume, one step late) on DP2
-    # -d: delayed updates for the routed experts only (the dense part exact on the GPU), both seeds
+    # -d: delayed updates for the routed experts only (the dense part exact on the GPU), both seeds;
+    # -e: the same with weight prediction
     case "$1" in cpu-adam-conv-a) suites=(1 3) ;; cpu-adam-conv-b) suites=(2 4) ;;
-      cpu-adam-conv-c) suites=(5 6) ;; *) suites=(7 8) ;; esac
+      cpu-adam-conv-c) suites=(5 6) ;; cpu-adam-conv-d) suites=(7 8) ;; *) suites=(9 10) ;; esac
     for i in 0 1; do
       cpus=$(python -c "from offload_runner.offload.cpu_adam import rank_cpus, cpu_ranges
 print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)

@@ -336,10 +336,15 @@ CONV_MODES = {
     "no offload": (),
     "cpu_adam_delayed": (*DELAYED, "optimizer.cpu_adam_weight_prediction=false"),
     "cpu_adam_delayed predicting": (*DELAYED, "optimizer.cpu_adam_weight_prediction=true"),
-    # not run yet: are the stale updates of the router and the dense layers what costs?
+    # the stale updates of the router and the dense layers: do they cost the iterations?
     "cpu_adam_delayed experts only": (
         *DELAYED,
         f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}",
+    ),
+    "cpu_adam_delayed experts only predicting": (
+        *DELAYED,
+        f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}",
+        "optimizer.cpu_adam_weight_prediction=true",
     ),
 }
 
