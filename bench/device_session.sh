@@ -84,8 +84,8 @@ case "$1" in
   two-gpu-cp)  # (two GPUs) tiny and a 32k-token proxy: CP2 against DP2, and CP2 with state offload
     bench two-gpu-cp ;;
   cpu-adam-1|cpu-adam-4)  # the CPU-Adam engine at GBS 1 (4) beside the baseline and HDO 100% +
-    # overlap; delayed mode at the fraction its 100% run found hidden; at GBS 4 also delayed 25%
-    # and 40%; the baseline again last (its spread within the call)
+    # overlap; delayed mode at the fraction its 100% run found hidden; the baseline again (its
+    # spread within the call); delayed mode for the routed experts only
     python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 570 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: cpu_adam, cpu_adam_delayed; HDO 50%
