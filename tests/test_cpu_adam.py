@@ -15,6 +15,7 @@ is tested here; the streams and timing are tested on the GPU (tests/test_gpu_tra
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -338,9 +339,11 @@ def test_delayed_mode_keeps_whole_cores_for_the_training_thread(
 
 def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     """summary.json's cpu_adam_hidden_fraction: at the rate the CPU step reached, the share of
-    the rank's shard that one forward+backward covers (capped at 1)."""
+    the rank's shard that one forward+backward covers (capped at 1), and no more than keeps the
+    boundary copies within planner.delayed_max_overhead of it at planner.host_link_gb_per_s."""
     from types import SimpleNamespace
 
+    from offload_runner.config.schema import PlannerConfig
     from offload_runner.offload import cpu_adam
 
     buffers = Buffers()
@@ -356,4 +359,32 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     hidden = cpu_adam.metrics(optimizer, forward_backward_s=fb)["cpu_adam_hidden_fraction"]
     assert hidden == pytest.approx(0.25)
     assert cpu_adam.metrics(optimizer, forward_backward_s=1e6)["cpu_adam_hidden_fraction"] == 1.0
+    # a link at which the copies of the whole shard take 20x the overhead allowed: 0.125
+    planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1)
+    found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=planner)
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
     eng.close()
+
+
+def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
+    """The worker is handed the update before the copies are enqueued; when enqueueing fails,
+    the error reaches the caller and the worker gives the update up (close() returns)."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0)
+    drive(eng, buffers, 1)
+    fetch, calls = eng._fetch, []
+
+    def failing_fetch(piece) -> None:
+        calls.append(piece)
+        if len(calls) == 2:
+            raise RuntimeError("copy failed")
+        fetch(piece)
+
+    eng._fetch = failing_fetch
+    with pytest.raises(RuntimeError, match="copy failed"):
+        drive(eng, buffers, 2)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert len(eng.history) == 1  # the given-up update is not counted

@@ -4,6 +4,7 @@ and its error against the measured peaks in bench/results (the calibration)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -299,9 +300,12 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     blind = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     assert blind.seconds(run, rank) == pytest.approx(cpu + copies)
     assert blind.hidden_fraction(run, rank) is None
-    short = StepCost(4e9, 50.0, forward_backward_s=cpu / 2)
+    short = StepCost(4e9, 50.0, forward_backward_s=cpu / 2, delayed_max_overhead=1e9)
     assert short.seconds(run, rank) == pytest.approx(cpu / 2 + copies)
-    assert short.hidden_fraction(run, rank) == pytest.approx(0.25)
+    assert short.hidden_fraction(run, rank) == pytest.approx(0.25)  # the CPU's limit
+    # the copies' limit: at 10% of forward+backward, 4 B/param at 50 GB/s of the whole shard
+    tight = replace(short, delayed_max_overhead=0.1)
+    assert tight.hidden_fraction(run, rank) == pytest.approx(0.1 * (cpu / 2) / (2 * params * 8e-11))
     long = StepCost(4e9, 50.0, forward_backward_s=10 * cpu)
     assert long.seconds(run, rank) == pytest.approx(copies)
     assert long.hidden_fraction(run, rank) == 1.0
@@ -309,6 +313,7 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
                         "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
     assert long.seconds(exact, make_plan(exact).ranks[0]) == pytest.approx(cpu)
     assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
+    assert hidden_fraction(2.0, 1e9, 4e9, copy_s_per_param=1e-9, max_overhead=0.5) == 0.25
 
 
 def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
@@ -343,7 +348,9 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     assert choice.description.startswith(
         "offload/optimizer=cpu_adam_delayed optimizer.optimizer_offload_fraction=0.5"
     )
-    assert "up to a fraction of 0.71" in choice.description
+    # its CPU Adam would hide up to 0.6 s x 3.7e9 / 3.11B = 0.71; its copies (4 B/param at 50.8
+    # GB/s) within 10% of 0.6 s up to 0.24
+    assert "up to a fraction of 0.24 (boundary copies within 10% of it)" in choice.description
 
 
 def test_plan_prints_the_predicted_step_cost(capsys) -> None:

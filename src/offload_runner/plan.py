@@ -424,10 +424,23 @@ def param_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float) -> float:
-    """The largest share of a rank's Adam shard that CPU Adam at ``params_per_s`` updates within
-    one forward+backward: delayed mode hides up to this optimizer_offload_fraction."""
-    return min(1.0, forward_backward_s * params_per_s / shard_params) if shard_params else 1.0
+def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float,
+                    copy_s_per_param: float = 0.0, max_overhead: float = 1.0) -> float:  # fmt: skip
+    """The largest optimizer_offload_fraction of a rank's Adam shard (``shard_params``) that
+    delayed mode hides: CPU Adam at ``params_per_s`` finishes within one forward+backward, and
+    the copies at the step boundary, which nothing hides (``copy_s_per_param``, each way at
+    once), add at most ``max_overhead`` of forward+backward to the step."""
+    if not shard_params:
+        return 1.0
+    cpu = forward_backward_s * params_per_s / shard_params
+    copies = (max_overhead * forward_backward_s / (copy_s_per_param * shard_params)
+              if copy_s_per_param else 1.0)  # fmt: skip
+    return min(1.0, cpu, copies)
+
+
+def copy_seconds_per_param(host_link_gb_per_s: float) -> float:
+    """Delayed mode's boundary copies per offloaded param (CPU_ADAM_COPY_BYTES each way at once)."""
+    return CPU_ADAM_COPY_BYTES / (host_link_gb_per_s * 1e9)
 
 
 def predicting_weights(run: RunConfig) -> bool:
@@ -452,6 +465,7 @@ class StepCost:
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float
     forward_backward_s: float | None = None
+    delayed_max_overhead: float = 0.1  # planner.delayed_max_overhead
 
     def cpu_rate(self, run: RunConfig) -> float:
         """Params/s of the CPU part of Adam with ``run``'s engine."""
@@ -465,18 +479,21 @@ class StepCost:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
         if cpu_adam_delayed(run):
-            boundary = rank.cpu_adam_params * CPU_ADAM_COPY_BYTES / (self.host_link_gb_per_s * 1e9)
+            boundary = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
             return max(cpu - (self.forward_backward_s or 0.0), 0.0) + boundary + link
         return cpu + link
 
     def hidden_fraction(self, run: RunConfig, rank: RankPlan) -> float | None:
         """Delayed mode: the largest optimizer_offload_fraction whose CPU Adam fits under
-        forward_backward_s (None when that is unknown or nothing is on the CPU)."""
+        forward_backward_s and whose boundary copies add at most delayed_max_overhead of it
+        (None when that is unknown or nothing is on the CPU)."""
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
         return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
-                               rank.cpu_adam_params / fraction)  # fmt: skip
+                               rank.cpu_adam_params / fraction,
+                               copy_seconds_per_param(self.host_link_gb_per_s),
+                               self.delayed_max_overhead)  # fmt: skip
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
@@ -488,7 +505,8 @@ class StepCost:
                 hidden = self.hidden_fraction(run, rank)
                 parts.append(
                     "delayed: hidden under forward+backward of "
-                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f}, "
+                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
+                    f"(boundary copies within {self.delayed_max_overhead:.0%} of it), "
                     if hidden is not None
                     else "delayed: not counted as hidden (set planner.forward_backward_s), "
                 )
@@ -507,7 +525,8 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     rate = run.planner.cpu_adam_params_per_s or _measured_rate(
         len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
     )
-    return StepCost(rate, run.planner.host_link_gb_per_s, run.planner.forward_backward_s)
+    p = run.planner
+    return StepCost(rate, p.host_link_gb_per_s, p.forward_backward_s, p.delayed_max_overhead)
 
 
 def cost_note(run: RunConfig, plan: Plan) -> str | None:

@@ -289,9 +289,9 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
     extra.update(startup.gathered(peak_so_far))
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
-    found = cpu_adam.metrics(optimizer, forward_backward_s)
+    found = cpu_adam.metrics(optimizer, forward_backward_s, run.planner)
     if is_writer:
-        cpu_adam.report_hidden_fraction(found, forward_backward_s)
+        cpu_adam.report_hidden_fraction(found, forward_backward_s, run.planner)
     extra.update(found)
     extra.update(optimizer_states.metrics(optimizer))
     summary = reporter.write_summary(extra)

@@ -999,6 +999,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("planner", "host_link_gb_per_s"): (0.001, None),
     ("planner", "cpu_adam_params_per_s"): (1, None),
     ("planner", "forward_backward_s"): (0, None),
+    ("planner", "delayed_max_overhead"): (0, None),
     ("verify", "iters"): (1, None),
     ("verify", "loss_tolerance"): (0, None),
 }

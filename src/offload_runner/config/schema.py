@@ -473,6 +473,9 @@ class PlannerConfig:
     # Adam hides under it (null: counted as not hidden). A cpu_adam run's summary.json gives
     # cpu_adam_hidden_fraction, the largest fraction that hid under its own.
     forward_backward_s: Optional[float] = None
+    # Delayed mode's copies at the step boundary (4 B/param each way) hide under nothing: the
+    # hidden fraction keeps them within this share of forward+backward.
+    delayed_max_overhead: float = 0.1
 
 
 @dataclass

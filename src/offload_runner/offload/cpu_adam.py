@@ -35,10 +35,13 @@ Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous 
 piece as the worker finishes each (its masters go up while this step's gradients of the same
 piece go down, both directions at once), hands this step's update to the worker and returns: the
 worker runs during the next forward and backward, and its result lands at the next ``step()``: the
-forward of step t+1 sees the update of step t-1. The GPU
-share of Adam stays exact. Checkpoints are taken with the worker finished but its result not
-landed, so the saved masters are one update ahead of the saved bf16 weights; after a load the
-first step lands them, which resumes the uninterrupted run exactly.
+forward of step t+1 sees the update of step t-1. The GPU share of Adam stays exact. What delayed
+mode does not hide is the step boundary: this step's gradients must be down before the grad
+buffer is zeroed and the last update up before the next forward (4 B/param each way, both at
+once), so the fraction it hides (``cpu_adam_hidden_fraction``) keeps those copies within
+``planner.delayed_max_overhead``. Checkpoints are taken with the worker finished but its result
+not landed, so the saved masters are one update ahead of the saved bf16 weights; after a load
+the first step lands them, which resumes the uninterrupted run exactly.
 
 Weight prediction (delayed mode, ``optimizer.cpu_adam_weight_prediction=true``): what
 lands at step t is not the masters w_(t-1) but w_(t-1) + (w_(t-1) - w_(t-2)), the last update
@@ -87,6 +90,7 @@ from offload_runner.plan import (
     CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
     GiB,
+    copy_seconds_per_param,
     hidden_fraction,
     param_count,
 )
@@ -259,7 +263,10 @@ class _Update:
     hyper: list[dict]  # per param group: lr, weight_decay, beta1, beta2, eps
     land_in_worker: bool
     guess: bool = False  # also extrapolate the updated masters into host_guess
+    # threading.Event per piece: its gradients' copy (and any landing before it) is enqueued
+    ready: list = field(default_factory=list)
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
+    cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
     wall_s: float = 0.0
@@ -299,6 +306,7 @@ class CpuAdam(HostAdam):
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self.history: list[_Update] = []
+        self._land_lock = threading.Lock()  # the GPU ring: the worker and step() both land
         self._worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="cpu-adam", initializer=self._init_worker, initargs=(cpus,)
         )
@@ -352,25 +360,35 @@ class CpuAdam(HostAdam):
         # Delayed mode lands the guess from the first delayed step on (the last exact update
         # made one); masters loaded or finished without a guess land as they are.
         guess = delayed and self._guessed
-        if self._pending is not None:  # land the last update and fetch behind the worker
-            previous, self._pending = self._pending, None
-            for piece, done in zip(self._pieces, previous.done, strict=True):
-                done.wait()
-                self._land(piece, previous.guess)
-                self._fetch(piece)
-            self._jobs.pop(0).result()
-        else:
-            for piece in self._pieces:
-                if self._unlanded or guess:
-                    self._land(piece, guess)
-                self._fetch(piece)
-        self._unlanded = False
         # The worker extrapolates in delayed mode, and at the last exact step for the first
-        # delayed one.
+        # delayed one. It is handed the update first and takes each piece as soon as its copy
+        # is enqueued (enqueueing hundreds of copies takes the training thread a while).
         guess_next = self.predict and step >= self.exact_steps
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
+                         ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces])  # fmt: skip
         job = self._worker.submit(self._run_update, update)
+        try:
+            if self._pending is not None:  # land the last update and fetch behind the worker
+                previous, self._pending = self._pending, None
+                for i, (piece, done) in enumerate(zip(self._pieces, previous.done, strict=True)):
+                    done.wait()
+                    self._land(piece, previous.guess)
+                    self._fetch(piece)
+                    update.ready[i].set()
+                self._jobs.pop(0).result()
+            else:
+                for i, piece in enumerate(self._pieces):
+                    if self._unlanded or guess:
+                        self._land(piece, guess)
+                    self._fetch(piece)
+                    update.ready[i].set()
+        except BaseException:
+            update.cancelled = True
+            for ready in update.ready:
+                ready.set()
+            raise
+        self._unlanded = False
         self._gpu_step(step, hypers)
         if delayed:
             self._pending = update
@@ -414,9 +432,9 @@ class CpuAdam(HostAdam):
         if self._streams is None:
             piece.param.copy_(source)
             return
-        ring = self._ring[self._landings % 2][: piece.numel]
-        self._landings += 1
-        with torch.cuda.stream(self._streams[1]):  # ring reuse is ordered on this stream
+        with self._land_lock, torch.cuda.stream(self._streams[1]):  # ring reuse: this stream
+            ring = self._ring[self._landings % 2][: piece.numel]
+            self._landings += 1
             ring.copy_(source, non_blocking=True)
             piece.param.copy_(ring)
             piece.landed = torch.cuda.Event(blocking=True)
@@ -429,8 +447,11 @@ class CpuAdam(HostAdam):
 
         began = time.perf_counter()
         steps = torch.tensor(float(update.step))
-        for piece, done in zip(self._pieces, update.done, strict=True):
+        for piece, ready, done in zip(self._pieces, update.ready, update.done, strict=True):
             t0 = time.perf_counter()
+            ready.wait()
+            if update.cancelled:
+                return
             if piece.fetched is not None:
                 piece.fetched.synchronize()
             if piece.landed is not None:
@@ -608,10 +629,12 @@ def cpu_ranges(cpus: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans) or "?"
 
 
-def metrics(optimizer, forward_backward_s: float | None = None) -> dict:
+def metrics(optimizer, forward_backward_s: float | None = None, planner=None) -> dict:
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
     of a rank, the mode, and (given the run's median forward+backward) the largest offload
-    fraction whose CPU Adam hides under it in delayed mode, at this run's rate."""
+    fraction delayed mode hides at this run's rate: its CPU Adam under forward+backward, its
+    boundary copies within ``planner.delayed_max_overhead`` of it at
+    ``planner.host_link_gb_per_s`` (a PlannerConfig; None: copies not counted)."""
     built = engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
@@ -620,12 +643,15 @@ def metrics(optimizer, forward_backward_s: float | None = None) -> dict:
     params = sum(m["cpu_offloaded_params"] for m in found)
     rate = params / busy if busy else None
     shard = sum(e.shard_numel for e in built)
+    hidden = None
+    if forward_backward_s and rate:
+        copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
+        overhead = planner.delayed_max_overhead if planner else 1.0
+        hidden = hidden_fraction(forward_backward_s, rate, shard, copies, overhead)
     return {
         "cpu_offloaded_params": params,
         "cpu_adam_params_per_s": rate,
-        "cpu_adam_hidden_fraction": hidden_fraction(forward_backward_s, rate, shard)
-        if forward_backward_s and rate
-        else None,
+        "cpu_adam_hidden_fraction": hidden,
         "cpu_adam_busy_s_median": busy,
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),
         "cpu_adam_wait_s_median": sum(m["cpu_adam_wait_s_median"] for m in found),
@@ -636,14 +662,17 @@ def metrics(optimizer, forward_backward_s: float | None = None) -> dict:
     }
 
 
-def report_hidden_fraction(found: dict, forward_backward_s: float | None) -> None:
-    """The log's last word on the CPU-Adam engine: what hides under forward+backward."""
+def report_hidden_fraction(found: dict, forward_backward_s: float | None, planner) -> None:
+    """The log's last word on the CPU-Adam engine: what delayed mode hides (``planner``: the
+    run's PlannerConfig, whose link and overhead the fraction used)."""
     fraction = found.get("cpu_adam_hidden_fraction")
     if fraction is None or not forward_backward_s:
         return
     log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s: "
-             "delayed mode hides the CPU update up to optimizer.optimizer_offload_fraction=%.2f "
-             "(planner.forward_backward_s=%.2f lets --plan and offload/optimizer=auto use this)",
+             "delayed mode hides the CPU update, with its boundary copies within %.0f%% of "
+             "forward+backward (planner.delayed_max_overhead), up to "
+             "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f lets "
+             "--plan and offload/optimizer=auto use this)",
              found["cpu_offloaded_params"] / 1e9, found["cpu_adam_params_per_s"] / 1e9,
-             found["cpu_adam_busy_s_median"], forward_backward_s, fraction,
-             forward_backward_s)  # fmt: skip
+             found["cpu_adam_busy_s_median"], forward_backward_s,
+             100 * planner.delayed_max_overhead, fraction, forward_backward_s)  # fmt: skip
