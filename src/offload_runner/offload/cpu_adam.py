@@ -63,7 +63,9 @@ Which parameters go to the CPU at a fraction < 1: whole parameter shards, in the
 buffer, which is backward-ready order (the output layer and last layers first): their gradients
 are final first, and the next forward needs them last. In delayed mode the expert part of a MoE
 model is offloaded before the dense part: routed experts see a fraction of the tokens each step,
-so one step of staleness costs them least.
+so one step of staleness costs them least (measured on the proxy, suite cpu-adam-conv in
+docs/BENCHMARKS.md: delayed updates of the experts alone ended within the seeds' noise, of every
+parameter outside it; ``attach`` warns when the fraction reaches past the experts).
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
 each way against 50 GB/s); delayed step = max(GPU step + copy time not hidden,
@@ -76,6 +78,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import statistics
 import threading
@@ -594,14 +597,37 @@ def part_fractions(sizes: list[int], experts: list[bool], fraction: float,
     return fractions
 
 
+def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float,
+                          delayed: bool) -> str | None:  # fmt: skip
+    """Delayed mode reaching past a MoE rank's routed experts into its dense part and router:
+    what that cost on the proxy, and the fraction that keeps them exact (None: nothing to say)."""
+    total = sum(sizes)
+    share = sum(n for n, e in zip(sizes, experts, strict=True) if e) / total if total else 0.0
+    if not (delayed and share) or fraction <= share:
+        return None
+    keep = math.floor(share * 1e4) / 1e4
+    return (
+        f"cpu_adam: delayed updates at optimizer.optimizer_offload_fraction={fraction:g} reach "
+        f"past the routed experts ({share:.4f} of this rank's shard) into the dense layers "
+        "and the router, whose stale updates slowed convergence beyond the seeds' noise on "
+        "the Qwen3-30B-A3B proxy where the experts' alone did not (docs/BENCHMARKS.md); "
+        f"optimizer.optimizer_offload_fraction={keep} keeps them exact on the GPU"
+    )
+
+
 def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1) -> list[CpuAdam]:
     """Make a CpuAdam the inner optimizer of every DistributedOptimizer of ``optimizer`` (built on
     Megatron-Core's precision-aware path, so no fp32 masters were allocated on the GPU)."""
     o = run.optimizer
     parts = host_adam.inner_parts(optimizer)
     sizes = [sum(q.numel() for g in p.optimizer.param_groups for q in g["params"]) for p in parts]
-    fractions = part_fractions(sizes, [_is_expert_part(p) for p in parts],
-                               o.optimizer_offload_fraction, o.cpu_adam_delayed_update)  # fmt: skip
+    experts = [_is_expert_part(p) for p in parts]
+    fractions = part_fractions(sizes, experts, o.optimizer_offload_fraction,
+                               o.cpu_adam_delayed_update)  # fmt: skip
+    warning = delayed_dense_warning(sizes, experts, o.optimizer_offload_fraction,
+                                    o.cpu_adam_delayed_update)  # fmt: skip
+    if warning:
+        log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
