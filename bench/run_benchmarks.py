@@ -363,6 +363,9 @@ CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
 SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
+    # GBS 1's exact-mode bars again after the worker began taking pieces as their copies are
+    # enqueued (fbf5d14): the baseline, HDO 100% and cpu_adam 100% of cpu-adam-1
+    "cpu-adam-1-exact": _cpu_adam_cases(1)[:3],
     # The fractions below 100% (100% is in cpu-adam-4); HybridDeviceOptimizer at 50% as its
     # anchor in the same suite (its whole sweep: docs/evidence/sweep.md).
     "cpu-adam-sweep": _fraction_sweep(4, (0.25, 0.5, 0.75), (0.5,)),
