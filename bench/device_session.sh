@@ -88,8 +88,9 @@ case "$1" in
     # spread within the call); delayed mode for the routed experts only
     python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 570 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
-  cpu-adam-1-exact)  # cpu-adam-1's baseline, HDO 100% + overlap and cpu_adam 100% (12 iterations)
-    python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 250 \
+  cpu-adam-1-exact-1|cpu-adam-1-exact-2)  # cpu-adam-1's baseline and HDO 100% + overlap (-1),
+    # cpu_adam 100% (-2), 12 iterations: one table from two calls on the same machine
+    python bench/run_benchmarks.py run --suite "$1" --iters 12 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   cpu-adam-sweep)  # offload fraction 0.25 ... 0.75: cpu_adam, cpu_adam_delayed; HDO 50%
     python bench/run_benchmarks.py run --suite cpu-adam-sweep --iters 8 \

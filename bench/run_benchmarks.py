@@ -364,8 +364,10 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again after the worker began taking pieces as their copies are
-    # enqueued (fbf5d14): the baseline, HDO 100% and cpu_adam 100% of cpu-adam-1
-    "cpu-adam-1-exact": _cpu_adam_cases(1)[:3],
+    # enqueued (fbf5d14): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), two
+    # calls on one machine
+    "cpu-adam-1-exact-1": _cpu_adam_cases(1)[:2],
+    "cpu-adam-1-exact-2": _cpu_adam_cases(1)[2:3],
     # The fractions below 100% (100% is in cpu-adam-4); HybridDeviceOptimizer at 50% as its
     # anchor in the same suite (its whole sweep: docs/evidence/sweep.md).
     "cpu-adam-sweep": _fraction_sweep(4, (0.25, 0.5, 0.75), (0.5,)),

@@ -21,7 +21,8 @@ One step, exact mode (Megatron-Core calls ``step()`` after the norm and clipping
 2. a CPU worker thread takes the pieces in order as their copies complete and runs
    ``torch._fused_adamw_`` on each (with the lr, weight decay and step captured when ``step()``
    was called);
-3. each finished piece's fp32 masters go up on the side stream ``h2d`` into a small GPU ring
+3. each finished piece's fp32 masters go up (enqueued by a landing thread, so the worker goes
+   straight on to the next piece) on the side stream ``h2d`` into a small GPU ring
    buffer and are rounded to bf16 into the parameter buffer there (the same round-to-nearest-even
    as on the CPU, but the CPU spends its memory bandwidth on Adam alone; the link carries 4 B/param
    up instead of 2, and it is idle otherwise);
@@ -314,6 +315,12 @@ class CpuAdam(HostAdam):
             1, thread_name_prefix="cpu-adam", initializer=self._init_worker, initargs=(cpus,)
         )
         self._worker.submit(self._allocate).result()
+        # Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
+        # (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
+        # enqueues them while the worker runs Adam on the next piece.
+        self._lander = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="cpu-adam-land", initializer=self._init_lander
+        )
 
     # -- memory ----------------------------------------------------------------------------
     def _init_worker(self, cpus: list[int] | None) -> None:
@@ -324,6 +331,12 @@ class CpuAdam(HostAdam):
         if self.threads:
             torch.set_num_threads(self.threads)
         if self.on_cuda:
+            torch.cuda.set_device(self.device)
+
+    def _init_lander(self) -> None:
+        if self.on_cuda:
+            import torch
+
             torch.cuda.set_device(self.device)
 
     def _allocate(self) -> None:
@@ -450,6 +463,7 @@ class CpuAdam(HostAdam):
 
         began = time.perf_counter()
         steps = torch.tensor(float(update.step))
+        landings: list[concurrent.futures.Future] = []
         for piece, ready, done in zip(self._pieces, update.ready, update.done, strict=True):
             t0 = time.perf_counter()
             ready.wait()
@@ -476,8 +490,10 @@ class CpuAdam(HostAdam):
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
             if update.land_in_worker:
-                self._land(piece)
+                landings.append(self._lander.submit(self._land, piece))
             done.set()
+        for landing in landings:  # enqueued (and errors raised) before step() waits on them
+            landing.result()
         update.wall_s = time.perf_counter() - began
         self.history.append(update)
         if len(self.history) > 2 * HISTORY:
@@ -551,6 +567,7 @@ class CpuAdam(HostAdam):
     def close(self) -> None:
         self.finish()
         self._worker.shutdown(wait=True)
+        self._lander.shutdown(wait=True)
         self._arenas.release()
 
     # -- what the run reports ------------------------------------------------------------------
