@@ -167,7 +167,7 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
         case("no offload (repeat)"),  # the baseline's own spread within the suite
         # the placement whose convergence stays within the seeds' noise (cpu-adam-conv-7/8)
         case("cpu_adam_delayed experts only", "offload/optimizer=cpu_adam_delayed", *DELAY,
-             f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}"),
+             EXPERTS_ONLY),
     ]  # fmt: skip
 
 
@@ -335,18 +335,18 @@ def expert_share(recipe: str) -> float:
     return math.floor(params.experts / params.total * 1e4) / 1e4
 
 
+# Delayed mode for the proxy's routed experts alone (composed once: a Hydra composition each)
+EXPERTS_ONLY = f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}"
+
 CONV_MODES = {
     "no offload": (),
     "cpu_adam_delayed": (*DELAYED, "optimizer.cpu_adam_weight_prediction=false"),
     "cpu_adam_delayed predicting": (*DELAYED, "optimizer.cpu_adam_weight_prediction=true"),
     # the stale updates of the router and the dense layers: do they cost the iterations?
-    "cpu_adam_delayed experts only": (
-        *DELAYED,
-        f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}",
-    ),
+    "cpu_adam_delayed experts only": (*DELAYED, EXPERTS_ONLY),
     "cpu_adam_delayed experts only predicting": (
         *DELAYED,
-        f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}",
+        EXPERTS_ONLY,
         "optimizer.cpu_adam_weight_prediction=true",
     ),
 }

@@ -522,10 +522,10 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     measured on this machine with the cores the engine gives one rank (once per process)."""
     from offload_runner.offload.cpu_adam import rank_cpus, worker_cpus
 
-    rate = run.planner.cpu_adam_params_per_s or _measured_rate(
+    p = run.planner
+    rate = p.cpu_adam_params_per_s or _measured_rate(
         len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
     )
-    p = run.planner
     return StepCost(rate, p.host_link_gb_per_s, p.forward_backward_s, p.delayed_max_overhead)
 
 

@@ -319,7 +319,7 @@ class CpuAdam(HostAdam):
         # (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
         # enqueues them while the worker runs Adam on the next piece.
         self._lander = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="cpu-adam-land", initializer=self._init_lander
+            1, thread_name_prefix="cpu-adam-land", initializer=self._use_device
         )
 
     # -- memory ----------------------------------------------------------------------------
@@ -330,10 +330,10 @@ class CpuAdam(HostAdam):
             os.sched_setaffinity(0, cpus)  # this thread; its OpenMP team inherits the mask
         if self.threads:
             torch.set_num_threads(self.threads)
-        if self.on_cuda:
-            torch.cuda.set_device(self.device)
+        self._use_device()
 
-    def _init_lander(self) -> None:
+    def _use_device(self) -> None:
+        """This thread's CUDA calls go to the engine's GPU."""
         if self.on_cuda:
             import torch
 
@@ -384,21 +384,18 @@ class CpuAdam(HostAdam):
                          ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces])  # fmt: skip
         job = self._worker.submit(self._run_update, update)
+        previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
         try:
-            if self._pending is not None:  # land the last update and fetch behind the worker
-                previous, self._pending = self._pending, None
-                for i, (piece, done) in enumerate(zip(self._pieces, previous.done, strict=True)):
-                    done.wait()
+            for i, piece in enumerate(self._pieces):
+                if previous is not None:  # as the worker finishes it, fetching behind it
+                    previous.done[i].wait()
                     self._land(piece, previous.guess)
-                    self._fetch(piece)
-                    update.ready[i].set()
+                elif self._unlanded or guess:
+                    self._land(piece, guess)
+                self._fetch(piece)
+                update.ready[i].set()
+            if previous is not None:
                 self._jobs.pop(0).result()
-            else:
-                for i, piece in enumerate(self._pieces):
-                    if self._unlanded or guess:
-                        self._land(piece, guess)
-                    self._fetch(piece)
-                    update.ready[i].set()
         except BaseException:
             update.cancelled = True
             for ready in update.ready:
