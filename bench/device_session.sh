@@ -103,6 +103,10 @@ case "$1" in
   cpu-adam-long)  # 200 iterations, delayed against exact
     python bench/run_benchmarks.py run --suite cpu-adam-long --iters 200 \
       --out "$OUT/results-cpu-adam-long.json" --work-dir "$WORK/bench" ;;
+  adam-parity)  # Adam's kernels against each other on the tiny recipe (GPU: torch, TE; CPU: the
+    # engine both ways, HDO), then the engine's exact-mode gpu tests (dense and MoE)
+    bench adam-parity
+    gpu_tests "cpu_adam_matches or cpu_adam_moe" cpu-adam-exact ;;
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;

@@ -360,7 +360,26 @@ def _conv(mode: str, seed: int) -> Case:
 
 CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
 
+# Adam's kernels against each other on the tiny recipe, deterministic, 20 iterations: torch's fused
+# AdamW on the GPU (the engine with nothing offloaded: the suite's reference), Transformer
+# Engine's FusedAdam on the GPU (no offload), torch's fused AdamW on the CPU (the engine, landing
+# during the forward and within the step; HybridDeviceOptimizer). How far last-bit differences
+# between correct kernels part the losses is the floor for any Adam's loss parity.
+TINY_DET = ("model.deterministic_mode=true",)
+GPU_FUSED_ADAMW = "torch fused AdamW on the GPU"
+ADAM_PARITY = [
+    Case(GPU_FUSED_ADAMW, "tiny", (*TINY_DET, "offload/optimizer=cpu_adam",
+                                   "optimizer.optimizer_offload_fraction=1e-6"), GPU_FUSED_ADAMW),
+    Case("TE FusedAdam on the GPU (no offload)", "tiny", TINY_DET, GPU_FUSED_ADAMW),
+    Case("cpu_adam 100%", "tiny", (*TINY_DET, "offload/optimizer=cpu_adam"), GPU_FUSED_ADAMW),
+    Case("cpu_adam 100%, landing within the step", "tiny",
+         (*TINY_DET, "offload/optimizer=cpu_adam", "optimizer.cpu_adam_land_during_forward=false"),
+         GPU_FUSED_ADAMW),
+    Case("HDO 100% + overlap", "tiny", (*TINY_DET, "offload/optimizer=cpu_100"), GPU_FUSED_ADAMW),
+]  # fmt: skip
+
 SUITES: dict[str, list[Case]] = {
+    "adam-parity": ADAM_PARITY,
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again after the worker began taking pieces as their copies are

@@ -70,9 +70,9 @@ def lr_at(step: int) -> float:
     return 1e-3 * (0.5 + 0.5 * step / STEPS)  # a changing learning rate
 
 
-def engine(buffers: Buffers, fraction: float, **kwargs) -> CpuAdam:
-    return CpuAdam(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
-                   betas=BETAS, eps=EPS, chunk_bytes=4 * 1500, **kwargs)  # fmt: skip
+def engine(buffers: Buffers, fraction: float, kind: type = CpuAdam, **kwargs) -> CpuAdam:
+    return kind(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
+                betas=BETAS, eps=EPS, chunk_bytes=4 * 1500, **kwargs)  # fmt: skip
 
 
 class Reference:
@@ -388,6 +388,103 @@ def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
     closer.join(timeout=10)
     assert not closer.is_alive()
     assert len(eng.history) == 1  # the given-up update is not counted
+
+
+class Layer(torch.nn.Module):
+    """A module whose weight is one of the buffer's views (as Megatron-Core's DDP lays out the
+    parameters); its forward reads the weight."""
+
+    def __init__(self, view: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(view, requires_grad=False)  # shares the buffer
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.detach().clone()
+
+
+def model_of(buffers: Buffers) -> torch.nn.Sequential:
+    """Forward order is the buffer's reverse (DDP lays parameters out in backward order)."""
+    return torch.nn.Sequential(*[Layer(v) for v in reversed(buffers.views)])
+
+
+def test_landing_during_the_forward_gives_each_module_its_exact_update() -> None:
+    """Exact mode landing during the forward: step() returns with the update on the CPU; each
+    module's forward sees its parameters updated exactly as torch's fused AdamW updates them."""
+    buffers = Buffers()
+    eng, ref = engine(buffers, 1.0, land_during_forward=True), Reference(buffers)
+    model = model_of(buffers)
+    eng.watch([model])
+    for step in range(1, 6):
+        ref.step(step, drive(eng, buffers, step))
+        seen = [layer() for layer in model]  # the next forward
+        assert eng._inflight is None  # it waited for every piece
+        rounded = [m.to(torch.bfloat16) for m in reversed(masters(eng, buffers))]
+        assert all(torch.equal(a, b) for a, b in zip(seen, rounded, strict=True))
+        assert_matches(masters(eng, buffers), ref.params, step)
+    assert [p.start for p in eng._pieces] == sorted((p.start for p in eng._pieces), reverse=True)
+    eng.close()
+
+
+class GatedAdam(CpuAdam):
+    """Holds Adam of the pieces at the buffer's start (the last layers in forward order) until
+    ``gate`` is set."""
+
+    gate: threading.Event
+    hold_below: int = 0
+
+    def _adam(self, a: int, b: int, h: dict, steps) -> None:
+        if a < self.hold_below:
+            assert self.gate.wait(timeout=30)
+        super()._adam(a, b, h, steps)
+
+
+def test_the_forward_waits_for_its_own_parameters_only() -> None:
+    """The first layer's forward goes on while the CPU still updates the last layer's
+    parameters; the last layer's forward waits for them."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, GatedAdam, land_during_forward=True)
+    eng.gate, eng.hold_below = threading.Event(), SIZES[0]  # the buffer's first view
+    model = model_of(buffers)
+    eng.watch([model])
+    eng.gate.set()
+    drive(eng, buffers, 1)
+    first_before = [layer() for layer in model][0]
+    eng.gate.clear()
+    drive(eng, buffers, 2)  # returns with the update on the CPU
+    first = model[0]()  # the buffer's last view: updated first
+    assert not torch.equal(first, first_before)
+    assert eng._inflight is not None and not eng._inflight[1].done()
+    last_before = buffers.views[0].clone()
+    finished = []
+    waiter = threading.Thread(target=lambda: finished.append(model[-1]()))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not finished  # waiting for the held pieces
+    eng.gate.set()
+    waiter.join(timeout=30)
+    assert finished and not torch.equal(finished[0], last_before)
+    assert torch.equal(finished[0], eng.state[buffers.views[0]]["master_param"].to(torch.bfloat16))
+    eng.close()
+
+
+def test_an_update_that_fails_raises_in_the_forward() -> None:
+    """A worker error reaches the training thread at the first module that waits for it."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, land_during_forward=True)
+    model = model_of(buffers)
+    eng.watch([model])
+    drive(eng, buffers, 1)
+    [layer() for layer in model]
+
+    def failing(a, b, h, steps) -> None:
+        raise RuntimeError("adam failed")
+
+    eng._adam = failing
+    drive(eng, buffers, 2)
+    with pytest.raises(RuntimeError, match="adam failed"):
+        model[0]()
+    assert eng._inflight is None
+    eng.close()
 
 
 def test_delayed_mode_past_the_experts_is_named_with_the_fraction_that_stops_there() -> None:

@@ -8,7 +8,8 @@ the CLI, as a user runs it, in deterministic mode.
 - a run resumed from a checkpoint continues the uninterrupted run within 1e-3: optimizer on the
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
-- the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode), and its delayed
+- the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode, landing during the
+  next forward or within the step; a dense model and a MoE one), and its delayed
   mode is exact until the warmup ends, then one step stale; both resume (delayed mode with and
   without weight prediction), and a checkpoint moves between it and HybridDeviceOptimizer 100%
   both ways;
@@ -31,17 +32,16 @@ pytestmark = pytest.mark.gpu
 
 ITERS = 8
 BASE = (
-    "--recipe", "tiny", f"train.train_iters={ITERS}", "model.deterministic_mode=true",
-    "scheduler.lr_warmup_iters=2",
+    f"train.train_iters={ITERS}", "model.deterministic_mode=true", "scheduler.lr_warmup_iters=2",
 )  # fmt: skip
 RESUME_TOLERANCE = 1e-3
 # Ring attention adds the two halves of each softmax in another order than one kernel does.
 CONTEXT_PARALLEL_TOLERANCE = 1e-2
 
 
-def train(out: Path, *overrides: str) -> dict:
-    """Run the CLI into ``out`` and return its summary.json."""
-    result = run_cli(*BASE, *overrides, f"output_dir={out}")
+def train(out: Path, *overrides: str, recipe: str = "tiny") -> dict:
+    """Run the CLI on ``recipe`` into ``out`` and return its summary.json."""
+    result = run_cli("--recipe", recipe, *BASE, *overrides, f"output_dir={out}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
@@ -108,11 +108,26 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
           f"params/s on {run['cpu_adam_threads']} threads")  # fmt: skip
     assert on_gpu.get("cpu_offloaded_params", 0) == 0
     assert run["losses"] == hdo["losses"]
+    assert run["cpu_adam_lands_in_forward"]  # one GPU: the next forward waits module by module
+    within_step = train(Path(root) / "cpu-adam-within-step", *iters, "offload/optimizer=cpu_adam",
+                        "optimizer.cpu_adam_land_during_forward=false")  # fmt: skip
+    assert within_step["losses"] == run["losses"]
     assert run["losses"][:2] == on_gpu["losses"][:2]  # the first update: the same bf16 weights
     assert max_delta(run["losses"][:3], base["losses"][:3]) < 1e-3
     assert delta <= max_delta(hdo["losses"], base["losses"])
     assert run["cpu_offloaded_params"] > 0 and run["cpu_adam_params_per_s"] > 0
     assert run["host_pinned_gb_max"] > 0
+
+
+def test_cpu_adam_moe_engines_share_the_worker_and_match_hybrid_device_optimizer(
+    root: str,
+) -> None:
+    """A MoE model: one engine for the dense shard, one for the experts', sharing the worker and
+    landing during the forward; the same losses as HybridDeviceOptimizer 100%."""
+    hdo = train(Path(root) / "moe-hdo100", "offload/optimizer=cpu_100", recipe="tiny_moe")
+    run = train(Path(root) / "moe-cpu-adam", "offload/optimizer=cpu_adam", recipe="tiny_moe")
+    assert run["cpu_adam_lands_in_forward"] and run["cpu_adam_pieces"] >= 2
+    assert run["losses"] == hdo["losses"]
 
 
 def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:

@@ -267,6 +267,11 @@ class OptimizerConfig:
     cpu_adam_threads: Optional[int] = None
     # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
     cpu_adam_chunk_mb: int = 64
+    # Exact updates land during the next forward: step() returns once the update is handed to
+    # the CPU, which runs it in forward order, and each module's forward waits for its own
+    # parameters alone (where no data-parallel parameter all-gather follows the step; else
+    # step() waits for the whole update). false: step() always waits.
+    cpu_adam_land_during_forward: bool = True
 
     # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU ...
     offload_optimizer_states: bool = False

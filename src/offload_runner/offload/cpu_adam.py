@@ -26,11 +26,19 @@ One step, exact mode (Megatron-Core calls ``step()`` after the norm and clipping
    buffer and are rounded to bf16 into the parameter buffer there (the same round-to-nearest-even
    as on the CPU, but the CPU spends its memory bandwidth on Adam alone; the link carries 4 B/param
    up instead of 2, and it is idle otherwise);
-4. meanwhile the GPU part of Adam runs on the compute stream; the compute stream waits for the
-   last copy back before Megatron-Core's parameter all-gather.
+4. meanwhile the GPU part of Adam runs on the compute stream;
+5. landing during the forward (``optimizer.cpu_adam_land_during_forward``, where no data-parallel
+   parameter all-gather follows the step): ``step()`` returns once every piece is handed over;
+   the pieces run in forward order (the DDP buffer's reverse), and a forward pre-hook on each
+   module that holds parameters makes the compute stream wait for the landing of the last piece
+   holding them (landings run in order on one stream), so the next forward starts with the
+   embedding's update and follows the CPU layer by layer. Otherwise (DP > 1) the compute stream
+   waits for the last copy back before Megatron-Core's parameter all-gather.
 
-So the CPU step overlaps both copies; the cost over GPU Adam is about the CPU Adam time,
-``offloaded params / rate`` (fused CPU AdamW: 4-6 G params/s on 16 cores).
+So the CPU step overlaps both copies and, landing during the forward, the next forward; the cost
+over GPU Adam is about the CPU Adam time, ``offloaded params / rate`` (fused CPU AdamW: 4-6 G
+params/s on 16 cores), less the forward that runs behind it. A rank's engines (a MoE model's
+dense and expert shards) share one worker thread, so their updates take the cores in turn.
 
 Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous update piece by
 piece as the worker finishes each (its masters go up while this step's gradients of the same
@@ -78,6 +86,7 @@ Adam on the GPU: on a PCIe host the CPU engine usually wins; on a link several t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import os
@@ -138,7 +147,7 @@ def describe(run: RunConfig) -> OffloadSummary:
         f"delayed parameter update after {exact_steps(run)} exact steps"
         + (", weight prediction" if o.cpu_adam_weight_prediction else "")
         if o.cpu_adam_delayed_update
-        else "exact: each update lands before the next forward"
+        else "exact: each update lands before the next forward needs it"
     )
     return OffloadSummary(
         "optimizer (cpu adam)",
@@ -256,6 +265,29 @@ def default_threads(run: RunConfig, cpus: list[int]) -> int:
     return run.optimizer.cpu_adam_threads or len(cpus)
 
 
+def cpu_worker(cpus: list[int] | None, threads: int | None, device=None):
+    """The thread that runs CPU Adam, pinned to ``cpus`` with an OpenMP team of ``threads``. One
+    per rank, shared by its engines (a MoE model's dense and expert shards): their updates take
+    the cores in turn instead of splitting them."""
+    return concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="cpu-adam", initializer=_init_thread,
+        initargs=(cpus, threads, device),
+    )  # fmt: skip
+
+
+def _init_thread(cpus: list[int] | None, threads: int | None, device) -> None:
+    """An engine thread: its cores (its OpenMP team inherits the mask), its team's size, and its
+    CUDA calls on the engine's GPU."""
+    import torch
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if threads:
+        torch.set_num_threads(threads)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 # --- the engine ----------------------------------------------------------------------------------
 
 
@@ -270,6 +302,10 @@ class _Update:
     # threading.Event per piece: its gradients' copy (and any landing before it) is enqueued
     ready: list = field(default_factory=list)
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
+    # threading.Event per piece, exact mode: its landing is enqueued (or the update failed)
+    landed: list = field(default_factory=list)
+    waited: int = 0  # landing during the forward: the pieces before this one are waited for
+    failed: bool = False  # the worker or a landing raised: job.result() says what
     cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
@@ -296,6 +332,8 @@ class CpuAdam(HostAdam):
         cpus: list[int] | None = None,
         chunk_bytes: int = 64 * 1024**2,
         order_key=None,
+        land_during_forward: bool = False,
+        worker: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
                          betas=betas, eps=eps, chunk_bytes=chunk_bytes,
@@ -305,40 +343,27 @@ class CpuAdam(HostAdam):
         self.predict = delayed and predict
         self._guessed = False  # host_guess holds the next weights' extrapolation
         self.threads = threads
+        self.land_during_forward = land_during_forward
+        self._inflight: tuple[_Update, concurrent.futures.Future] | None = None  # see watch()
+        self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
+        self._hooks: list = []
         self._pending: _Update | None = None  # a delayed update, not landed
         self._jobs: list[concurrent.futures.Future] = []
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self.history: list[_Update] = []
         self._land_lock = threading.Lock()  # the GPU ring: the worker and step() both land
-        self._worker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="cpu-adam", initializer=self._init_worker, initargs=(cpus,)
-        )
+        self._worker = worker or cpu_worker(cpus, threads, self.device)
         self._worker.submit(self._allocate).result()
         # Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
         # (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
         # enqueues them while the worker runs Adam on the next piece.
         self._lander = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="cpu-adam-land", initializer=self._use_device
-        )
+            1, thread_name_prefix="cpu-adam-land", initializer=_init_thread,
+            initargs=(None, None, self.device),
+        )  # fmt: skip
 
     # -- memory ----------------------------------------------------------------------------
-    def _init_worker(self, cpus: list[int] | None) -> None:
-        import torch
-
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # this thread; its OpenMP team inherits the mask
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        self._use_device()
-
-    def _use_device(self) -> None:
-        """This thread's CUDA calls go to the engine's GPU."""
-        if self.on_cuda:
-            import torch
-
-            torch.cuda.set_device(self.device)
-
     def _allocate(self) -> None:
         """In the worker, so its own threads touch the host pages first (NUMA placement): the
         masters and a gradient staging array page-locked (the copy engines read and write them),
@@ -359,8 +384,11 @@ class CpuAdam(HostAdam):
     def step(self, closure=None):
         import torch
 
+        self._complete()  # the last exact update, where the forward did not wait for all of it
         if self._pieces is None:
             self._pieces = self._plan()
+            if self.land_during_forward:  # forward order: the buffer is in backward order
+                self._pieces.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
@@ -382,7 +410,9 @@ class CpuAdam(HostAdam):
         guess_next = self.predict and step >= self.exact_steps
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
                          ready=[threading.Event() for _ in self._pieces],
-                         done=[threading.Event() for _ in self._pieces])  # fmt: skip
+                         done=[threading.Event() for _ in self._pieces],
+                         landed=[threading.Event() for _ in self._pieces])  # fmt: skip
+        in_forward = self.land_during_forward and not delayed
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
         try:
@@ -406,11 +436,14 @@ class CpuAdam(HostAdam):
         if delayed:
             self._pending = update
             self._jobs.append(job)
+        elif in_forward:
+            self._inflight = (update, job)  # the forward waits for it, module by module
         else:
             job.result()
         if self._streams is not None:
             compute = torch.cuda.current_stream()
-            compute.wait_stream(self._streams[1])  # the bf16 params are back
+            if not in_forward:
+                compute.wait_stream(self._streams[1])  # the bf16 params are back
             compute.wait_stream(self._streams[0])  # the grad buffer may be zeroed
         self._end_step(step)
         for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
@@ -456,12 +489,22 @@ class CpuAdam(HostAdam):
     def _run_update(self, update: _Update) -> None:
         """The worker: Adam on each piece as its gradients arrive (landed from here in exact
         mode; by ``step()`` in delayed mode, as each piece's ``done`` is set)."""
+        try:
+            self._update_pieces(update)
+        except BaseException:
+            update.failed = True
+            for landed in update.landed:  # nothing waits for a landing that will not come
+                landed.set()
+            raise
+
+    def _update_pieces(self, update: _Update) -> None:
         import torch
 
         began = time.perf_counter()
         steps = torch.tensor(float(update.step))
         landings: list[concurrent.futures.Future] = []
-        for piece, ready, done in zip(self._pieces, update.ready, update.done, strict=True):
+        for i, (piece, ready, done) in enumerate(zip(self._pieces, update.ready, update.done,
+                                                     strict=True)):  # fmt: skip
             t0 = time.perf_counter()
             ready.wait()
             if update.cancelled:
@@ -487,7 +530,7 @@ class CpuAdam(HostAdam):
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
             if update.land_in_worker:
-                landings.append(self._lander.submit(self._land, piece))
+                landings.append(self._lander.submit(self._land_marked, piece, update, i))
             done.set()
         for landing in landings:  # enqueued (and errors raised) before step() waits on them
             landing.result()
@@ -495,6 +538,16 @@ class CpuAdam(HostAdam):
         self.history.append(update)
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
+
+    def _land_marked(self, piece: Piece, update: _Update, index: int) -> None:
+        """Exact mode's landing of a piece, then the mark the next forward waits for."""
+        try:
+            self._land(piece)
+        except BaseException:
+            update.failed = True
+            raise
+        finally:
+            update.landed[index].set()
 
     def _adam(self, a: int, b: int, h: dict, steps) -> None:
         """torch's fused AdamW on elements [a, b) of the host arrays."""
@@ -530,9 +583,71 @@ class CpuAdam(HostAdam):
         guess.reciprocal_().mul_(self.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
         guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
 
+    # -- exact mode: the next forward waits for what it needs -----------------------------------
+    def watch(self, chunks) -> None:
+        """Land exact updates during the next forward: a forward pre-hook on every module of
+        ``chunks`` (the model chunks) that holds parameters waits for the update of those
+        parameters alone, so ``step()`` returns once the update is handed to the worker, which
+        runs it in forward order while the forward follows it. Only where nothing reads the
+        parameters between the step and the forward (no data-parallel parameter all-gather)."""
+        for chunk in chunks:
+            for module in chunk.modules():
+                params = list(module.parameters(recurse=False))
+                if params:
+                    hook = functools.partial(self._before_forward, params)
+                    self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
+
+    def _before_forward(self, params: list, module, args) -> None:
+        inflight = self._inflight
+        if inflight is None:
+            return
+        index = self._needs.get(id(module))
+        if index is None:
+            index = self._needs[id(module)] = self._last_piece_of(params)
+        update = inflight[0]
+        if index < update.waited:
+            return
+        update.landed[index].wait()
+        if update.failed:
+            self._complete()  # raises the worker's error
+            return
+        if self._streams is not None:  # landings run in order on one stream: all before it too
+            import torch
+
+            torch.cuda.current_stream().wait_event(self._pieces[index].landed)
+        update.waited = index + 1
+        if update.waited == len(self._pieces):
+            self._complete()
+
+    def _last_piece_of(self, params: list) -> int:
+        """The last piece (in update order) holding any of ``params``'s elements; -1: none."""
+        last = -1
+        for p in params:
+            lo = p.data_ptr()
+            hi = lo + p.numel() * p.element_size()
+            for i, piece in enumerate(self._pieces):
+                a = piece.param.data_ptr()
+                if a < hi and lo < a + piece.numel * piece.param.element_size():
+                    last = max(last, i)
+        return last
+
+    def _complete(self) -> None:
+        """Wait for an exact update the forward has not waited for to its end (errors raise
+        here), and make the compute stream wait for its landings."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        inflight[1].result()
+        if self._streams is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_stream(self._streams[1])
+
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
-        """Wait for a delayed update (checkpoints: masters and states consistent; not landed)."""
+        """Wait for a delayed update (checkpoints: masters and states consistent; not landed)
+        or an exact one landing during the forward."""
+        self._complete()
         while self._jobs:
             self._jobs.pop(0).result()
         if self._pending is not None:
@@ -563,7 +678,9 @@ class CpuAdam(HostAdam):
 
     def close(self) -> None:
         self.finish()
-        self._worker.shutdown(wait=True)
+        for hook in self._hooks:
+            hook.remove()
+        self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
         self._lander.shutdown(wait=True)
         self._arenas.release()
 
@@ -644,18 +761,44 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
+    in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
+    worker = cpu_worker(cpus, threads, _current_device())
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run),
         predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
+        land_during_forward=in_forward[i], worker=worker,
     ))  # fmt: skip
+    for part, engine in zip(parts, built, strict=True):
+        if engine.land_during_forward:
+            engine.watch(part.model_chunks)
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
              "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
              "delayed" if o.cpu_adam_delayed_update else "exact")  # fmt: skip
+    if o.cpu_adam_land_during_forward and not all(in_forward):
+        log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
+                 "after the step land within step() (the all-gather needs them whole); "
+                 "the others land during the next forward")  # fmt: skip
     return built
+
+
+def _gathers_params(part) -> bool:
+    """Megatron-Core all-gathers ``part``'s updated parameter shards right after the step
+    (several data-parallel ranks share its buffer), so its update must land within step()."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(getattr(part, "data_parallel_group", None)) > 1
+
+
+def _current_device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def cpu_ranges(cpus: list[int]) -> str:
@@ -699,6 +842,7 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
         "cpu_adam_mode": "delayed" if built[0].delayed else "exact",
+        "cpu_adam_lands_in_forward": any(e.land_during_forward for e in built),
     }
 
 
