@@ -107,6 +107,9 @@ case "$1" in
     # engine both ways, HDO), then the engine's exact-mode gpu tests (dense and MoE)
     bench adam-parity
     gpu_tests "cpu_adam_matches or cpu_adam_moe" cpu-adam-exact ;;
+  cpu-adam-landing)  # exact mode landing during the next forward against within the step
+    python bench/run_benchmarks.py run --suite cpu-adam-landing --iters 12 --time-limit 570 \
+      --out "$OUT/results-cpu-adam-landing.json" --work-dir "$WORK/bench" ;;
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;

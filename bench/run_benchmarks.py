@@ -378,8 +378,25 @@ ADAM_PARITY = [
     Case("HDO 100% + overlap", "tiny", (*TINY_DET, "offload/optimizer=cpu_100"), GPU_FUSED_ADAMW),
 ]  # fmt: skip
 
+WITHIN_STEP = "optimizer.cpu_adam_land_during_forward=false"
+
+
+def _landing_cases(gbs: int) -> list[Case]:
+    """Exact mode landing during the next forward against landing within the step."""
+    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    base = f"landing GBS{gbs} no offload"
+    return [
+        Case(base, PROXY_RECIPE, batch, base),
+        Case(f"landing GBS{gbs} cpu_adam 100%, during the forward", PROXY_RECIPE,
+             (*batch, "offload/optimizer=cpu_adam"), base),
+        Case(f"landing GBS{gbs} cpu_adam 100%, within the step", PROXY_RECIPE,
+             (*batch, "offload/optimizer=cpu_adam", WITHIN_STEP), base),
+    ]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
     "adam-parity": ADAM_PARITY,
+    "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again after the worker began taking pieces as their copies are
