@@ -107,6 +107,9 @@ case "$1" in
     # engine both ways, HDO), then the engine's exact-mode gpu tests (dense and MoE)
     bench adam-parity
     gpu_tests "cpu_adam_matches or cpu_adam_moe" cpu-adam-exact ;;
+  cpu-adam-4-delayed)  # cpu-adam-4's delayed-mode rows alone (baseline, 100%, hidden fraction, repeat)
+    python bench/run_benchmarks.py run --suite cpu-adam-4-delayed --iters 12 --time-limit 330 \
+      --out "$OUT/results-cpu-adam-4-delayed.json" --work-dir "$WORK/bench" ;;
   cpu-adam-landing)  # exact mode landing during the next forward against within the step
     python bench/run_benchmarks.py run --suite cpu-adam-landing --iters 12 --time-limit 570 \
       --out "$OUT/results-cpu-adam-landing.json" --work-dir "$WORK/bench" ;;

@@ -397,11 +397,13 @@ def _landing_cases(gbs: int) -> list[Case]:
 SUITES: dict[str, list[Case]] = {
     "adam-parity": ADAM_PARITY,
     "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
+    # cpu-adam-4's delayed-mode bars alone (baseline, delayed 100%, its hidden fraction, the
+    # baseline again), for a call too short for the whole suite
+    "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
-    # GBS 1's exact-mode bars again after the worker began taking pieces as their copies are
-    # enqueued (fbf5d14): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), two
-    # calls on one machine
+    # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
+    # forward): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), one machine
     "cpu-adam-1-exact-1": _cpu_adam_cases(1)[:2],
     "cpu-adam-1-exact-2": _cpu_adam_cases(1)[2:3],
     # The fractions below 100% (100% is in cpu-adam-4); HybridDeviceOptimizer at 50% as its
@@ -753,6 +755,11 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             f"{s['cpu_adam_busy_s_median'] * 1000:.0f}, waiting for gradients "
             f"{s['cpu_adam_wait_s_median'] * 1000:.0f})",
         ]  # fmt: skip
+        if s.get("cpu_adam_lands_in_forward") and not delayed:
+            waited = s.get("cpu_adam_forward_wait_s_median")
+            parts.append("landing during the next forward"
+                         + (f" (which waited {waited * 1000:.0f} ms for it)"
+                            if waited is not None else ""))  # fmt: skip
         if hdo and r["case"]["name"] != hdo_name:
             parts.append(f"{hdo / step:.2f}x faster than HDO 100% + overlap")
         lines.append("; ".join(parts))

@@ -363,6 +363,13 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1)
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=planner)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
+    # exact mode landing during the forward: the forward's wait for the update is not its work
+    for update in eng.history:
+        update.forward_wait_s = 3 * fb
+    found = cpu_adam.metrics(optimizer, forward_backward_s=4 * fb)
+    assert found["cpu_adam_forward_wait_s_median"] == pytest.approx(3 * fb)
+    assert found["cpu_adam_forward_backward_s"] == pytest.approx(fb)
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.25)
     eng.close()
 
 
@@ -418,6 +425,7 @@ def test_landing_during_the_forward_gives_each_module_its_exact_update() -> None
         ref.step(step, drive(eng, buffers, step))
         seen = [layer() for layer in model]  # the next forward
         assert eng._inflight is None  # it waited for every piece
+        assert eng.history[-1].forward_wait_s >= 0.0
         rounded = [m.to(torch.bfloat16) for m in reversed(masters(eng, buffers))]
         assert all(torch.equal(a, b) for a, b in zip(seen, rounded, strict=True))
         assert_matches(masters(eng, buffers), ref.params, step)
@@ -464,6 +472,21 @@ def test_the_forward_waits_for_its_own_parameters_only() -> None:
     waiter.join(timeout=30)
     assert finished and not torch.equal(finished[0], last_before)
     assert torch.equal(finished[0], eng.state[buffers.views[0]]["master_param"].to(torch.bfloat16))
+    eng.close()
+
+
+def test_delayed_mode_stops_watching_the_forward_when_its_delayed_steps_begin() -> None:
+    """Delayed mode's exact steps land during the forward; its delayed steps need no hooks."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=2, land_during_forward=True)
+    model = model_of(buffers)
+    eng.watch([model])
+    for step in (1, 2):
+        drive(eng, buffers, step)
+        [layer() for layer in model]
+        assert eng._hooks and eng._inflight is None
+    drive(eng, buffers, 3)
+    assert not eng._hooks and not any(layer._forward_pre_hooks for layer in model)
     eng.close()
 
 

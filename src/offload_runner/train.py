@@ -291,7 +291,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
     found = cpu_adam.metrics(optimizer, forward_backward_s, run.planner)
     if is_writer:
-        cpu_adam.report_hidden_fraction(found, forward_backward_s, run.planner)
+        cpu_adam.report_hidden_fraction(found, run.planner)
     extra.update(found)
     extra.update(optimizer_states.metrics(optimizer))
     summary = reporter.write_summary(extra)

@@ -309,6 +309,7 @@ class _Update:
     cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
+    forward_wait_s: float = 0.0  # landing during the forward: the forward waiting for it
     wall_s: float = 0.0
 
 
@@ -392,6 +393,8 @@ class CpuAdam(HostAdam):
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
+        if delayed and self._hooks:  # only exact steps land during the forward
+            self._unwatch()
         if delayed and not self._announced_delay:
             self._announced_delay = True
             log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
@@ -597,6 +600,11 @@ class CpuAdam(HostAdam):
                     hook = functools.partial(self._before_forward, params)
                     self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
 
+    def _unwatch(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
     def _before_forward(self, params: list, module, args) -> None:
         inflight = self._inflight
         if inflight is None:
@@ -607,7 +615,9 @@ class CpuAdam(HostAdam):
         update = inflight[0]
         if index < update.waited:
             return
+        began = time.perf_counter()
         update.landed[index].wait()
+        update.forward_wait_s += time.perf_counter() - began
         if update.failed:
             self._complete()  # raises the worker's error
             return
@@ -678,8 +688,7 @@ class CpuAdam(HostAdam):
 
     def close(self) -> None:
         self.finish()
-        for hook in self._hooks:
-            hook.remove()
+        self._unwatch()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
         self._lander.shutdown(wait=True)
         self._arenas.release()
@@ -696,6 +705,7 @@ class CpuAdam(HostAdam):
             "cpu_adam_busy_s_median": busy,
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
+            "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),
             "cpu_adam_threads": self.threads,
             "cpu_adam_pieces": len(self._pieces or []),
         }
@@ -826,6 +836,9 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
     params = sum(m["cpu_offloaded_params"] for m in found)
     rate = params / busy if busy else None
     shard = sum(e.shard_numel for e in built)
+    forward_wait = sum(m["cpu_adam_forward_wait_s_median"] for m in found)
+    if forward_backward_s:  # exact mode landing during the forward: its wait is not its work
+        forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
     hidden = None
     if forward_backward_s and rate:
         copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
@@ -838,18 +851,22 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
         "cpu_adam_busy_s_median": busy,
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),
         "cpu_adam_wait_s_median": sum(m["cpu_adam_wait_s_median"] for m in found),
+        "cpu_adam_forward_wait_s_median": forward_wait,
         "cpu_adam_threads": found[0]["cpu_adam_threads"],
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
         "cpu_adam_mode": "delayed" if built[0].delayed else "exact",
         "cpu_adam_lands_in_forward": any(e.land_during_forward for e in built),
+        # forward+backward less the forward's wait for an exact update: what the fraction used
+        "cpu_adam_forward_backward_s": forward_backward_s,
     }
 
 
-def report_hidden_fraction(found: dict, forward_backward_s: float | None, planner) -> None:
+def report_hidden_fraction(found: dict, planner) -> None:
     """The log's last word on the CPU-Adam engine: what delayed mode hides (``planner``: the
     run's PlannerConfig, whose link and overhead the fraction used)."""
     fraction = found.get("cpu_adam_hidden_fraction")
+    forward_backward_s = found.get("cpu_adam_forward_backward_s")
     if fraction is None or not forward_backward_s:
         return
     log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s: "
