@@ -77,6 +77,37 @@ for gbs in (4, 1):
           f"{within / during - 1:.0%} slower; commit {data['environment']['commit']})")
 PY
   echo
+  echo "### Delayed mode's step boundary"
+  echo
+  echo "Delayed mode's bound, max(baseline step, CPU Adam), leaves out what it cannot hide: at"
+  echo "\`step()\` this step's gradients go down and the last update's masters come up, 4 B/param each"
+  echo "way at once. Each delayed run's rest of the step (after forward+backward) against its"
+  echo "baseline's and those copies at 50.8 GB/s each way:"
+  echo
+  python - <<'PY'
+import json, pathlib
+for name in ("results-cpu-adam-4.json", "results-cpu-adam-4-delayed.json"):
+    data = json.loads((pathlib.Path("bench/results") / name).read_text())
+    by_name = {r["case"]["name"]: r["summary"] for r in data["results"] if r["status"] == "ok"}
+    base = by_name["GBS4 no offload"]
+    for case, s in by_name.items():
+        if s.get("cpu_adam_mode") != "delayed":
+            continue
+        copies = 4 * s["cpu_offloaded_params"] / 50.8e9 * 1000
+        rest = s["step_time_s_median"] * 1000 - s["fwd_bwd_time_s_median"] * 1000
+        base_rest = (base["step_time_s_median"] - base["fwd_bwd_time_s_median"]) * 1000
+        print(f"- {case} (`{name}`, commit {data['environment']['commit']}): rest {rest:.0f} ms "
+              f"against the baseline's {base_rest:.0f}; copies {copies:.0f} ms; CPU Adam "
+              f"{s['cpu_adam_busy_s_median'] * 1000:.0f} ms against forward+backward "
+              f"{s['fwd_bwd_time_s_median'] * 1000:.0f}")
+PY
+  echo
+  echo "At 100% the copies are most of the rest of the step beyond the baseline's. They stay while"
+  echo "the bound shrinks with a faster CPU, so the same step structure sits further above its bound"
+  echo "on a host whose CPU Adam is quicker. Hiding them needs the gradients to go down"
+  echo "during the last backward (with the clip factor applied on the CPU) and the masters to come"
+  echo "up during the next forward; not built yet."
+  echo
   echo "### Adam kernels against each other (suite \`adam-parity\`)"
   echo
   echo "The tiny recipe, deterministic, 20 iterations: max |Δloss| between every pair of runs"
@@ -280,6 +311,14 @@ PY
   echo "mode gives HybridDeviceOptimizer 100%'s losses exactly (both run torch's fused AdamW) and the"
   echo "same distance from GPU Adam (Transformer Engine's FusedAdam), delayed mode lands one step late,"
   echo "cpu_adam resumes; the call's time ran out before the other resume tests there."
+  echo
+  echo "After exact updates began landing during the next forward and a rank's engines began"
+  echo "sharing one worker, one H200: pytest-gpu-cpu-adam-exact-h200.txt (fd1d70e, \`bash"
+  echo "bench/device_session.sh adam-parity\`): exact mode gives HybridDeviceOptimizer 100%'s losses"
+  echo "and its own losses landing within the step (tiny), and HybridDeviceOptimizer's losses on"
+  echo "tiny_moe (two engines, one worker); pytest-gpu-cpu-adam-4-h200.txt (681c2cb): delayed mode"
+  echo "lands one step late, cpu_adam and cpu_adam_delayed resume; the call's 440 s ended before the"
+  echo "resume with weight prediction and the checkpoint moves (their last runs are above)."
   echo
   echo "The windowed state offload and the rest of the engines' tests, one H200, tree of 2683681:"
   echo "pytest-gpu-states-h200.txt (\`bash bench/device_session.sh state-tests\`): state offload with"
