@@ -262,10 +262,11 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     total = params.dense + params.experts
     weights = total * (2 if m.bf16 else 4)
     grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
-    if o.use_distributed_optimizer:
-        shard = params.dense / (layout.dp * layout.cp) + params.experts / layout.edp
+    if o.use_distributed_optimizer:  # one optimizer part for the dense shard, one for experts'
+        parts = [params.dense / (layout.dp * layout.cp), params.experts / layout.edp]
     else:
-        shard = total
+        parts = [total]
+    shard = sum(parts)
     adam = int(shard * adam_bytes_per_param(run))
     hdo = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     on_cpu = int(adam * hdo)
@@ -278,6 +279,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
             CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0
         )
         on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
+        resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
     else:
         pinned_per_param = HDO_PINNED_BYTES
     if o.offload_optimizer_states:  # the step holds the window the states pass through
@@ -317,6 +319,13 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         cpu_adam_params=int(shard * hdo),
         states_moved=adam if o.offload_optimizer_states else 0,
     )  # fmt: skip
+
+
+def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:
+    """The CPU-Adam engine's GPU ring, per optimizer part with params on the CPU: two pieces of
+    fp32 masters on their way into the bf16 parameters."""
+    chunk = chunk_mb * 1024**2 // 4
+    return sum(2 * 4 * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)
 
 
 @dataclass

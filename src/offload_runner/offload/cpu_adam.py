@@ -377,7 +377,8 @@ class CpuAdam(HostAdam):
         self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
         if self.predict:  # what delayed mode lands: the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
-        ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0
+        ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0  # see
+        # plan.cpu_adam_ring_bytes
         self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._landings = 0
 
