@@ -151,14 +151,19 @@ def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
 
 
 def test_cpu_adam_engine_host_memory() -> None:
-    """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned)."""
+    """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned); on the GPU
+    the engine keeps its ring of two pieces of fp32 masters (the tiny model is under one piece,
+    the proxy's shards over it)."""
     engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
     hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
     params = count_parameters(compose_run("recipe=tiny").model).total
     assert engine.host_pinned == pytest.approx(8 * params, rel=1e-6)
     assert engine.host == pytest.approx(16 * params, rel=1e-6)
     assert hdo.host == pytest.approx(18 * params, rel=1e-6)
-    assert engine.optimizer_gpu == hdo.optimizer_gpu == 0
+    assert hdo.optimizer_gpu == 0
+    assert engine.optimizer_gpu == pytest.approx(2 * 4 * params, rel=1e-6)
+    proxy = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=cpu_adam")
+    assert make_plan(proxy).ranks[0].optimizer_gpu == 2 * 2 * 64 * 1024**2  # dense, experts
 
 
 def test_auto_tries_activation_layers_before_the_optimizer() -> None:
