@@ -142,12 +142,19 @@ TWO_GPU_CP = [
 # and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
 PROXY_RECIPE = "qwen3_30b_a3b_proxy"
 DELAY = ("optimizer.cpu_adam_exact_steps=2",)
-GBS1 = ("train.global_batch_size=1", "train.micro_batch_size=1")
+
+
+def _batch(gbs: int) -> tuple[str, str]:
+    """The proxy's batch overrides: global batch ``gbs`` of micro-batch 1."""
+    return (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+
+
+GBS1 = _batch(1)
 
 
 def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
                     nproc: int = 1) -> list[Case]:  # fmt: skip
-    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    batch = _batch(gbs)
     tag = f"DP{nproc} GBS{gbs}" if nproc > 1 else f"GBS{gbs}"
     base = f"{tag} no offload"
 
@@ -172,7 +179,7 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
 
 
 def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ...]) -> list[Case]:
-    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    batch = _batch(gbs)
     base = f"sweep GBS{gbs} no offload"
     cases = [Case(base, PROXY_RECIPE, batch, base)]
     for f in fractions:
@@ -383,7 +390,7 @@ WITHIN_STEP = "optimizer.cpu_adam_land_during_forward=false"
 
 def _landing_cases(gbs: int) -> list[Case]:
     """Exact mode landing during the next forward against landing within the step."""
-    batch = (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
+    batch = _batch(gbs)
     base = f"landing GBS{gbs} no offload"
     return [
         Case(base, PROXY_RECIPE, batch, base),

@@ -444,11 +444,10 @@ class CpuAdam(HostAdam):
             self._inflight = (update, job)  # the forward waits for it, module by module
         else:
             job.result()
-        if self._streams is not None:
-            compute = torch.cuda.current_stream()
-            if not in_forward:
-                compute.wait_stream(self._streams[1])  # the bf16 params are back
-            compute.wait_stream(self._streams[0])  # the grad buffer may be zeroed
+        if not in_forward:
+            self._wait_for_landings()
+        if self._streams is not None:  # the grad buffer may be zeroed
+            torch.cuda.current_stream().wait_stream(self._streams[0])
         self._end_step(step)
         for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
             group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
@@ -649,6 +648,10 @@ class CpuAdam(HostAdam):
         if inflight is None:
             return
         inflight[1].result()
+        self._wait_for_landings()
+
+    def _wait_for_landings(self) -> None:
+        """The compute stream waits for every landing enqueued so far: the bf16 params are back."""
         if self._streams is not None:
             import torch
 
@@ -667,16 +670,13 @@ class CpuAdam(HostAdam):
 
     def flush(self) -> None:
         """Wait for and land a delayed update: the bf16 parameters are the newest."""
-        import torch
-
         self.finish()
         if self._pieces is None or not self._unlanded:
             return
         for piece in self._pieces:
             self._land(piece)
         self._unlanded = False
-        if self._streams is not None:
-            torch.cuda.current_stream().wait_stream(self._streams[1])
+        self._wait_for_landings()
 
     def _land_loaded_masters(self) -> None:
         """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
