@@ -113,6 +113,12 @@ case "$1" in
   cpu-adam-landing)  # exact mode landing during the next forward against within the step
     python bench/run_benchmarks.py run --suite cpu-adam-landing --iters 12 --time-limit 570 \
       --out "$OUT/results-cpu-adam-landing.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-4-backward)  # delayed mode copying during the last backward against at the boundary
+    python bench/run_benchmarks.py run --suite cpu-adam-4-backward --iters 12 --time-limit 560 \
+      --out "$OUT/results-cpu-adam-4-backward.json" --work-dir "$WORK/bench" ;;
+  delayed-tests)  # delayed mode's gpu tests: one step late (during the backward and at the
+    # boundary), resume with and without weight prediction
+    TEST_TIMEOUT=570 gpu_tests "delayed_lands or (resume and delayed)" cpu-adam-delayed ;;
   cpu-adam-tests)  # the engine's gpu tests: parity with GPU Adam, delayed mode, resume
     timeout 560 python -m pytest -q -rP -m gpu -k "cpu_adam or cpu-adam" tests/ 2>&1 \
       | tee "$OUT/pytest-gpu-cpu-adam.txt" | tail -15 || true ;;

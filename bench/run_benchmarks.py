@@ -401,12 +401,25 @@ def _landing_cases(gbs: int) -> list[Case]:
     ]  # fmt: skip
 
 
+def _boundary_cases(gbs: int) -> list[Case]:
+    """Delayed mode copying during the last backward (the default on one GPU) against copying at
+    the step boundary, with the hidden fraction and the baseline twice."""
+    cases = _cpu_adam_cases(gbs)
+    at_boundary = Case(f"GBS{gbs} cpu_adam_delayed 100%, copies at the step boundary",
+                       PROXY_RECIPE, (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
+                                      "optimizer.cpu_adam_copy_during_backward=false"),
+                       f"GBS{gbs} no offload")  # fmt: skip
+    return [cases[0], cases[3], at_boundary, cases[4], cases[5]]
+
+
 SUITES: dict[str, list[Case]] = {
     "adam-parity": ADAM_PARITY,
     "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
     # cpu-adam-4's delayed-mode bars alone (baseline, delayed 100%, its hidden fraction, the
     # baseline again), for a call too short for the whole suite
     "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
+    # delayed mode's step-boundary copies during the last backward against at the boundary
+    "cpu-adam-4-backward": _boundary_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
@@ -767,6 +780,11 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             parts.append("landing during the next forward"
                          + (f" (which waited {waited * 1000:.0f} ms for it)"
                             if waited is not None else ""))  # fmt: skip
+        if delayed and "cpu_adam_copies_in_backward" in s:
+            parts.append(("copies during the last backward" if s["cpu_adam_copies_in_backward"]
+                          else "copies at the step boundary")
+                         + f" (step() {s['cpu_adam_boundary_s_median'] * 1000:.0f} ms until "
+                         "the update was handed over)")  # fmt: skip
         if hdo and r["case"]["name"] != hdo_name:
             parts.append(f"{hdo / step:.2f}x faster than HDO 100% + overlap")
         lines.append("; ".join(parts))

@@ -14,6 +14,7 @@ is tested here; the streams and timing are tested on the GPU (tests/test_gpu_tra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -440,10 +441,10 @@ class GatedAdam(CpuAdam):
     gate: threading.Event
     hold_below: int = 0
 
-    def _adam(self, a: int, b: int, h: dict, steps) -> None:
+    def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
         if a < self.hold_below:
             assert self.gate.wait(timeout=30)
-        super()._adam(a, b, h, steps)
+        super()._adam(a, b, h, steps, grad_scale)
 
 
 def test_the_forward_waits_for_its_own_parameters_only() -> None:
@@ -499,7 +500,7 @@ def test_an_update_that_fails_raises_in_the_forward() -> None:
     drive(eng, buffers, 1)
     [layer() for layer in model]
 
-    def failing(a, b, h, steps) -> None:
+    def failing(a, b, h, steps, grad_scale=None) -> None:
         raise RuntimeError("adam failed")
 
     eng._adam = failing
@@ -523,3 +524,111 @@ def test_delayed_mode_past_the_experts_is_named_with_the_fraction_that_stops_the
     assert delayed_dense_warning(sizes, experts, 0.7949, delayed=True) is None
     assert delayed_dense_warning(sizes, experts, 1.0, delayed=False) is None
     assert delayed_dense_warning([100], [False], 1.0, delayed=True) is None
+
+
+class Trainable(torch.nn.Module):
+    """The buffer's views as trainable weights: a backward runs their gradient accumulation, and
+    the engine's hooks after it (Megatron-Core's DDP has filled the grad buffer by then)."""
+
+    def __init__(self, buffers: Buffers) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(v, requires_grad=True) for v in reversed(buffers.views)
+        )
+
+    def forward(self) -> torch.Tensor:
+        return sum(w.float().sum() for w in self.weights)
+
+
+def unclipped(step: int) -> torch.Tensor:
+    return torch.randn(sum(SIZES), generator=torch.Generator().manual_seed(100 + step)) * 3
+
+
+def assert_same_weights(a: torch.Tensor, b: torch.Tensor, step: int) -> None:
+    """bf16 weights rounded from masters within 1e-6 of each other: equal but where the two
+    masters straddle a rounding boundary (one in a thousand here), there one bf16 ulp apart.
+    (The CPU divides by the inverse of the clip factor; Megatron-Core multiplies by it.)"""
+    differ = a != b
+    assert differ.sum() <= a.numel() // 1000, f"step {step}"
+    assert ((a.float() - b.float()).abs() <= a.float().abs() * 2**-7).all(), f"step {step}"
+
+
+def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu() -> None:
+    """Delayed steps copy during the last micro-batch's backward: once every parameter of a
+    piece has its gradient, the last update lands in it and its (unclipped) gradients go down;
+    the worker applies Megatron-Core's clip factor. The weights each forward sees are those of
+    the copies at the step boundary (up to rounding), the masters torch's fused AdamW's within
+    1e-6."""
+    from offload_runner.offload import cpu_adam
+
+    exact = 2
+    buffers, twin = Buffers(), Buffers()
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=exact, copy_during_backward=True,
+                 clip_grad=CLIP)  # fmt: skip
+    at_boundary, ref = engine(twin, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
+    model = Trainable(buffers)
+    eng.watch_backward([model])
+    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    assert cpu_adam.arming(contextlib.nullcontext, [at_boundary]) is contextlib.nullcontext
+    for step in range(1, STEPS + 1):
+        raw = unclipped(step)
+        buffers.set_grads(raw)  # what the backward accumulates into the grad buffer
+        before = buffers.param.clone()
+        with no_sync():
+            model().backward()  # an earlier micro-batch: nothing moves
+            assert not eng._early
+        model().backward()  # the last
+        copied = dict(eng._early)
+        for job in copied.values():
+            job.result()
+        norm = raw.norm().item()
+        clipped = raw * (CLIP / (norm + 1e-6))
+        twin.set_grads(clipped)
+        for group in eng.param_groups + at_boundary.param_groups:
+            group["lr"] = lr_at(step)
+        at_boundary.step()
+        if step > exact + 1:  # the update of step - 2 landed during the backward
+            assert not torch.equal(buffers.param, before)
+            assert_same_weights(buffers.param, twin.param, step)
+        buffers.grad.mul_(CLIP / (norm + 1e-6))  # Megatron-Core clips the GPU gradients
+        eng.step()
+        cpu_adam.grads_clipped([eng], norm)
+        ref.step(step, clipped)
+        assert len(copied) == (len(eng._pieces) if step > exact else 0), f"step {step}"
+        for job in eng._jobs:  # the worker's update (not landed)
+            job.result()
+        a, b = torch.cat(masters(eng, buffers)), torch.cat([p.detach() for p in ref.params])
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max(), f"step {step}"
+    eng.flush()
+    at_boundary.flush()
+    assert_same_weights(buffers.param, twin.param, STEPS)
+    found = eng.metrics()
+    assert found["cpu_adam_pieces_in_backward"] == len(eng._pieces)
+    eng.close()
+    at_boundary.close()
+
+
+def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> None:
+    """Without grads_clipped the worker must not run: finish() says what is missing instead of
+    hanging, and close() gives the update up."""
+    from offload_runner.offload import cpu_adam
+
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True,
+                 clip_grad=CLIP)  # fmt: skip
+    model = Trainable(buffers)
+    eng.watch_backward([model])
+    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    for step in (1, 2):
+        buffers.set_grads(gradients(step))
+        with no_sync():
+            pass
+        model().backward()
+        eng.step()
+    assert any(eng._pending.unclipped) and not eng._pending.scaled.is_set()
+    with pytest.raises(RuntimeError, match="grads_clipped"):
+        eng.finish()
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()

@@ -10,7 +10,8 @@ the CLI, as a user runs it, in deterministic mode.
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
 - the CPU-Adam engine gives HybridDeviceOptimizer 100%'s losses (exact mode, landing during the
   next forward or within the step; a dense model and a MoE one), and its delayed
-  mode is exact until the warmup ends, then one step stale; both resume (delayed mode with and
+  mode is exact until the warmup ends, then one step stale (copying during the backward or at
+  the step boundary); both resume (delayed mode with and
   without weight prediction), and a checkpoint moves between it and HybridDeviceOptimizer 100%
   both ways;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
@@ -139,6 +140,19 @@ def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:
     assert max_delta(run["losses"][: exact + 1], base["losses"][: exact + 1]) < 1e-3
     assert run["losses"][exact + 1 :] != base["losses"][exact + 1 :]
     assert run["final_loss"] < run["first_loss"]
+    # one GPU: every piece's copies ran during the last micro-batch's backward; at the step
+    # boundary instead, the same run but for the clip factor's rounding (the CPU divides by its
+    # inverse, Megatron-Core multiplies the GPU gradients by it)
+    assert run["cpu_adam_copies_in_backward"]
+    assert run["cpu_adam_pieces_in_backward"] == run["cpu_adam_pieces"]
+    at_boundary = train(Path(root) / "cpu-adam-delayed-at-boundary",
+                        "offload/optimizer=cpu_adam_delayed",
+                        "optimizer.cpu_adam_copy_during_backward=false")  # fmt: skip
+    assert not at_boundary["cpu_adam_copies_in_backward"]
+    assert at_boundary["cpu_adam_pieces_in_backward"] == 0
+    delta = max_delta(run["losses"], at_boundary["losses"])
+    print(f"delayed, copies during the backward vs at the step boundary: max |Δloss| {delta:.2e}")
+    assert delta < RESUME_TOLERANCE
 
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")

@@ -293,14 +293,17 @@ def test_step_cost_model() -> None:
 
 
 def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
-    """Delayed mode: the CPU update beyond planner.forward_backward_s and the step boundary's
-    copies (4 B/param each way at once) cost; unknown forward+backward hides nothing."""
+    """Delayed mode copying at the step boundary: the CPU update beyond
+    planner.forward_backward_s and the boundary's copies (4 B/param each way at once) cost;
+    unknown forward+backward hides nothing."""
     from offload_runner.plan import StepCost, hidden_fraction
 
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
-                      "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+                      "optimizer.optimizer_offload_fraction=0.5",
+                      "optimizer.cpu_adam_copy_during_backward=false")  # fmt: skip
     rank = make_plan(run).ranks[0]
     params = rank.cpu_adam_params
+    assert rank.boundary_params == params
     cpu, copies = params / 4e9, params * 4 / 50e9
     blind = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     assert blind.seconds(run, rank) == pytest.approx(cpu + copies)
@@ -319,6 +322,27 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     assert long.seconds(exact, make_plan(exact).ranks[0]) == pytest.approx(cpu)
     assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
     assert hidden_fraction(2.0, 1e9, 4e9, copy_s_per_param=1e-9, max_overhead=0.5) == 0.25
+
+
+def test_delayed_copies_during_the_backward_cost_nothing_at_the_boundary() -> None:
+    """On one GPU delayed mode copies during the last backward: only the CPU time beyond
+    forward+backward costs, and the copies do not limit the hidden fraction. With data
+    parallelism (Megatron-Core reduces the gradients after the backward) they wait for the
+    boundary again."""
+    from offload_runner.plan import StepCost
+
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
+                      "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+    rank = make_plan(run).ranks[0]
+    assert rank.cpu_adam_params and rank.boundary_params == 0
+    cpu = rank.cpu_adam_params / 4e9
+    cost = StepCost(4e9, 50.0, forward_backward_s=cpu / 2, delayed_max_overhead=0.1)
+    assert cost.seconds(run, rank) == pytest.approx(cpu / 2)
+    assert cost.hidden_fraction(run, rank) == pytest.approx(0.25)  # the CPU's limit alone
+    assert "during the last micro-batch's backward" in cost.explain(run, rank)
+    two = make_plan(run, world=2).ranks[0]
+    assert two.boundary_params == two.cpu_adam_params > 0
+    assert "at the step boundary" in cost.explain(run, two)
 
 
 def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
@@ -353,9 +377,14 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     assert choice.description.startswith(
         "offload/optimizer=cpu_adam_delayed optimizer.optimizer_offload_fraction=0.5"
     )
-    # its CPU Adam would hide up to 0.6 s x 3.7e9 / 3.11B = 0.71; its copies (4 B/param at 50.8
-    # GB/s) within 10% of 0.6 s up to 0.24
-    assert "up to a fraction of 0.24 (boundary copies within 10% of it)" in choice.description
+    # its CPU Adam would hide up to 0.6 s x 3.7e9 / 3.11B = 0.71 (on one GPU its copies run
+    # during the backward); copying at the boundary, its copies (4 B/param at 50.8 GB/s) within
+    # 10% of 0.6 s up to 0.24
+    assert "up to a fraction of 0.71, " in choice.description
+    run.optimizer.cpu_adam_copy_during_backward = False
+    assert "up to a fraction of 0.24 (boundary copies within 10% of it)" in (
+        choose_offload(run).description
+    )
 
 
 def test_plan_prints_the_predicted_step_cost(capsys) -> None:

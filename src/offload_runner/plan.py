@@ -32,7 +32,12 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 
-from offload_runner.config.schema import CpuOffloadEngine, RunConfig, cpu_adam_delayed
+from offload_runner.config.schema import (
+    CpuOffloadEngine,
+    RunConfig,
+    cpu_adam_copies_during_backward,
+    cpu_adam_delayed,
+)
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
 
 GiB = 1024**3
@@ -193,6 +198,7 @@ class RankPlan:
     host_pinned: int
     host_pageable: int
     cpu_adam_params: int = 0  # params this rank updates on the CPU each step
+    boundary_params: int = 0  # ... whose copies wait for the step boundary (delayed mode)
     states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
     recomputed: int = 0  # one checkpointed group rebuilt in backward (full recompute)
 
@@ -218,11 +224,8 @@ class RankPlan:
         return self.host_pinned + self.host_pageable
 
     def as_dict(self) -> dict:
-        gb = {
-            k: round(v / GiB, 3)
-            for k, v in asdict(self).items()
-            if k not in ("rank", "node", "stage", "cpu_adam_params", "states_moved")
-        }
+        counts = ("rank", "node", "stage", "cpu_adam_params", "boundary_params", "states_moved")
+        gb = {k: round(v / GiB, 3) for k, v in asdict(self).items() if k not in counts}
         return {
             "rank": self.rank, "node": self.node, "stage": self.stage,
             "gpu_peak_gb": round(self.gpu_peak / GiB, 3),
@@ -304,6 +307,9 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     else:
         activations = int(in_flight * (stored + model_level)) - offloaded
     last = stage == layout.pp - 1
+    copies_at_boundary = cpu_adam_delayed(run) and not cpu_adam_copies_during_backward(
+        run, max(layout.dp, layout.edp)
+    )
     logits = int(6 * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 
     return RankPlan(
@@ -317,6 +323,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
         cpu_adam_params=int(shard * hdo),
+        boundary_params=int(shard * hdo) if copies_at_boundary else 0,
         states_moved=adam if o.offload_optimizer_states else 0,
     )  # fmt: skip
 
@@ -468,7 +475,8 @@ class StepCost:
     """The model: CPU Adam runs at ``cpu_adam_params_per_s`` per rank (HybridDeviceOptimizer at
     HDO_RATE_SHARE of it) and is not hidden in exact mode; in delayed mode it hides under
     ``forward_backward_s`` (when known), and the copies at the step boundary (4 B/param each way,
-    both at once) are what remains. State offload streams its 12 B/param through the GPU window
+    both at once) are what remains where they cannot run during the backward
+    (``RankPlan.boundary_params``). State offload streams its 12 B/param through the GPU window
     both ways at once, at ``host_link_gb_per_s`` each way."""
 
     cpu_adam_params_per_s: float
@@ -488,7 +496,7 @@ class StepCost:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
         if cpu_adam_delayed(run):
-            boundary = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
+            boundary = rank.boundary_params * copy_seconds_per_param(self.host_link_gb_per_s)
             return max(cpu - (self.forward_backward_s or 0.0), 0.0) + boundary + link
         return cpu + link
 
@@ -499,9 +507,9 @@ class StepCost:
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
+        copies = copy_seconds_per_param(self.host_link_gb_per_s) if rank.boundary_params else 0.0
         return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
-                               rank.cpu_adam_params / fraction,
-                               copy_seconds_per_param(self.host_link_gb_per_s),
+                               rank.cpu_adam_params / fraction, copies,
                                self.delayed_max_overhead)  # fmt: skip
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
@@ -514,12 +522,21 @@ class StepCost:
                 hidden = self.hidden_fraction(run, rank)
                 parts.append(
                     "delayed: hidden under forward+backward of "
-                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
-                    f"(boundary copies within {self.delayed_max_overhead:.0%} of it), "
+                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f}"
+                    + (
+                        f" (boundary copies within {self.delayed_max_overhead:.0%} of it)"
+                        if rank.boundary_params
+                        else ""
+                    )
+                    + ", "
                     if hidden is not None
                     else "delayed: not counted as hidden (set planner.forward_backward_s), "
                 )
-                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way at the step boundary"
+                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way " + (
+                    "at the step boundary"
+                    if rank.boundary_params
+                    else "during the last micro-batch's backward"
+                )
         if rank.states_moved:
             parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
                          f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip

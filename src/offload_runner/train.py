@@ -179,7 +179,10 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     scheduler = build_scheduler(run, optimizer)
     startup.phase("optimizer")
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = per_chunk([chunk.no_sync for chunk in model])
+    cpu_engines = cpu_adam.engines(optimizer)
+    # delayed CPU Adam copying during the last micro-batch's backward arms at no_sync's exit
+    config.no_sync_func = cpu_adam.arming(per_chunk([chunk.no_sync for chunk in model]),
+                                          cpu_engines)  # fmt: skip
     config.grad_scale_func = optimizer.scale_loss
 
     start = 0
@@ -246,6 +249,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
             fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
             torch.cuda.reset_peak_memory_stats()
             _, grad_norm, _ = optimizer.step()
+            cpu_adam.grads_clipped(cpu_engines, grad_norm)  # for gradients taken before clipping
             scheduler.step(increment=t.global_batch_size)
             loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
             torch.cuda.current_stream().synchronize()

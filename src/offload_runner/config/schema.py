@@ -272,6 +272,12 @@ class OptimizerConfig:
     # parameters alone (where no data-parallel parameter all-gather follows the step; else
     # step() waits for the whole update). false: step() always waits.
     cpu_adam_land_during_forward: bool = True
+    # Delayed mode: the step boundary's copies (this step's gradients down, the last update's
+    # masters up, 4 B/param each way) run during the last micro-batch's backward, each piece as
+    # soon as its gradients are final, and the CPU applies the clip factor (where nothing edits
+    # the gradients after the backward: one GPU, no tensor/pipeline/context/data parallelism;
+    # elsewhere, and with false, at step()).
+    cpu_adam_copy_during_backward: bool = True
 
     # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU ...
     offload_optimizer_states: bool = False
@@ -544,3 +550,19 @@ def cpu_adam_on(run: RunConfig) -> bool:
 def cpu_adam_delayed(run: RunConfig) -> bool:
     """... in delayed mode: its CPU update runs under the next step's forward and backward."""
     return cpu_adam_on(run) and run.optimizer.cpu_adam_delayed_update
+
+
+def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:
+    """... with its step-boundary copies during the last micro-batch's backward: only where no
+    gradient of a shard changes after its backward (Megatron-Core's finalize_model_grads reduces
+    over data-parallel ranks, all-reduces QK-norm and sequence-parallel grads over tensor-parallel
+    ranks and embedding grads over pipeline stages), so the CPU may take them before it runs."""
+    m = run.model
+    return (
+        cpu_adam_delayed(run)
+        and run.optimizer.cpu_adam_copy_during_backward
+        and data_parallel == 1
+        and m.tensor_model_parallel_size == 1
+        and m.pipeline_model_parallel_size == 1
+        and m.context_parallel_size == 1
+    )

@@ -86,6 +86,7 @@ Adam on the GPU: on a PCIe host the CPU engine usually wins; on a link several t
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -95,7 +96,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from offload_runner.config.schema import RunConfig, cpu_adam_on
+from offload_runner.config.schema import RunConfig, cpu_adam_copies_during_backward, cpu_adam_on
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece, hyper
@@ -305,6 +306,13 @@ class _Update:
     # threading.Event per piece, exact mode: its landing is enqueued (or the update failed)
     landed: list = field(default_factory=list)
     waited: int = 0  # landing during the forward: the pieces before this one are waited for
+    # delayed mode copying during the backward: per piece, its gradients went down before the
+    # clipping; the worker divides them by grad_scale (1 / Megatron-Core's clip factor, None:
+    # no clipping) once ``scaled`` is set (grads_clipped, after the step's grad norm is known)
+    unclipped: list = field(default_factory=list)
+    scaled: threading.Event = field(default_factory=threading.Event)
+    grad_scale: object = None
+    boundary_s: float = 0.0  # step(): from its start until every piece was handed to the worker
     failed: bool = False  # the worker or a landing raised: job.result() says what
     cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
@@ -334,6 +342,8 @@ class CpuAdam(HostAdam):
         chunk_bytes: int = 64 * 1024**2,
         order_key=None,
         land_during_forward: bool = False,
+        copy_during_backward: bool = False,
+        clip_grad: float = 0.0,
         worker: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
@@ -347,7 +357,18 @@ class CpuAdam(HostAdam):
         self.land_during_forward = land_during_forward
         self._inflight: tuple[_Update, concurrent.futures.Future] | None = None  # see watch()
         self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
+        self._spans: list[tuple[int, int]] | None = None  # see _pieces_of
         self._hooks: list = []
+        # delayed mode, copies during the backward (see watch_backward)
+        self.copy_during_backward = delayed and copy_during_backward
+        self.clip_grad = clip_grad
+        self._grad_hooks: list = []
+        self._hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
+        self._param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
+        self._piece_params: list[int] = []  # per piece: how many hooked params touch it
+        self._remaining: list[int] | None = None  # armed: per piece, params not yet final
+        self._previous: _Update | None = None  # armed: the update the backward lands
+        self._early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
         self._pending: _Update | None = None  # a delayed update, not landed
         self._jobs: list[concurrent.futures.Future] = []
         self._unlanded = False  # the host masters are newer than the bf16 params
@@ -386,7 +407,9 @@ class CpuAdam(HostAdam):
     def step(self, closure=None):
         import torch
 
+        began = time.perf_counter()
         self._complete()  # the last exact update, where the forward did not wait for all of it
+        early, self._early, self._remaining = self._early, {}, None  # copied during the backward
         if self._pieces is None:
             self._pieces = self._plan()
             if self.land_during_forward:  # forward order: the buffer is in backward order
@@ -415,23 +438,33 @@ class CpuAdam(HostAdam):
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
                          ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces],
-                         landed=[threading.Event() for _ in self._pieces])  # fmt: skip
+                         landed=[threading.Event() for _ in self._pieces],
+                         unclipped=[False] * len(self._pieces))  # fmt: skip
         in_forward = self.land_during_forward and not delayed
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
         try:
             for i, piece in enumerate(self._pieces):
-                if previous is not None:  # as the worker finishes it, fetching behind it
+                copied = early.pop(i, None)
+                if copied is not None:  # down (and the last update up) during the backward
+                    copied.result()
+                    update.unclipped[i] = True
+                elif previous is not None:  # as the worker finishes it, fetching behind it
                     previous.done[i].wait()
                     self._land(piece, previous.guess)
-                elif self._unlanded or guess:
+                if previous is None and (self._unlanded or guess):
                     self._land(piece, guess)
-                self._fetch(piece)
+                if copied is None:
+                    self._fetch(piece)
                 update.ready[i].set()
+            if not any(update.unclipped):
+                update.scaled.set()  # every gradient went down clipped
+            update.boundary_s = time.perf_counter() - began
             if previous is not None:
                 self._jobs.pop(0).result()
         except BaseException:
             update.cancelled = True
+            update.scaled.set()
             for ready in update.ready:
                 ready.set()
             raise
@@ -456,11 +489,13 @@ class CpuAdam(HostAdam):
     def _start_fetch(self) -> None:
         import torch
 
-        if self._streams is not None:  # clipping wrote the grads on the compute stream
-            self._streams[0].wait_stream(torch.cuda.current_stream())
+        if self._streams is not None:  # clipping wrote the grads on the compute stream, and
+            for stream in self._streams:  # the backward read the parameters the landings write
+                stream.wait_stream(torch.cuda.current_stream())
 
-    def _fetch(self, piece: Piece) -> None:
-        """A piece's gradients down (on ``d2h``; synchronously without CUDA)."""
+    def _fetch(self, piece: Piece, after=None) -> None:
+        """A piece's gradients down (on ``d2h``, after the CUDA event ``after`` where given;
+        synchronously without CUDA)."""
         import torch
 
         target = self.host_grad[piece.start : piece.stop]
@@ -468,13 +503,16 @@ class CpuAdam(HostAdam):
             target.copy_(piece.grad)
             return
         with torch.cuda.stream(self._streams[0]):
+            if after is not None:
+                self._streams[0].wait_event(after)
             target.copy_(piece.grad, non_blocking=True)
             piece.fetched = torch.cuda.Event(blocking=True)  # the worker sleeps on it
             piece.fetched.record(self._streams[0])
 
-    def _land(self, piece: Piece, guess: bool = False) -> None:
+    def _land(self, piece: Piece, guess: bool = False, after=None) -> None:
         """A piece's masters (or, with ``guess``, their extrapolation) up and rounded into its
-        bf16 parameters (on ``h2d``; on the CPU, synchronously, without CUDA)."""
+        bf16 parameters (on ``h2d``, after the CUDA event ``after`` where given; on the CPU,
+        synchronously, without CUDA)."""
         import torch
 
         source = (self.host_guess if guess else self.host_master)[piece.start : piece.stop]
@@ -482,6 +520,8 @@ class CpuAdam(HostAdam):
             piece.param.copy_(source)
             return
         with self._land_lock, torch.cuda.stream(self._streams[1]):  # ring reuse: this stream
+            if after is not None:
+                self._streams[1].wait_event(after)
             ring = self._ring[self._landings % 2][: piece.numel]
             self._landings += 1
             ring.copy_(source, non_blocking=True)
@@ -496,8 +536,8 @@ class CpuAdam(HostAdam):
             self._update_pieces(update)
         except BaseException:
             update.failed = True
-            for landed in update.landed:  # nothing waits for a landing that will not come
-                landed.set()
+            for event in update.landed + update.done:  # nothing waits for what will not come
+                event.set()
             raise
 
     def _update_pieces(self, update: _Update) -> None:
@@ -516,16 +556,22 @@ class CpuAdam(HostAdam):
                 piece.fetched.synchronize()
             if piece.landed is not None:
                 piece.landed.synchronize()  # the last update's masters have gone up
+            scale = None
+            if update.unclipped[i]:  # taken before the clipping: Megatron-Core's factor
+                update.scaled.wait()
+                scale = update.grad_scale
+                if update.cancelled:
+                    return
             t1 = time.perf_counter()
             for a, b, gi in piece.groups:
                 if not update.guess:
-                    self._adam(a, b, update.hyper[gi], steps)
+                    self._adam(a, b, update.hyper[gi], steps, scale)
                     continue
                 # in blocks whose arrays stay in the caches between the three passes
                 for c in range(a, b, GUESS_BLOCK):
                     d = min(c + GUESS_BLOCK, b)
                     self.host_guess[c:d].copy_(self.host_master[c:d])
-                    self._adam(c, d, update.hyper[gi], steps)
+                    self._adam(c, d, update.hyper[gi], steps, scale)
                     self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
             if update.guess:
                 self._guessed = True
@@ -552,15 +598,16 @@ class CpuAdam(HostAdam):
         finally:
             update.landed[index].set()
 
-    def _adam(self, a: int, b: int, h: dict, steps) -> None:
-        """torch's fused AdamW on elements [a, b) of the host arrays."""
+    def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
+        """torch's fused AdamW on elements [a, b) of the host arrays (the gradients divided by
+        ``grad_scale`` first, where given)."""
         import torch
 
         torch._fused_adamw_(
             [self.host_master[a:b]], [self.host_grad[a:b]], [self.host_exp_avg[a:b]],
             [self.host_exp_avg_sq[a:b]], [], [steps], lr=h["lr"], beta1=h["beta1"],
             beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
-            maximize=False,
+            maximize=False, grad_scale=grad_scale,
         )  # fmt: skip
 
     def _guess_from_states(self) -> None:
@@ -631,15 +678,98 @@ class CpuAdam(HostAdam):
 
     def _last_piece_of(self, params: list) -> int:
         """The last piece (in update order) holding any of ``params``'s elements; -1: none."""
-        last = -1
-        for p in params:
-            lo = p.data_ptr()
-            hi = lo + p.numel() * p.element_size()
-            for i, piece in enumerate(self._pieces):
-                a = piece.param.data_ptr()
-                if a < hi and lo < a + piece.numel * piece.param.element_size():
-                    last = max(last, i)
-        return last
+        return max((i for p in params for i in self._pieces_of(p)), default=-1)
+
+    def _pieces_of(self, param) -> list[int]:
+        """The pieces (indices in update order) holding any of ``param``'s elements."""
+        if self._spans is None:  # each piece's bytes in the parameter buffer
+            self._spans = [(q.param.data_ptr(),
+                            q.param.data_ptr() + q.numel * q.param.element_size())
+                           for q in self._pieces]  # fmt: skip
+        lo = param.data_ptr()
+        hi = lo + param.numel() * param.element_size()
+        return [i for i, (a, b) in enumerate(self._spans) if a < hi and lo < b]
+
+    # -- delayed mode: the step boundary's copies during the backward ---------------------------
+    def watch_backward(self, chunks) -> None:
+        """Copy during the last micro-batch's backward: a hook after each parameter's gradient
+        accumulation (registered after Megatron-Core DDP's own, on the same autograd node, so the
+        DDP buffer holds the gradient when it runs) counts the parameters of each piece whose
+        gradients are final; when a piece's are, its gradients go down and the last update's
+        masters come up into its parameters, which no later part of the backward reads. Armed by
+        ``arm`` (the schedule's ``no_sync`` exit: the last micro-batch follows); only on a shard
+        whose gradients nothing edits after the backward (``cpu_adam_copies_during_backward``);
+        the CPU applies the clip factor (``grads_clipped``)."""
+        import torch
+
+        with torch.enable_grad():
+            for chunk in chunks:
+                for param in chunk.parameters():
+                    if not param.requires_grad:
+                        continue
+                    node = param.expand_as(param).grad_fn.next_functions[0][0]
+                    hook = functools.partial(self._after_grad, id(param))
+                    self._grad_hooks.append((node, node.register_hook(hook)))
+                    self._hooked[id(param)] = param
+
+    def arm(self) -> None:
+        """The last micro-batch's backward follows: copy during it where the coming step is
+        delayed (the exact steps before need their gradients clipped at ``step()``)."""
+        self._early.clear()
+        step = int(self.param_groups[0].get("step", 0)) + 1 if self.param_groups else 1
+        if not (self._grad_hooks and self._pieces and step > self.exact_steps):
+            self._remaining = None
+            return
+        if self._param_pieces is None:
+            self._param_pieces = {key: self._pieces_of(p) for key, p in self._hooked.items()}
+            self._piece_params = [0] * len(self._pieces)
+            for pieces in self._param_pieces.values():
+                for i in pieces:
+                    self._piece_params[i] += 1
+        self._previous = self._pending
+        self._remaining = list(self._piece_params)
+
+    def _after_grad(self, key: int, *unused) -> None:
+        """A parameter's gradient is accumulated: the pieces it completes start their copies."""
+        remaining = self._remaining
+        if remaining is None:
+            return
+        for i in self._param_pieces.get(key, ()):
+            remaining[i] -= 1
+            if remaining[i] == 0:
+                event = None
+                if self._streams is not None:  # the backward so far, on this thread's stream
+                    import torch
+
+                    event = torch.cuda.Event()
+                    event.record()
+                self._early[i] = self._lander.submit(self._copy_early, i, self._previous, event)
+
+    def _copy_early(self, i: int, previous: _Update | None, after) -> None:
+        """(The landing thread) piece ``i``: the last update's masters up once the worker has
+        them, this step's gradients down, both after the CUDA event ``after``."""
+        piece = self._pieces[i]
+        if previous is not None:
+            previous.done[i].wait()
+            if previous.failed:
+                return  # step() raises the worker's error
+            self._land(piece, previous.guess, after)
+        self._fetch(piece, after)
+
+    def grads_clipped(self, grad_norm: float | None) -> None:
+        """After Megatron-Core's step (whose clipping scaled the GPU gradients by clip_grad /
+        (grad_norm + 1e-6) where that is below 1): the gradients copied during the backward
+        were taken before, so the worker divides them by the inverse of that factor."""
+        update = self._pending
+        if update is None or update.scaled.is_set():
+            return
+        coeff = (self.clip_grad / (float(grad_norm) + 1.0e-6)
+                 if self.clip_grad > 0 and grad_norm is not None else 1.0)  # fmt: skip
+        if coeff < 1.0:
+            import torch
+
+            update.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32)
+        update.scaled.set()
 
     def _complete(self) -> None:
         """Wait for an exact update the forward has not waited for to its end (errors raise
@@ -662,6 +792,11 @@ class CpuAdam(HostAdam):
         """Wait for a delayed update (checkpoints: masters and states consistent; not landed)
         or an exact one landing during the forward."""
         self._complete()
+        if self._pending is not None and not self._pending.scaled.is_set():
+            raise RuntimeError(
+                "cpu_adam: an update whose gradients went down during the "
+                "backward waits for grads_clipped(grad_norm) after the step"
+            )
         while self._jobs:
             self._jobs.pop(0).result()
         if self._pending is not None:
@@ -688,8 +823,14 @@ class CpuAdam(HostAdam):
         self._unlanded = False
 
     def close(self) -> None:
+        if self._pending is not None and not self._pending.scaled.is_set():
+            self._pending.cancelled = True  # a run that stopped between step and clip factor
+            self._pending.scaled.set()
         self.finish()
         self._unwatch()
+        for _, hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks.clear()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
         self._lander.shutdown(wait=True)
         self._arenas.release()
@@ -707,6 +848,8 @@ class CpuAdam(HostAdam):
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
             "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),
+            "cpu_adam_boundary_s_median": statistics.median(u.boundary_s for u in steady),
+            "cpu_adam_pieces_in_backward": statistics.median(sum(u.unclipped) for u in steady),
             "cpu_adam_threads": self.threads,
             "cpu_adam_pieces": len(self._pieces or []),
         }
@@ -773,6 +916,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
     in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
+    in_backward = [cpu_adam_copies_during_backward(run) and not _gathers_params(p) for p in parts]
     worker = cpu_worker(cpus, threads, _current_device())
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
@@ -780,11 +924,14 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run),
         predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
-        land_during_forward=in_forward[i], worker=worker,
+        land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
+        clip_grad=o.clip_grad, worker=worker,
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:
             engine.watch(part.model_chunks)
+        if engine.copy_during_backward:
+            engine.watch_backward(part.model_chunks)
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
              "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
@@ -793,7 +940,38 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
                  "after the step land within step() (the all-gather needs them whole); "
                  "the others land during the next forward")  # fmt: skip
+    if o.cpu_adam_delayed_update and o.cpu_adam_copy_during_backward:
+        log.info("cpu_adam: delayed steps copy %s", "during the last micro-batch's backward "
+                 "(the CPU applies the clip factor)" if all(in_backward) else "at the step "
+                 "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
+                 "pipeline or context parallelism); optimizer.cpu_adam_copy_during_backward "
+                 "acts on one GPU")  # fmt: skip
     return built
+
+
+def arming(no_sync, built: list[CpuAdam]):
+    """Megatron-Core's ``config.no_sync_func`` for the schedules: DDP's ``no_sync``, and on its
+    exit (the last micro-batch follows, as DDP's own grad sync reads it) the engines that copy
+    during the backward arm (``CpuAdam.arm``); ``no_sync`` itself where none does."""
+    armed = [e for e in built if e.copy_during_backward]
+    if not armed:
+        return no_sync
+
+    @contextlib.contextmanager
+    def no_sync_then_arm():
+        with no_sync():
+            yield
+        for engine in armed:
+            engine.arm()
+
+    return no_sync_then_arm
+
+
+def grads_clipped(built: list[CpuAdam], grad_norm: float | None) -> None:
+    """After Megatron-Core's ``optimizer.step()``: its grad norm to the engines whose gradients
+    went down before the clipping (``CpuAdam.grads_clipped``)."""
+    for engine in built:
+        engine.grads_clipped(grad_norm)
 
 
 def _gathers_params(part) -> bool:
@@ -842,7 +1020,8 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
         forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
     hidden = None
     if forward_backward_s and rate:
-        copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
+        at_boundary = planner is not None and not all(e.copy_during_backward for e in built)
+        copies = copy_seconds_per_param(planner.host_link_gb_per_s) if at_boundary else 0.0
         overhead = planner.delayed_max_overhead if planner else 1.0
         hidden = hidden_fraction(forward_backward_s, rate, shard, copies, overhead)
     return {
@@ -853,6 +1032,9 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),
         "cpu_adam_wait_s_median": sum(m["cpu_adam_wait_s_median"] for m in found),
         "cpu_adam_forward_wait_s_median": forward_wait,
+        "cpu_adam_boundary_s_median": sum(m["cpu_adam_boundary_s_median"] for m in found),
+        "cpu_adam_pieces_in_backward": sum(m["cpu_adam_pieces_in_backward"] for m in found),
+        "cpu_adam_copies_in_backward": any(e.copy_during_backward for e in built),
         "cpu_adam_threads": found[0]["cpu_adam_threads"],
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
