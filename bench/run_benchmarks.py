@@ -412,6 +412,16 @@ def _boundary_cases(gbs: int) -> list[Case]:
     return [cases[0], cases[3], at_boundary, cases[4], cases[5]]
 
 
+def _pieces_cases(gbs: int) -> list[Case]:
+    """Delayed mode (copying during the last backward) in 256 MiB pieces (its preset) and in
+    64 MiB ones, with its hidden fraction and the baseline twice."""
+    cases = _cpu_adam_cases(gbs)
+    small = Case(f"GBS{gbs} cpu_adam_delayed 100%, 64 MiB pieces", PROXY_RECIPE,
+                 (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
+                  "optimizer.cpu_adam_chunk_mb=64"), f"GBS{gbs} no offload")  # fmt: skip
+    return [cases[0], cases[3], small, cases[4], cases[5]]
+
+
 SUITES: dict[str, list[Case]] = {
     "adam-parity": ADAM_PARITY,
     "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
@@ -420,6 +430,8 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
     # delayed mode's step-boundary copies during the last backward against at the boundary
     "cpu-adam-4-backward": _boundary_cases(4),
+    # delayed mode's pieces: 256 MiB (its preset) against 64 MiB, copying during the backward
+    "cpu-adam-4-pieces": _pieces_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next

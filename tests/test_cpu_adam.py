@@ -364,6 +364,15 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1)
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=planner)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
+    # a link at which the whole shard's copies take 3.2 forward+backwards: at the boundary 0.1
+    # of it, copying during the last of 2 backwards (a third of forward+backward at
+    # BACKWARD_SHARE) a third more
+    slow = PlannerConfig(host_link_gb_per_s=5 * rate / 1e9, delayed_max_overhead=0.1)
+    found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow)
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.1 / 3.2)
+    found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow,
+                             copy_micro_batches=2)  # fmt: skip
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx((0.1 + 1 / 3) / 3.2)
     # exact mode landing during the forward: the forward's wait for the update is not its work
     for update in eng.history:
         update.forward_wait_s = 3 * fb

@@ -324,22 +324,28 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     assert hidden_fraction(2.0, 1e9, 4e9, copy_s_per_param=1e-9, max_overhead=0.5) == 0.25
 
 
-def test_delayed_copies_during_the_backward_cost_nothing_at_the_boundary() -> None:
-    """On one GPU delayed mode copies during the last backward: only the CPU time beyond
-    forward+backward costs, and the copies do not limit the hidden fraction. With data
-    parallelism (Megatron-Core reduces the gradients after the backward) they wait for the
-    boundary again."""
-    from offload_runner.plan import StepCost
+def test_delayed_copies_during_the_backward_hide_in_the_last_backward() -> None:
+    """On one GPU delayed mode copies during the last micro-batch's backward: of its copies only
+    what outlasts that backward (BACKWARD_SHARE of one micro-batch's forward+backward) costs,
+    and limits the hidden fraction. With data parallelism (Megatron-Core reduces the gradients
+    after the backward) they wait for the step boundary again."""
+    from offload_runner.plan import BACKWARD_SHARE, StepCost
 
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
                       "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
     rank = make_plan(run).ranks[0]
-    assert rank.cpu_adam_params and rank.boundary_params == 0
-    cpu = rank.cpu_adam_params / 4e9
-    cost = StepCost(4e9, 50.0, forward_backward_s=cpu / 2, delayed_max_overhead=0.1)
-    assert cost.seconds(run, rank) == pytest.approx(cpu / 2)
-    assert cost.hidden_fraction(run, rank) == pytest.approx(0.25)  # the CPU's limit alone
-    assert "during the last micro-batch's backward" in cost.explain(run, rank)
+    params = rank.cpu_adam_params
+    assert params and rank.boundary_params == 0
+    micro = run.train.global_batch_size // run.train.micro_batch_size
+    cpu, copies = params / 4e9, params * 4 / 50e9
+    fb = 2 * micro * copies / BACKWARD_SHARE  # the last backward lasts twice the copies
+    cost = StepCost(4e9, 50.0, forward_backward_s=fb, delayed_max_overhead=0.1)
+    assert cost.seconds(run, rank) == pytest.approx(max(cpu - fb, 0.0))
+    assert cost.hidden_fraction(run, rank) == pytest.approx(min(1.0, fb / cpu * 0.5))
+    short = replace(cost, forward_backward_s=fb / 4)  # the copies outlast it by half of theirs
+    assert short.seconds(run, rank) == pytest.approx(max(cpu - fb / 4, 0.0) + copies / 2)
+    assert "copies beyond the last backward within 10%" in short.explain(run, rank)
+    assert "during the last micro-batch's backward" in short.explain(run, rank)
     two = make_plan(run, world=2).ranks[0]
     assert two.boundary_params == two.cpu_adam_params > 0
     assert "at the step boundary" in cost.explain(run, two)
@@ -377,10 +383,10 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     assert choice.description.startswith(
         "offload/optimizer=cpu_adam_delayed optimizer.optimizer_offload_fraction=0.5"
     )
-    # its CPU Adam would hide up to 0.6 s x 3.7e9 / 3.11B = 0.71 (on one GPU its copies run
-    # during the backward); copying at the boundary, its copies (4 B/param at 50.8 GB/s) within
-    # 10% of 0.6 s up to 0.24
-    assert "up to a fraction of 0.71, " in choice.description
+    # its CPU Adam would hide up to 0.6 s x 3.7e9 / 3.11B = 0.71; on one GPU its copies (4
+    # B/param at 50.8 GB/s) run during the last of 4 backwards (0.1 s) and may outlast it by
+    # 10% of 0.6 s: up to 0.65; copying at the boundary, within 10% of 0.6 s: up to 0.24
+    assert "up to a fraction of 0.65 (copies beyond the last backward" in choice.description
     run.optimizer.cpu_adam_copy_during_backward = False
     assert "up to a fraction of 0.24 (boundary copies within 10% of it)" in (
         choose_offload(run).description

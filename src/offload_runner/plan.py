@@ -441,17 +441,29 @@ def param_count(n: float) -> str:
 
 
 def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float,
-                    copy_s_per_param: float = 0.0, max_overhead: float = 1.0) -> float:  # fmt: skip
+                    copy_s_per_param: float = 0.0, max_overhead: float = 1.0,
+                    copy_window_s: float = 0.0) -> float:  # fmt: skip
     """The largest optimizer_offload_fraction of a rank's Adam shard (``shard_params``) that
     delayed mode hides: CPU Adam at ``params_per_s`` finishes within one forward+backward, and
-    the copies at the step boundary, which nothing hides (``copy_s_per_param``, each way at
-    once), add at most ``max_overhead`` of forward+backward to the step."""
+    its copies (``copy_s_per_param``, each way at once) outlast ``copy_window_s`` (the last
+    micro-batch's backward where they run during it, see ``copy_window``; 0 at the step
+    boundary) by at most ``max_overhead`` of forward+backward."""
     if not shard_params:
         return 1.0
     cpu = forward_backward_s * params_per_s / shard_params
-    copies = (max_overhead * forward_backward_s / (copy_s_per_param * shard_params)
-              if copy_s_per_param else 1.0)  # fmt: skip
+    copies = ((max_overhead * forward_backward_s + copy_window_s)
+              / (copy_s_per_param * shard_params) if copy_s_per_param else 1.0)  # fmt: skip
     return min(1.0, cpu, copies)
+
+
+# Of a micro-batch's forward+backward, the backward's share (twice the forward's matmul FLOPs).
+BACKWARD_SHARE = 2 / 3
+
+
+def copy_window(forward_backward_s: float, micro_batches: int) -> float:
+    """Delayed mode copying during the backward: the time its copies have before the step ends,
+    about the last micro-batch's backward (gradients are final only there)."""
+    return forward_backward_s / max(micro_batches, 1) * BACKWARD_SHARE
 
 
 def copy_seconds_per_param(host_link_gb_per_s: float) -> float:
@@ -496,9 +508,18 @@ class StepCost:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
         if cpu_adam_delayed(run):
-            boundary = rank.boundary_params * copy_seconds_per_param(self.host_link_gb_per_s)
-            return max(cpu - (self.forward_backward_s or 0.0), 0.0) + boundary + link
+            copies = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
+            tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
+            return max(cpu - (self.forward_backward_s or 0.0), 0.0) + tail + link
         return cpu + link
+
+    def _copy_window(self, run: RunConfig, rank: RankPlan) -> float:
+        """The time delayed mode's copies hide in: the last micro-batch's backward where they
+        run during it (one GPU, so one micro-batch per sample), else none."""
+        if rank.boundary_params or not self.forward_backward_s:
+            return 0.0
+        t = run.train
+        return copy_window(self.forward_backward_s, t.global_batch_size // t.micro_batch_size)
 
     def hidden_fraction(self, run: RunConfig, rank: RankPlan) -> float | None:
         """Delayed mode: the largest optimizer_offload_fraction whose CPU Adam fits under
@@ -507,10 +528,10 @@ class StepCost:
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
-        copies = copy_seconds_per_param(self.host_link_gb_per_s) if rank.boundary_params else 0.0
         return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
-                               rank.cpu_adam_params / fraction, copies,
-                               self.delayed_max_overhead)  # fmt: skip
+                               rank.cpu_adam_params / fraction,
+                               copy_seconds_per_param(self.host_link_gb_per_s),
+                               self.delayed_max_overhead, self._copy_window(run, rank))  # fmt: skip
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
@@ -522,13 +543,13 @@ class StepCost:
                 hidden = self.hidden_fraction(run, rank)
                 parts.append(
                     "delayed: hidden under forward+backward of "
-                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f}"
+                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
                     + (
-                        f" (boundary copies within {self.delayed_max_overhead:.0%} of it)"
+                        f"(boundary copies within {self.delayed_max_overhead:.0%} of it), "
                         if rank.boundary_params
-                        else ""
+                        else f"(copies beyond the last backward within "
+                        f"{self.delayed_max_overhead:.0%} of it), "
                     )
-                    + ", "
                     if hidden is not None
                     else "delayed: not counted as hidden (set planner.forward_backward_s), "
                 )

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from offload_runner.config.schema import RunConfig
+from offload_runner.config.schema import RunConfig, backward_copies_allowed
 from offload_runner.metrics import (
     GB,
     MetricsReporter,
@@ -293,7 +293,9 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
     extra.update(startup.gathered(peak_so_far))
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
-    found = cpu_adam.metrics(optimizer, forward_backward_s, run.planner)
+    # delayed mode's copies would run during the last backward here (its hidden fraction)
+    window = micro_batches if backward_copies_allowed(run, dp_size) else None
+    found = cpu_adam.metrics(optimizer, forward_backward_s, run.planner, window)
     if is_writer:
         cpu_adam.report_hidden_fraction(found, run.planner)
     extra.update(found)

@@ -553,14 +553,18 @@ def cpu_adam_delayed(run: RunConfig) -> bool:
 
 
 def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:
-    """... with its step-boundary copies during the last micro-batch's backward: only where no
-    gradient of a shard changes after its backward (Megatron-Core's finalize_model_grads reduces
-    over data-parallel ranks, all-reduces QK-norm and sequence-parallel grads over tensor-parallel
-    ranks and embedding grads over pipeline stages), so the CPU may take them before it runs."""
+    """... with its step-boundary copies during the last micro-batch's backward."""
+    return cpu_adam_delayed(run) and backward_copies_allowed(run, data_parallel)
+
+
+def backward_copies_allowed(run: RunConfig, data_parallel: int = 1) -> bool:
+    """optimizer.cpu_adam_copy_during_backward, where no gradient of a shard changes after its
+    backward (Megatron-Core's finalize_model_grads reduces over data-parallel ranks, all-reduces
+    QK-norm and sequence-parallel grads over tensor-parallel ranks and embedding grads over
+    pipeline stages), so the CPU may take them before it runs."""
     m = run.model
     return (
-        cpu_adam_delayed(run)
-        and run.optimizer.cpu_adam_copy_during_backward
+        run.optimizer.cpu_adam_copy_during_backward
         and data_parallel == 1
         and m.tensor_model_parallel_size == 1
         and m.pipeline_model_parallel_size == 1

@@ -105,6 +105,7 @@ from offload_runner.plan import (
     CPU_ADAM_PINNED_BYTES,
     GiB,
     copy_seconds_per_param,
+    copy_window,
     hidden_fraction,
     param_count,
 )
@@ -1001,12 +1002,14 @@ def cpu_ranges(cpus: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans) or "?"
 
 
-def metrics(optimizer, forward_backward_s: float | None = None, planner=None) -> dict:
+def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
+            copy_micro_batches: int | None = None) -> dict:  # fmt: skip
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
     of a rank, the mode, and (given the run's median forward+backward) the largest offload
     fraction delayed mode hides at this run's rate: its CPU Adam under forward+backward, its
-    boundary copies within ``planner.delayed_max_overhead`` of it at
-    ``planner.host_link_gb_per_s`` (a PlannerConfig; None: copies not counted)."""
+    copies at ``planner.host_link_gb_per_s`` (a PlannerConfig; None: copies not counted) beyond
+    the last of ``copy_micro_batches`` backwards (None: copies at the step boundary) within
+    ``planner.delayed_max_overhead`` of it."""
     built = engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
@@ -1020,10 +1023,11 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None) ->
         forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
     hidden = None
     if forward_backward_s and rate:
-        at_boundary = planner is not None and not all(e.copy_during_backward for e in built)
-        copies = copy_seconds_per_param(planner.host_link_gb_per_s) if at_boundary else 0.0
+        copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
         overhead = planner.delayed_max_overhead if planner else 1.0
-        hidden = hidden_fraction(forward_backward_s, rate, shard, copies, overhead)
+        window = (copy_window(forward_backward_s, copy_micro_batches)
+                  if copy_micro_batches else 0.0)  # fmt: skip
+        hidden = hidden_fraction(forward_backward_s, rate, shard, copies, overhead, window)
     return {
         "cpu_offloaded_params": params,
         "cpu_adam_params_per_s": rate,
@@ -1053,8 +1057,9 @@ def report_hidden_fraction(found: dict, planner) -> None:
     if fraction is None or not forward_backward_s:
         return
     log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s: "
-             "delayed mode hides the CPU update, with its boundary copies within %.0f%% of "
-             "forward+backward (planner.delayed_max_overhead), up to "
+             "delayed mode hides the CPU update, with its copies (beyond the last backward "
+             "where they run during it) within %.0f%% of forward+backward "
+             "(planner.delayed_max_overhead), up to "
              "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f lets "
              "--plan and offload/optimizer=auto use this)",
              found["cpu_offloaded_params"] / 1e9, found["cpu_adam_params_per_s"] / 1e9,
