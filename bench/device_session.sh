@@ -116,7 +116,7 @@ case "$1" in
   cpu-adam-4-backward)  # delayed mode copying during the last backward against at the boundary
     python bench/run_benchmarks.py run --suite cpu-adam-4-backward --iters 12 --time-limit 560 \
       --out "$OUT/results-cpu-adam-4-backward.json" --work-dir "$WORK/bench" ;;
-  cpu-adam-4-pieces)  # delayed mode in 256 MiB pieces (its preset) against 64 MiB ones
+  cpu-adam-4-pieces)  # delayed mode in 256 MiB pieces against 64 MiB ones
     python bench/run_benchmarks.py run --suite cpu-adam-4-pieces --iters 12 --time-limit 560 \
       --out "$OUT/results-cpu-adam-4-pieces.json" --work-dir "$WORK/bench" ;;
   delayed-tests)  # delayed mode's gpu tests: one step late (during the backward and at the

@@ -413,13 +413,16 @@ def _boundary_cases(gbs: int) -> list[Case]:
 
 
 def _pieces_cases(gbs: int) -> list[Case]:
-    """Delayed mode (copying during the last backward) in 256 MiB pieces (its preset) and in
-    64 MiB ones, with its hidden fraction and the baseline twice."""
+    """Delayed mode (copying during the last backward) in 256 MiB pieces and in 64 MiB ones,
+    with its hidden fraction and the baseline twice. (Its run at 224b535 had 256 MiB pieces in
+    the delayed preset: there the first delayed row is the 256 MiB one.)"""
     cases = _cpu_adam_cases(gbs)
-    small = Case(f"GBS{gbs} cpu_adam_delayed 100%, 64 MiB pieces", PROXY_RECIPE,
-                 (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
-                  "optimizer.cpu_adam_chunk_mb=64"), f"GBS{gbs} no offload")  # fmt: skip
-    return [cases[0], cases[3], small, cases[4], cases[5]]
+    pieces = [Case(f"GBS{gbs} cpu_adam_delayed 100%, {mb} MiB pieces", PROXY_RECIPE,
+                   (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
+                    f"optimizer.cpu_adam_chunk_mb={mb}"), f"GBS{gbs} no offload")
+              for mb in (256, 64)]  # fmt: skip
+    hidden = replace(cases[4], hidden_fraction_of=pieces[1].name)
+    return [cases[0], *pieces, hidden, cases[5]]
 
 
 SUITES: dict[str, list[Case]] = {
@@ -430,7 +433,7 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
     # delayed mode's step-boundary copies during the last backward against at the boundary
     "cpu-adam-4-backward": _boundary_cases(4),
-    # delayed mode's pieces: 256 MiB (its preset) against 64 MiB, copying during the backward
+    # delayed mode's pieces: 256 MiB against 64 MiB, copying during the backward
     "cpu-adam-4-pieces": _pieces_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),

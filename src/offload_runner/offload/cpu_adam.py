@@ -44,10 +44,14 @@ Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous 
 piece as the worker finishes each (its masters go up while this step's gradients of the same
 piece go down, both directions at once), hands this step's update to the worker and returns: the
 worker runs during the next forward and backward, and its result lands at the next ``step()``: the
-forward of step t+1 sees the update of step t-1. The GPU share of Adam stays exact. What delayed
-mode does not hide is the step boundary: this step's gradients must be down before the grad
-buffer is zeroed and the last update up before the next forward (4 B/param each way, both at
-once), so the fraction it hides (``cpu_adam_hidden_fraction``) keeps those copies within
+forward of step t+1 sees the update of step t-1. The GPU share of Adam stays exact. This step's
+gradients must be down before the grad buffer is zeroed and the last update up before the next
+forward (4 B/param each way, both at once). On one GPU (``optimizer.cpu_adam_copy_during_backward``,
+``watch_backward``) both run during the last micro-batch's backward, each piece as soon as its
+gradients are final (they are unclipped then: the worker applies Megatron-Core's clip factor,
+``grads_clipped``), so ``step()`` only hands the update over; elsewhere at ``step()``. The
+fraction delayed mode hides (``cpu_adam_hidden_fraction``) keeps what the copies add to the step
+(beyond the last backward, or all of them at the boundary) within
 ``planner.delayed_max_overhead``. Checkpoints are taken with the worker finished but its result
 not landed, so the saved masters are one update ahead of the saved bf16 weights; after a load
 the first step lands them, which resumes the uninterrupted run exactly.
@@ -78,7 +82,9 @@ parameter outside it; ``attach`` warns when the fraction reaches past the expert
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
 each way against 50 GB/s); delayed step = max(GPU step + copy time not hidden,
-params/rate). State offload (offload/optimizer=states) moves 12 B/param each way instead and keeps
+params/rate); measured (docs/BENCHMARKS.md, "Delayed mode's step boundary"), the CPU update also
+slows the kernel-launching training thread on a launch-bound model. State offload
+(offload/optimizer=states) moves 12 B/param each way instead and keeps
 Adam on the GPU: on a PCIe host the CPU engine usually wins; on a link several times faster
 (Grace-Hopper class C2C) state offload does.
 """
