@@ -391,11 +391,11 @@ def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
     drive(eng, buffers, 1)
     fetch, calls = eng._fetch, []
 
-    def failing_fetch(piece) -> None:
+    def failing_fetch(piece, after=None) -> None:
         calls.append(piece)
         if len(calls) == 2:
             raise RuntimeError("copy failed")
-        fetch(piece)
+        fetch(piece, after)
 
     eng._fetch = failing_fetch
     with pytest.raises(RuntimeError, match="copy failed"):

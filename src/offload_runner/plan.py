@@ -523,8 +523,8 @@ class StepCost:
 
     def hidden_fraction(self, run: RunConfig, rank: RankPlan) -> float | None:
         """Delayed mode: the largest optimizer_offload_fraction whose CPU Adam fits under
-        forward_backward_s and whose boundary copies add at most delayed_max_overhead of it
-        (None when that is unknown or nothing is on the CPU)."""
+        forward_backward_s and whose copies the step waits for add at most delayed_max_overhead
+        of it (None when that is unknown or nothing is on the CPU)."""
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
@@ -541,23 +541,19 @@ class StepCost:
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip
             if cpu_adam_delayed(run):
                 hidden = self.hidden_fraction(run, rank)
+                at_boundary = bool(rank.boundary_params)
+                limited = "boundary copies" if at_boundary else "copies beyond the last backward"
+                where = "at the step boundary" if at_boundary else (
+                    "during the last micro-batch's backward"
+                )  # fmt: skip
                 parts.append(
                     "delayed: hidden under forward+backward of "
                     f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
-                    + (
-                        f"(boundary copies within {self.delayed_max_overhead:.0%} of it), "
-                        if rank.boundary_params
-                        else f"(copies beyond the last backward within "
-                        f"{self.delayed_max_overhead:.0%} of it), "
-                    )
+                    f"({limited} within {self.delayed_max_overhead:.0%} of it), "
                     if hidden is not None
                     else "delayed: not counted as hidden (set planner.forward_backward_s), "
                 )
-                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way " + (
-                    "at the step boundary"
-                    if rank.boundary_params
-                    else "during the last micro-batch's backward"
-                )
+                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way {where}"
         if rank.states_moved:
             parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
                          f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip

@@ -456,13 +456,10 @@ class CpuAdam(HostAdam):
                 if copied is not None:  # down (and the last update up) during the backward
                     copied.result()
                     update.unclipped[i] = True
-                elif previous is not None:  # as the worker finishes it, fetching behind it
-                    previous.done[i].wait()
-                    self._land(piece, previous.guess)
                 if previous is None and (self._unlanded or guess):
                     self._land(piece, guess)
-                if copied is None:
-                    self._fetch(piece)
+                if copied is None:  # as the worker finishes the last update, fetching behind it
+                    self._cross(i, previous)
                 update.ready[i].set()
             if not any(update.unclipped):
                 update.scaled.set()  # every gradient went down clipped
@@ -621,7 +618,7 @@ class CpuAdam(HostAdam):
         """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
         before the last update are gone): the last update recomputed from exp_avg, exp_avg_sq,
         the step count and the param groups' hyperparameters, added once more."""
-        step = int(self.param_groups[0].get("step", 0)) if self.param_groups else 0
+        step = self.steps_taken
         if step < 1:
             self.host_guess.copy_(self.host_master)
         else:  # the learning rate of that update: the scheduler has moved the groups' since
@@ -723,8 +720,7 @@ class CpuAdam(HostAdam):
         """The last micro-batch's backward follows: copy during it where the coming step is
         delayed (the exact steps before need their gradients clipped at ``step()``)."""
         self._early.clear()
-        step = int(self.param_groups[0].get("step", 0)) + 1 if self.param_groups else 1
-        if not (self._grad_hooks and self._pieces and step > self.exact_steps):
+        if not (self._grad_hooks and self._pieces and self.steps_taken + 1 > self.exact_steps):
             self._remaining = None
             return
         if self._param_pieces is None:
@@ -750,11 +746,13 @@ class CpuAdam(HostAdam):
 
                     event = torch.cuda.Event()
                     event.record()
-                self._early[i] = self._lander.submit(self._copy_early, i, self._previous, event)
+                self._early[i] = self._lander.submit(self._cross, i, self._previous, event)
 
-    def _copy_early(self, i: int, previous: _Update | None, after) -> None:
-        """(The landing thread) piece ``i``: the last update's masters up once the worker has
-        them, this step's gradients down, both after the CUDA event ``after``."""
+    def _cross(self, i: int, previous: _Update | None, after=None) -> None:
+        """Piece ``i`` across the step boundary: the last update's masters up once the worker
+        has them (``previous``: the update not landed, if any), this step's gradients down, both
+        after the CUDA event ``after`` where given (the landing thread during the backward, else
+        ``step()``)."""
         piece = self._pieces[i]
         if previous is not None:
             previous.done[i].wait()

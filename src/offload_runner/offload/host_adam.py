@@ -182,11 +182,15 @@ class HostAdam(HybridDeviceOptimizer):
                                     _window(param0, a - base, b - a), groups))  # fmt: skip
         return pieces
 
+    @property
+    def steps_taken(self) -> int:
+        """Updates applied so far (the step count lives in the param groups)."""
+        return int(self.param_groups[0].get("step", 0)) if self.param_groups else 0
+
     def _next_step(self) -> tuple[int, list[dict]]:
         """This step's number and every group's hyperparameters, captured at ``step()`` (the
         scheduler moves them right after)."""
-        step = int(self.param_groups[0].get("step", 0)) + 1 if self.param_groups else 1
-        return step, [hyper(g) for g in self.param_groups]
+        return self.steps_taken + 1, [hyper(g) for g in self.param_groups]
 
     def _end_step(self, step: int) -> None:
         for group in self.param_groups:
