@@ -641,3 +641,68 @@ def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> Non
     closer.start()
     closer.join(timeout=10)
     assert not closer.is_alive()
+
+
+def pieces_in_worker_order(eng: CpuAdam, steps: range, step_once) -> list:
+    """Per step of ``steps``: the pieces (indices) in the order the worker ran Adam on them."""
+    seen: list[int] = []
+    adam = eng._adam
+
+    def spy(a: int, b: int, *args) -> None:
+        piece = next(i for i, q in enumerate(eng._pieces) if q.start <= a < q.stop)
+        if not seen or seen[-1] != piece:
+            seen.append(piece)
+        adam(a, b, *args)
+
+    eng._adam = spy
+    orders = []
+    for step in steps:
+        seen.clear()
+        step_once(step)
+        eng.finish()
+        orders.append(list(seen))
+    return orders
+
+
+def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
+    """Delayed mode's worker starts on the gradients that are down first: those copied during
+    the backward, in the order they went down; at the step boundary the DDP buffer's
+    (backward-ready) order, also where exact steps run in forward order (landing during the
+    forward). Exact steps keep the forward order."""
+    from offload_runner.offload import cpu_adam
+
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=2, copy_during_backward=True,
+                 land_during_forward=True)  # fmt: skip
+    model = Trainable(buffers)
+    eng.watch([model])
+    eng.watch_backward([model])
+    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    crossed: list[list[int]] = []
+
+    def backward_and_step(step: int) -> None:
+        buffers.set_grads(gradients(step))
+        with no_sync():
+            pass
+        model().backward()
+        crossed.append(list(eng._early))
+        eng.step()
+        cpu_adam.grads_clipped([eng], None)
+
+    orders = pieces_in_worker_order(eng, range(1, 6), backward_and_step)
+    forward = list(range(len(eng._pieces)))
+    starts = [q.start for q in eng._pieces]
+    assert starts == sorted(starts, reverse=True)  # forward order: the buffer's reverse
+    assert orders[:2] == [forward, forward]  # exact steps
+    for step in (3, 4, 5):
+        assert crossed[step - 1], f"step {step}"
+        assert orders[step - 1] == crossed[step - 1], f"step {step}"
+    eng.close()
+
+    twin = Buffers()
+    at_boundary = engine(twin, 1.0, delayed=True, exact_steps=1, land_during_forward=True)
+    orders = pieces_in_worker_order(at_boundary, range(1, 4),
+                                    lambda step: drive(at_boundary, twin, step))  # fmt: skip
+    backward = forward[::-1]
+    assert orders == [forward, backward, backward]
+    at_boundary.close()

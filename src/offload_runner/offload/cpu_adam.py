@@ -309,6 +309,7 @@ class _Update:
     guess: bool = False  # also extrapolate the updated masters into host_guess
     # threading.Event per piece: its gradients' copy (and any landing before it) is enqueued
     ready: list = field(default_factory=list)
+    order: list = field(default_factory=list)  # the pieces' indices in the order the worker takes
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
     # threading.Event per piece, exact mode: its landing is enqueued (or the update failed)
     landed: list = field(default_factory=list)
@@ -365,6 +366,7 @@ class CpuAdam(HostAdam):
         self._inflight: tuple[_Update, concurrent.futures.Future] | None = None  # see watch()
         self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
         self._spans: list[tuple[int, int]] | None = None  # see _pieces_of
+        self._backward_order: list[int] = []  # piece indices, the DDP buffer's order
         self._hooks: list = []
         # delayed mode, copies during the backward (see watch_backward)
         self.copy_during_backward = delayed and copy_during_backward
@@ -419,8 +421,12 @@ class CpuAdam(HostAdam):
         early, self._early, self._remaining = self._early, {}, None  # copied during the backward
         if self._pieces is None:
             self._pieces = self._plan()
-            if self.land_during_forward:  # forward order: the buffer is in backward order
+            # the DDP buffer is in backward-ready order (the last layers' gradients are final
+            # first); landing during the forward takes the pieces in forward order
+            self._backward_order = list(range(len(self._pieces)))
+            if self.land_during_forward:
                 self._pieces.reverse()
+                self._backward_order.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
@@ -443,6 +449,7 @@ class CpuAdam(HostAdam):
         # is enqueued (enqueueing hundreds of copies takes the training thread a while).
         guess_next = self.predict and step >= self.exact_steps
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
+                         order=self._update_order(delayed, list(early)),
                          ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces],
                          landed=[threading.Event() for _ in self._pieces],
@@ -451,8 +458,8 @@ class CpuAdam(HostAdam):
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
         try:
-            for i, piece in enumerate(self._pieces):
-                copied = early.pop(i, None)
+            for i in update.order:
+                piece, copied = self._pieces[i], early.pop(i, None)
                 if copied is not None:  # down (and the last update up) during the backward
                     copied.result()
                     update.unclipped[i] = True
@@ -489,6 +496,19 @@ class CpuAdam(HostAdam):
         for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
             group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
         return None
+
+    def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
+        """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
+        the next forward waits for them). Delayed: the order their gradients went down during
+        the backward (``crossed``), then backward-ready order: the worker starts on the
+        gradients that are down first, and the next step lands its pieces in that order again
+        (during the backward, or at ``step()``, which follows this order too); in forward order
+        it would start on the first layers' gradients, the last to come down, and every landing
+        of the next backward would wait for the update's end."""
+        if not delayed:
+            return list(range(len(self._pieces)))
+        seen = set(crossed)
+        return crossed + [i for i in self._backward_order if i not in seen]
 
     def _start_fetch(self) -> None:
         import torch
@@ -550,8 +570,8 @@ class CpuAdam(HostAdam):
         began = time.perf_counter()
         steps = torch.tensor(float(update.step))
         landings: list[concurrent.futures.Future] = []
-        for i, (piece, ready, done) in enumerate(zip(self._pieces, update.ready, update.done,
-                                                     strict=True)):  # fmt: skip
+        for i in update.order:
+            piece, ready, done = self._pieces[i], update.ready[i], update.done[i]
             t0 = time.perf_counter()
             ready.wait()
             if update.cancelled:
