@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -361,13 +362,14 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     assert hidden == pytest.approx(0.25)
     assert cpu_adam.metrics(optimizer, forward_backward_s=1e6)["cpu_adam_hidden_fraction"] == 1.0
     # a link at which the copies of the whole shard take 20x the overhead allowed: 0.125
-    planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1)
+    planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1,
+                            cpu_adam_launch_slowdown=0.0)  # fmt: skip
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=planner)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
     # a link at which the whole shard's copies take 3.2 forward+backwards: at the boundary 0.1
     # of it, copying during the last of 2 backwards (a third of forward+backward at
     # BACKWARD_SHARE) a third more
-    slow = PlannerConfig(host_link_gb_per_s=5 * rate / 1e9, delayed_max_overhead=0.1)
+    slow = replace(planner, host_link_gb_per_s=5 * rate / 1e9)
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.1 / 3.2)
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow,
@@ -380,6 +382,43 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     assert found["cpu_adam_forward_wait_s_median"] == pytest.approx(3 * fb)
     assert found["cpu_adam_forward_backward_s"] == pytest.approx(fb)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.25)
+    # CPU Adam slowing the training thread (no copies): 0.2 s per second beside it uses up the
+    # 0.1 of forward+backward allowed at half the CPU's limit
+    quick = replace(planner, host_link_gb_per_s=1e9, cpu_adam_launch_slowdown=0.2)
+    found = cpu_adam.metrics(optimizer, forward_backward_s=4 * fb, planner=quick)
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
+    eng.close()
+
+
+def test_a_delayed_run_measures_how_much_its_cpu_adam_slowed_forward_backward() -> None:
+    """Given forward+backward without offload (planner.forward_backward_s), a delayed run
+    measures the slowdown per second of CPU Adam beside it and prices the hidden fraction with
+    it; without, it takes the planner's figure and its own forward+backward less that."""
+    from types import SimpleNamespace
+
+    from offload_runner.config.schema import PlannerConfig
+    from offload_runner.offload import cpu_adam
+
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=1)
+    for step in range(1, 6):
+        drive(eng, buffers, step)
+    eng.finish()
+    optimizer = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=eng)])
+    busy = cpu_adam.metrics(optimizer)["cpu_adam_busy_s_median"]
+    no_copies = PlannerConfig(host_link_gb_per_s=1e9, delayed_max_overhead=0.1)
+    # forward+backward 2 busy with the CPU, 1.7 busy without: 0.3 s lost per second beside it
+    found = cpu_adam.metrics(optimizer, forward_backward_s=2 * busy,
+                             planner=replace(no_copies, forward_backward_s=1.7 * busy))  # fmt: skip
+    assert found["cpu_adam_launch_slowdown"] == pytest.approx(0.3)
+    assert found["cpu_adam_forward_backward_without_s"] == pytest.approx(1.7 * busy)
+    # the 0.1 * 1.7 busy allowed buys 0.17 / 0.3 of the shard's busy second
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.17 / 0.3, rel=1e-3)
+    # without it: the planner's slowdown (0.25 by default), the run's own less that
+    found = cpu_adam.metrics(optimizer, forward_backward_s=2 * busy, planner=no_copies)
+    assert found["cpu_adam_launch_slowdown"] == 0.25
+    assert found["cpu_adam_forward_backward_without_s"] == pytest.approx(1.75 * busy)
+    assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.175 / 0.25, rel=1e-3)
     eng.close()
 
 

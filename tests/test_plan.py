@@ -375,7 +375,7 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
                       "offload/optimizer=auto", "planner.auto_delayed=true",
                       "planner.forward_backward_s=0.6", "planner.gpu_memory_gb=48",
-                      "planner.host_memory_gb=512",
+                      "planner.host_memory_gb=512", "planner.cpu_adam_launch_slowdown=0",
                       "planner.cpu_adam_params_per_s=3.7e9")  # fmt: skip
     choice = choose_offload(run)
     assert choice.overrides["optimizer.cpu_adam_delayed_update"] is True
@@ -389,6 +389,17 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     assert "up to a fraction of 0.65 (copies beyond the last backward" in choice.description
     run.optimizer.cpu_adam_copy_during_backward = False
     assert "up to a fraction of 0.24 (boundary copies within 10% of it)" in (
+        choose_offload(run).description
+    )
+    # CPU Adam slowing the training thread by 0.25 s per second beside it (0.21 s per unit of
+    # fraction) leaves 0.06 / 0.21 = 0.29 where the copies run during the backward, 0.06 /
+    # (0.21 + 0.245) = 0.13 at the boundary
+    run.planner.cpu_adam_launch_slowdown = 0.25
+    assert "up to a fraction of 0.13 (boundary copies and the training thread's slowdown" in (
+        choose_offload(run).description
+    )
+    run.optimizer.cpu_adam_copy_during_backward = True
+    assert "up to a fraction of 0.29 (copies beyond the last backward and the training " in (
         choose_offload(run).description
     )
 

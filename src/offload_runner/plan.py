@@ -442,18 +442,28 @@ def param_count(n: float) -> str:
 
 def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float,
                     copy_s_per_param: float = 0.0, max_overhead: float = 1.0,
-                    copy_window_s: float = 0.0) -> float:  # fmt: skip
+                    copy_window_s: float = 0.0, launch_slowdown: float = 0.0) -> float:  # fmt: skip
     """The largest optimizer_offload_fraction of a rank's Adam shard (``shard_params``) that
-    delayed mode hides: CPU Adam at ``params_per_s`` finishes within one forward+backward, and
-    its copies (``copy_s_per_param``, each way at once) outlast ``copy_window_s`` (the last
-    micro-batch's backward where they run during it, see ``copy_window``; 0 at the step
-    boundary) by at most ``max_overhead`` of forward+backward."""
+    delayed mode hides: CPU Adam at ``params_per_s`` finishes within one forward+backward
+    (``forward_backward_s``, without offload), and what the step gains beside it stays within
+    ``max_overhead`` of it: forward+backward slowed by ``launch_slowdown`` per second of CPU Adam
+    (see PlannerConfig.cpu_adam_launch_slowdown), and the copies (``copy_s_per_param``, each way
+    at once) beyond ``copy_window_s`` (the last micro-batch's backward where they run during it,
+    see ``copy_window``; 0 at the step boundary)."""
     if not shard_params:
         return 1.0
     cpu = forward_backward_s * params_per_s / shard_params
-    copies = ((max_overhead * forward_backward_s + copy_window_s)
-              / (copy_s_per_param * shard_params) if copy_s_per_param else 1.0)  # fmt: skip
-    return min(1.0, cpu, copies)
+    budget = max_overhead * forward_backward_s
+    slowdown = launch_slowdown * shard_params / params_per_s  # seconds per unit of fraction
+    copies = copy_s_per_param * shard_params
+    knee = copy_window_s / copies if copies else math.inf  # where the copies outlast the window
+    if not (slowdown or copies):
+        gained = math.inf
+    elif slowdown and slowdown * knee >= budget:  # the slowdown alone uses the budget up first
+        gained = budget / slowdown
+    else:
+        gained = (budget + copy_window_s) / (slowdown + copies)
+    return min(1.0, cpu, gained)
 
 
 # Of a micro-batch's forward+backward, the backward's share (twice the forward's matmul FLOPs).
@@ -495,6 +505,7 @@ class StepCost:
     host_link_gb_per_s: float
     forward_backward_s: float | None = None
     delayed_max_overhead: float = 0.1  # planner.delayed_max_overhead
+    launch_slowdown: float = 0.0  # planner.cpu_adam_launch_slowdown
 
     def cpu_rate(self, run: RunConfig) -> float:
         """Params/s of the CPU part of Adam with ``run``'s engine."""
@@ -510,7 +521,8 @@ class StepCost:
         if cpu_adam_delayed(run):
             copies = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
             tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
-            return max(cpu - (self.forward_backward_s or 0.0), 0.0) + tail + link
+            beside = min(cpu, self.forward_backward_s or 0.0)  # CPU Adam beside the training
+            return max(cpu - beside, 0.0) + self.launch_slowdown * beside + tail + link
         return cpu + link
 
     def _copy_window(self, run: RunConfig, rank: RankPlan) -> float:
@@ -531,7 +543,8 @@ class StepCost:
         return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
                                rank.cpu_adam_params / fraction,
                                copy_seconds_per_param(self.host_link_gb_per_s),
-                               self.delayed_max_overhead, self._copy_window(run, rank))  # fmt: skip
+                               self.delayed_max_overhead, self._copy_window(run, rank),
+                               self.launch_slowdown)  # fmt: skip
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
@@ -546,6 +559,8 @@ class StepCost:
                 where = "at the step boundary" if at_boundary else (
                     "during the last micro-batch's backward"
                 )  # fmt: skip
+                if self.launch_slowdown:
+                    limited += " and the training thread's slowdown beside CPU Adam"
                 parts.append(
                     "delayed: hidden under forward+backward of "
                     f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
@@ -569,7 +584,13 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     rate = p.cpu_adam_params_per_s or _measured_rate(
         len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
     )
-    return StepCost(rate, p.host_link_gb_per_s, p.forward_backward_s, p.delayed_max_overhead)
+    return StepCost(
+        rate,
+        p.host_link_gb_per_s,
+        p.forward_backward_s,
+        p.delayed_max_overhead,
+        p.cpu_adam_launch_slowdown,
+    )
 
 
 def cost_note(run: RunConfig, plan: Plan) -> str | None:

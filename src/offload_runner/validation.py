@@ -1000,6 +1000,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("planner", "cpu_adam_params_per_s"): (1, None),
     ("planner", "forward_backward_s"): (0, None),
     ("planner", "delayed_max_overhead"): (0, None),
+    ("planner", "cpu_adam_launch_slowdown"): (0, None),
     ("verify", "iters"): (1, None),
     ("verify", "loss_tolerance"): (0, None),
 }

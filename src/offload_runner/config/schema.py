@@ -484,9 +484,16 @@ class PlannerConfig:
     # Adam hides under it (null: counted as not hidden). A cpu_adam run's summary.json gives
     # cpu_adam_hidden_fraction, the largest fraction that hid under its own.
     forward_backward_s: Optional[float] = None
-    # Delayed mode's copies at the step boundary (4 B/param each way) hide under nothing: the
-    # hidden fraction keeps them within this share of forward+backward.
+    # What delayed mode adds to forward+backward, kept within this share of it by the hidden
+    # fraction: its copies where they outlast the last backward (4 B/param each way), and
+    # the training thread slowed by CPU Adam beside it (below).
     delayed_max_overhead: float = 0.1
+    # Seconds forward+backward loses per second of CPU Adam running beside it: the CPU step's
+    # memory traffic slows the Python thread that launches the kernels (the proxy at micro-batch
+    # 1 is bound by that thread). A delayed run given planner.forward_backward_s (without
+    # offload) measures it: cpu_adam_launch_slowdown in summary.json. The default is about
+    # what the proxy's delayed runs at GBS 4 measured on one H200 (docs/BENCHMARKS.md).
+    cpu_adam_launch_slowdown: float = 0.25
 
 
 @dataclass

@@ -1030,10 +1030,16 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
             copy_micro_batches: int | None = None) -> dict:  # fmt: skip
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
     of a rank, the mode, and (given the run's median forward+backward) the largest offload
-    fraction delayed mode hides at this run's rate: its CPU Adam under forward+backward, its
-    copies at ``planner.host_link_gb_per_s`` (a PlannerConfig; None: copies not counted) beyond
-    the last of ``copy_micro_batches`` backwards (None: copies at the step boundary) within
-    ``planner.delayed_max_overhead`` of it."""
+    fraction delayed mode hides at this run's rate (``plan.hidden_fraction``): its CPU Adam
+    under forward+backward, its copies at ``planner.host_link_gb_per_s`` (``planner``: a
+    PlannerConfig; None: copies not counted) beyond the last of ``copy_micro_batches`` backwards
+    (None: copies at the step boundary) and the training thread's slowdown beside it within
+    ``planner.delayed_max_overhead`` of it.
+
+    Forward+backward without offload is ``planner.forward_backward_s`` where given; a delayed
+    run then measures how much its CPU Adam slowed its own (``cpu_adam_launch_slowdown``: seconds
+    per second of CPU Adam beside it). Otherwise the run's own, less that slowdown at the
+    planner's ``cpu_adam_launch_slowdown``."""
     built = engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
@@ -1045,13 +1051,14 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     forward_wait = sum(m["cpu_adam_forward_wait_s_median"] for m in found)
     if forward_backward_s:  # exact mode landing during the forward: its wait is not its work
         forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
+    delayed = built[0].delayed
+    slowdown, without = launch_slowdown(forward_backward_s, busy, delayed, planner)
     hidden = None
-    if forward_backward_s and rate:
+    if without and rate:
         copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
         overhead = planner.delayed_max_overhead if planner else 1.0
-        window = (copy_window(forward_backward_s, copy_micro_batches)
-                  if copy_micro_batches else 0.0)  # fmt: skip
-        hidden = hidden_fraction(forward_backward_s, rate, shard, copies, overhead, window)
+        window = copy_window(without, copy_micro_batches) if copy_micro_batches else 0.0
+        hidden = hidden_fraction(without, rate, shard, copies, overhead, window, slowdown or 0.0)
     return {
         "cpu_offloaded_params": params,
         "cpu_adam_params_per_s": rate,
@@ -1066,26 +1073,52 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         "cpu_adam_threads": found[0]["cpu_adam_threads"],
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
-        "cpu_adam_mode": "delayed" if built[0].delayed else "exact",
+        "cpu_adam_mode": "delayed" if delayed else "exact",
         "cpu_adam_lands_in_forward": any(e.land_during_forward for e in built),
-        # forward+backward less the forward's wait for an exact update: what the fraction used
+        # forward+backward less the forward's wait for an exact update
         "cpu_adam_forward_backward_s": forward_backward_s,
+        # ... and without offload: what the hidden fraction used
+        "cpu_adam_forward_backward_without_s": without,
+        "cpu_adam_launch_slowdown": slowdown,
     }
+
+
+def launch_slowdown(forward_backward_s: float | None, busy_s: float, delayed: bool,
+                    planner) -> tuple[float | None, float | None]:  # fmt: skip
+    """(seconds of forward+backward lost per second of CPU Adam beside it, forward+backward
+    without offload) for a run whose forward+backward was ``forward_backward_s`` and CPU Adam
+    ``busy_s``: measured where the planner knows forward+backward without offload and the run
+    is delayed (its CPU Adam runs beside forward+backward), else the planner's figure."""
+    if not forward_backward_s:
+        return None, None
+    without = planner.forward_backward_s if planner else None
+    beside = min(busy_s, forward_backward_s) if delayed else 0.0
+    if without and beside:
+        return max(forward_backward_s - without, 0.0) / beside, without
+    slowdown = planner.cpu_adam_launch_slowdown if planner else 0.0
+    return slowdown, without or max(forward_backward_s - slowdown * beside, 0.0)
 
 
 def report_hidden_fraction(found: dict, planner) -> None:
     """The log's last word on the CPU-Adam engine: what delayed mode hides (``planner``: the
     run's PlannerConfig, whose link and overhead the fraction used)."""
     fraction = found.get("cpu_adam_hidden_fraction")
-    forward_backward_s = found.get("cpu_adam_forward_backward_s")
-    if fraction is None or not forward_backward_s:
+    without = found.get("cpu_adam_forward_backward_without_s")
+    if fraction is None or not without:
         return
-    log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s: "
-             "delayed mode hides the CPU update, with its copies (beyond the last backward "
-             "where they run during it) within %.0f%% of forward+backward "
-             "(planner.delayed_max_overhead), up to "
-             "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f lets "
-             "--plan and offload/optimizer=auto use this)",
+    slowdown = found.get("cpu_adam_launch_slowdown") or 0.0
+    measured = bool(planner.forward_backward_s) and found.get("cpu_adam_mode") == "delayed"
+    log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s "
+             "without offload; the training thread loses %.2f s per second of CPU Adam beside "
+             "it (%s): delayed mode hides the CPU update, with that slowdown and its copies "
+             "(beyond the last backward where they run during it) within %.0f%% of "
+             "forward+backward (planner.delayed_max_overhead), up to "
+             "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f "
+             "planner.cpu_adam_launch_slowdown=%.2f let --plan and offload/optimizer=auto use "
+             "this)",
              found["cpu_offloaded_params"] / 1e9, found["cpu_adam_params_per_s"] / 1e9,
-             found["cpu_adam_busy_s_median"], forward_backward_s,
-             100 * planner.delayed_max_overhead, fraction, forward_backward_s)  # fmt: skip
+             found["cpu_adam_busy_s_median"], without, slowdown,
+             "measured against planner.forward_backward_s" if measured
+             else "planner.cpu_adam_launch_slowdown; give planner.forward_backward_s from a run "
+             "without offload to measure it",
+             100 * planner.delayed_max_overhead, fraction, without, slowdown)  # fmt: skip
