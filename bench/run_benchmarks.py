@@ -49,10 +49,6 @@ class Case:
     # run at the cpu_adam_hidden_fraction this earlier case of the suite reported (the engine
     # finding the largest fraction whose CPU work hides under forward+backward)
     hidden_fraction_of: str = ""
-    # run with planner.forward_backward_s at this earlier case's forward+backward (a run without
-    # offload): a delayed run then measures how much its CPU Adam slowed the training thread
-    # and prices its hidden fraction with that (cpu_adam_launch_slowdown)
-    forward_backward_of: str = ""
 
     @property
     def slug(self) -> str:
@@ -169,8 +165,7 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
         case("no offload"),
         case("HDO 100% + overlap", "offload/optimizer=cpu_100"),
         case("cpu_adam 100%", "offload/optimizer=cpu_adam"),
-        replace(case("cpu_adam_delayed 100%", "offload/optimizer=cpu_adam_delayed", *DELAY),
-                forward_backward_of=base),
+        case("cpu_adam_delayed 100%", "offload/optimizer=cpu_adam_delayed", *DELAY),
         *(case(f"cpu_adam_delayed {f:.0%}", "offload/optimizer=cpu_adam_delayed", *DELAY,
                f"optimizer.optimizer_offload_fraction={f}") for f in delayed_fractions),
         replace(case("cpu_adam_delayed at its hidden fraction",
@@ -621,16 +616,6 @@ def at_hidden_fraction(case: Case, results: list[dict]) -> Case:
     return replace(case, overrides=(*case.overrides, found_fraction))
 
 
-def with_forward_backward(case: Case, results: list[dict]) -> Case:
-    """``case`` with planner.forward_backward_s at its ``forward_backward_of`` run's median
-    forward+backward (unchanged when that run reported none)."""
-    found = next((r["summary"].get("fwd_bwd_time_s_median") for r in results
-                  if r["case"]["name"] == case.forward_backward_of), None)  # fmt: skip
-    if not found:
-        return case
-    return replace(case, overrides=(*case.overrides, f"planner.forward_backward_s={found:.4f}"))
-
-
 def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     command = case.command(out_dir, iters)
     began = time.perf_counter()
@@ -676,8 +661,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         if case.hidden_fraction_of:
             case = at_hidden_fraction(case, results)
-        if case.forward_backward_of:
-            case = with_forward_backward(case, results)
         result = run_case(case, out_dir, args.iters)
         s = result.summary
         print(

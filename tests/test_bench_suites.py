@@ -28,21 +28,14 @@ def test_bench_case_is_accepted(name: str, tmp_path) -> None:
         assert main([*args, "--plan"]) == expected, name
 
 
-def test_cases_taking_an_earlier_runs_figures_get_them_as_overrides() -> None:
-    """The hidden-fraction row runs at the fraction the delayed 100% row reported, and that row
-    at planner.forward_backward_s of the suite's no-offload run; nothing reported: unchanged."""
+def test_the_hidden_fraction_row_runs_at_the_fraction_its_delayed_row_reported() -> None:
+    """Rounded down to a hundredth; nothing reported: unchanged."""
     cases = {c.name: c for c in run_benchmarks.SUITES["cpu-adam-4"]}
-    full, hidden = cases["GBS4 cpu_adam_delayed 100%"], cases[
-        "GBS4 cpu_adam_delayed at its hidden fraction"]  # fmt: skip
-    assert full.forward_backward_of == "GBS4 no offload"
-    results = [
-        {"case": {"name": "GBS4 no offload"}, "summary": {"fwd_bwd_time_s_median": 0.7231}},
-        {"case": {"name": full.name}, "summary": {"cpu_adam_hidden_fraction": 0.2369}},
-    ]
-    assert run_benchmarks.with_forward_backward(full, results).overrides[-1] == (
-        "planner.forward_backward_s=0.7231"
-    )
+    hidden = cases["GBS4 cpu_adam_delayed at its hidden fraction"]
+    assert hidden.hidden_fraction_of == "GBS4 cpu_adam_delayed 100%"
+    results = [{"case": {"name": hidden.hidden_fraction_of},
+                "summary": {"cpu_adam_hidden_fraction": 0.2369}}]  # fmt: skip
     assert run_benchmarks.at_hidden_fraction(hidden, results).overrides[-1] == (
         "optimizer.optimizer_offload_fraction=0.23"
     )
-    assert run_benchmarks.with_forward_backward(full, results[1:]) == full
+    assert run_benchmarks.at_hidden_fraction(hidden, []) == hidden
