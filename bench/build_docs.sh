@@ -129,16 +129,99 @@ copies = 4 * during["cpu_offloaded_params"] / 50.8e9 * 1000
 print(f"Copying during the backward takes the copies out of `step()`: in `cpu-adam-4-backward` it "
       f"waited {during['cpu_adam_boundary_s_median'] * 1000:.0f} ms instead of "
       f"{boundary['cpu_adam_boundary_s_median'] * 1000:.0f}, and the step fell from "
-      f"{boundary['step_time_s_median'] * 1000:.0f} to {during['step_time_s_median'] * 1000:.0f} ms, in "
-      "a run whose CPU Adam finished within forward+backward; where it does not (the other rows "
-      "of the suites after b45d4c7), `step()` waits for the worker instead, and the step is no "
-      f"faster than at the boundary. What it does not remove: the copies need {copies:.0f} ms at 100%, longer than the last "
-      "micro-batch's backward at GBS 4, so a tail remains (`plan.copy_window` counts it, for "
-      "`--plan`, `auto` and the hidden fraction); the CPU update slows the kernel-launching "
-      "training thread during forward+backward (compare each run's forward+backward with its "
-      "baseline's above: this proxy is bound by that thread); and where CPU Adam takes longer "
-      "than forward+backward, the worker's whole update runs longer than its Adam calls (the "
-      "last two figures of each row). So delayed 100% stays above 1.2x its bound on these hosts.")
+      f"{boundary['step_time_s_median'] * 1000:.0f} to {during['step_time_s_median'] * 1000:.0f} ms. "
+      f"The copies need {copies:.0f} ms at 100%, longer than the last micro-batch's backward at "
+      "GBS 4, so a tail remains (`plan.copy_window` counts it, for `--plan`, `auto` and the "
+      "hidden fraction).")
+PY
+  echo
+  echo "**The worker's order.** Up to commit 224b535 the worker took a delayed update's pieces in"
+  echo "forward order, so it began with the first layers' gradients, the last to come down during the"
+  echo "backward, and the next backward's landings (last layers first) waited for the whole update."
+  echo "From a9d3268 on it takes them in the order their gradients came down, and \`step()\` crosses"
+  echo "the boundary in that order too. The worker's wait for gradients and how far its whole update"
+  echo "ran past its Adam calls, delayed 100%, before and after:"
+  echo
+  python - <<'PY'
+import json, pathlib
+for name, case in (("results-cpu-adam-4-pieces.json", "GBS4 cpu_adam_delayed 100%, 64 MiB pieces"),
+                   ("results-cpu-adam-4-backward.json", "GBS4 cpu_adam_delayed 100%"),
+                   ("results-cpu-adam-4.json", "GBS4 cpu_adam_delayed 100%"),
+                   ("results-cpu-adam-4-delayed.json", "GBS4 cpu_adam_delayed 100%")):
+    data = json.loads((pathlib.Path("bench/results") / name).read_text())
+    by = {r["case"]["name"]: r["summary"] for r in data["results"] if r["status"] == "ok"}
+    s, base = by[case], by["GBS4 no offload"]
+    busy, step = s["cpu_adam_busy_s_median"], s["step_time_s_median"]
+    bound = max(base["step_time_s_median"], busy)
+    print(f"- `{name}` (commit {data['environment']['commit']}), {case}: waited "
+          f"{s['cpu_adam_wait_s_median'] * 1000:.0f} ms for gradients, whole update "
+          f"{(s['cpu_adam_wall_s_median'] - busy) * 1000:.0f} ms past its Adam calls; step "
+          f"{step * 1000:.0f} ms = {step / bound:.2f}x its bound max({base['step_time_s_median'] * 1000:.0f}, "
+          f"{busy * 1000:.0f})")
+PY
+  echo
+  echo "**The training thread's slowdown.** The CPU update slows the kernel-launching training thread"
+  echo "during forward+backward (compare each run's forward+backward with its baseline's above: this"
+  echo "proxy is bound by that thread). The hidden fraction counts it since dd30334: it keeps that"
+  echo "slowdown (\`planner.cpu_adam_launch_slowdown\` seconds per second of CPU Adam beside"
+  echo "forward+backward) and the copies' tail within \`planner.delayed_max_overhead\` (10%) of"
+  echo "forward+backward without offload. A delayed run given \`planner.forward_backward_s\` measures"
+  echo "its own slowdown (\`cpu_adam_launch_slowdown\` in summary.json); the bench does not, because the"
+  echo "no-offload run it would compare with drifts over minutes (next list). At the planner's figure:"
+  echo
+  python - <<'PY'
+import json, pathlib
+data = json.loads(pathlib.Path("bench/results/results-cpu-adam-4-delayed.json").read_text())
+by = {r["case"]["name"]: r for r in data["results"] if r["status"] == "ok"}
+full = by["GBS4 cpu_adam_delayed 100%"]["summary"]
+hidden = by["GBS4 cpu_adam_delayed at its hidden fraction"]
+h = hidden["summary"]
+fraction = next(o.split("=")[1] for o in hidden["case"]["overrides"][::-1]
+                if o.startswith("optimizer.optimizer_offload_fraction="))
+steps = [by[n]["summary"]["step_time_s_median"] for n in ("GBS4 no offload", "GBS4 no offload (repeat)")]
+peak = by["GBS4 no offload"]["summary"]["gpu_peak_allocated_gb"]
+print(f"- `results-cpu-adam-4-delayed.json` (commit {data['environment']['commit']}): delayed 100% "
+      f"reported a hidden fraction of {full['cpu_adam_hidden_fraction']:.3f} (slowdown "
+      f"{full['cpu_adam_launch_slowdown']:.2f}, forward+backward without offload taken as "
+      f"{full['cpu_adam_forward_backward_without_s'] * 1000:.0f} ms); at {fraction} the step took "
+      f"{h['step_time_s_median'] * 1000:.0f} ms = {h['step_time_s_median'] / steps[0]:.2f}x the "
+      f"baseline ({h['step_time_s_median'] / steps[1]:.2f}x its repeat), peak "
+      f"{h['gpu_peak_allocated_gb']:.2f} GB, {peak - h['gpu_peak_allocated_gb']:.2f} GB below the baseline's")
+data = json.loads(pathlib.Path("bench/results/results-cpu-adam-4.json").read_text())
+by = {r["case"]["name"]: r for r in data["results"] if r["status"] == "ok"}
+full = by["GBS4 cpu_adam_delayed 100%"]
+given = [o for o in full["command"] if o.startswith("planner.forward_backward_s=")]
+if given:
+    h = by["GBS4 cpu_adam_delayed at its hidden fraction"]["summary"]
+    peak = by["GBS4 no offload"]["summary"]["gpu_peak_allocated_gb"]
+    print(f"- `results-cpu-adam-4.json` (commit {data['environment']['commit']}): the delayed 100% row "
+          f"was given its suite's first baseline ({given[0]}) and measured a slowdown of "
+          f"{full['summary']['cpu_adam_launch_slowdown']:.2f}, the drift below included: its hidden "
+          f"fraction {full['summary']['cpu_adam_hidden_fraction']:.3f} saved "
+          f"{peak - h['gpu_peak_allocated_gb']:.2f} GB; the bench has not measured it since")
+PY
+  echo
+  echo "The first no-offload run of a suite against its repeat after the offloaded runs (the same"
+  echo "command, minutes apart):"
+  echo
+  python - <<'PY'
+import json, pathlib
+files = sorted(pathlib.Path("bench/results").glob("results-cpu-adam-4*.json"))
+files += sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json"))
+slower = 0
+for path in files:
+    data = json.loads(path.read_text())
+    by = {r["case"]["name"]: r["summary"] for r in data["results"] if r["status"] == "ok"}
+    if "GBS4 no offload (repeat)" not in by:
+        continue
+    a, b = (by[n]["step_time_s_median"] * 1000 for n in ("GBS4 no offload", "GBS4 no offload (repeat)"))
+    slower += b > a
+    print(f"- `{path.name}` (commit {data['environment']['commit']}): {a:.0f} ms, repeat {b:.0f} ms ({b / a - 1:+.0%})")
+    runs = locals().get("runs", 0) + 1
+print()
+print(f"The repeat ran slower in {slower} of these {runs} suites: the host after minutes of CPU Adam "
+      "is not the host before them, so a run mid-suite stands between its two baselines, and a "
+      "bar of 1.15x one of them is within this drift.")
 PY
   echo
   echo "### Adam kernels against each other (suite \`adam-parity\`)"
@@ -167,27 +250,34 @@ print("within the step alike; its first two losses equal GPU Adam's. A bar of 1e
 print(f"below what one GPU Adam kernel keeps against another (commit {data['environment']['commit']}).")
 PY
   echo
-  echo "### \`cpu-adam-4\` on another H200 (commit fd1d70e, the same engine)"
+  echo "### \`cpu-adam-4\` at earlier commits and on other H200s"
   echo
-  echo "The suite ran twice this day with the engine of the table above; the first run, on another"
-  echo "H200 (docs/evidence/results-cpu-adam-4-fd1d70e.json), is kept beside it:"
+  echo "Earlier runs of the suite, each on its own H200 (docs/evidence/results-cpu-adam-4-<commit>.json;"
+  echo "exact mode's engine is the current one from fd1d70e on, delayed mode's worker order changed"
+  echo "at a9d3268):"
   echo
   python - <<'PY'
 import json, pathlib, sys
 sys.path.insert(0, "bench")
 from run_benchmarks import _cpu_adam_lines
-data = json.loads(pathlib.Path("docs/evidence/results-cpu-adam-4-fd1d70e.json").read_text())
-results = [{**r, "environment": data["environment"]} for r in data["results"]]
-by_name = {r["case"]["name"]: r for r in results}
-for name in ("GBS4 no offload", "GBS4 no offload (repeat)", "GBS4 HDO 100% + overlap"):
-    print(f"- {name}: step {by_name[name]['summary']['step_time_s_median'] * 1000:.0f} ms")
-for line in _cpu_adam_lines(results, by_name)[3:]:
-    print(line)
+for path in sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json")):
+    data = json.loads(path.read_text())
+    env = data["environment"]
+    results = [{**r, "environment": env} for r in data["results"]]
+    by_name = {r["case"]["name"]: r for r in results}
+    steps = {n: by_name[n]["summary"]["step_time_s_median"] * 1000 for n in
+             ("GBS4 no offload", "GBS4 no offload (repeat)", "GBS4 HDO 100% + overlap") if n in by_name}
+    rate = env.get("cpu_adam_reference_params_per_s", {}).get("16")
+    print(f"`{path.name}` (commit {env['commit']}, {env['date'][:16]}): steps "
+          + ", ".join(f"{n.removeprefix('GBS4 ')} {v:.0f} ms" for n, v in steps.items())
+          + (f"; torch's fused AdamW alone {rate / 1e9:.2f} G/s on 16 threads" if rate else "") + ":")
+    print()
+    for line in _cpu_adam_lines(results, by_name)[3:]:
+        print(line)
+    print()
 PY
-  echo
-  echo "Its baseline and repeat spread by 12%, and the machine's CPU ran torch's fused AdamW at"
-  echo "$(python -c "import json; r = json.load(open('docs/evidence/results-cpu-adam-4-fd1d70e.json'))['environment']['cpu_adam_reference_params_per_s']['16']; print(f'{r / 1e9:.2f}')") G/s"
-  echo "alone: the ratio to HDO follows the host's memory bandwidth, and there it fell below 2.0."
+  echo "The ratio to HDO follows the host: its memory bandwidth sets both CPU Adam's rate and HDO's"
+  echo "step, and its single-thread speed the baseline's."
   echo
   echo "Delayed against exact over 200 iterations at GBS 1 (suite \`cpu-adam-long\`; the runs shared"
   echo "their machines with gpu tests, so only their losses count; exact mode ran twice, the spread"
@@ -334,7 +424,7 @@ PY
   echo "Last lines of each log:"
   echo
   for f in docs/evidence/pytest-gpu*.txt; do
-    echo "- \`${f#docs/}\`: $(grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' "$f" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
+    echo "- \`${f#docs/}\`: $(sed -E 's/^=+ //; s/ =+$//' "$f" | grep -E '^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))' | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
   done
   echo
   echo "The CPU-Adam engine's gpu tests (\`bash bench/device_session.sh cpu-adam-tests\`): on one H200,"
@@ -352,6 +442,10 @@ PY
   echo "tiny_moe (two engines, one worker); pytest-gpu-cpu-adam-4-h200.txt (681c2cb): delayed mode"
   echo "lands one step late, cpu_adam and cpu_adam_delayed resume; the call's 440 s ended before the"
   echo "resume with weight prediction and the checkpoint moves (their last runs are above)."
+  echo "After delayed updates began running in the order their gradients came down:"
+  echo "pytest-gpu-cpu-adam-delayed-h200.txt (0bd31d6, \`bash bench/device_session.sh delayed-tests\`):"
+  echo "delayed mode lands one step late copying during the backward and at the step boundary, and"
+  echo "resumes with and without weight prediction."
   echo
   echo "The windowed state offload and the rest of the engines' tests, one H200, tree of 2683681:"
   echo "pytest-gpu-states-h200.txt (\`bash bench/device_session.sh state-tests\`): state offload with"

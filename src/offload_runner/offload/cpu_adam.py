@@ -44,17 +44,21 @@ Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous 
 piece as the worker finishes each (its masters go up while this step's gradients of the same
 piece go down, both directions at once), hands this step's update to the worker and returns: the
 worker runs during the next forward and backward, and its result lands at the next ``step()``: the
-forward of step t+1 sees the update of step t-1. The GPU share of Adam stays exact. This step's
+forward of step t+1 sees the update of step t-1. The worker takes a delayed update's pieces in
+the order their gradients came down (``_update_order``: backward-ready, the last layers first),
+and the next step lands them in that order, so each landing waits for its own piece only. The
+GPU share of Adam stays exact. This step's
 gradients must be down before the grad buffer is zeroed and the last update up before the next
 forward (4 B/param each way, both at once). On one GPU (``optimizer.cpu_adam_copy_during_backward``,
 ``watch_backward``) both run during the last micro-batch's backward, each piece as soon as its
 gradients are final (they are unclipped then: the worker applies Megatron-Core's clip factor,
 ``grads_clipped``), so ``step()`` only hands the update over; elsewhere at ``step()``. The
 fraction delayed mode hides (``cpu_adam_hidden_fraction``) keeps what the copies add to the step
-(beyond the last backward, or all of them at the boundary) within
-``planner.delayed_max_overhead``. Checkpoints are taken with the worker finished but its result
-not landed, so the saved masters are one update ahead of the saved bf16 weights; after a load
-the first step lands them, which resumes the uninterrupted run exactly.
+(beyond the last backward, or all of them at the boundary) and the training thread's slowdown
+beside CPU Adam (``launch_slowdown``) within ``planner.delayed_max_overhead``. Checkpoints are
+taken with the worker finished but its result not landed, so the saved masters are one update
+ahead of the saved bf16 weights; after a load the first step lands them, which resumes the
+uninterrupted run exactly.
 
 Weight prediction (delayed mode, ``optimizer.cpu_adam_weight_prediction=true``): what
 lands at step t is not the masters w_(t-1) but w_(t-1) + (w_(t-1) - w_(t-2)), the last update
