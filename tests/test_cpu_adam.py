@@ -411,12 +411,14 @@ def test_a_delayed_run_measures_how_much_its_cpu_adam_slowed_forward_backward() 
     found = cpu_adam.metrics(optimizer, forward_backward_s=2 * busy,
                              planner=replace(no_copies, forward_backward_s=1.7 * busy))  # fmt: skip
     assert found["cpu_adam_launch_slowdown"] == pytest.approx(0.3)
+    assert found["cpu_adam_launch_slowdown_measured"] is True
     assert found["cpu_adam_forward_backward_without_s"] == pytest.approx(1.7 * busy)
     # the 0.1 * 1.7 busy allowed buys 0.17 / 0.3 of the shard's busy second
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.17 / 0.3, rel=1e-3)
     # without it: the planner's slowdown (0.25 by default), the run's own less that
     found = cpu_adam.metrics(optimizer, forward_backward_s=2 * busy, planner=no_copies)
     assert found["cpu_adam_launch_slowdown"] == 0.25
+    assert found["cpu_adam_launch_slowdown_measured"] is False
     assert found["cpu_adam_forward_backward_without_s"] == pytest.approx(1.75 * busy)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.175 / 0.25, rel=1e-3)
     eng.close()

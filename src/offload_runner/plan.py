@@ -522,7 +522,7 @@ class StepCost:
             copies = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
             tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
             beside = min(cpu, self.forward_backward_s or 0.0)  # CPU Adam beside the training
-            return max(cpu - beside, 0.0) + self.launch_slowdown * beside + tail + link
+            return cpu - beside + self.launch_slowdown * beside + tail + link
         return cpu + link
 
     def _copy_window(self, run: RunConfig, rank: RankPlan) -> float:

@@ -370,7 +370,6 @@ class CpuAdam(HostAdam):
         self._inflight: tuple[_Update, concurrent.futures.Future] | None = None  # see watch()
         self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
         self._spans: list[tuple[int, int]] | None = None  # see _pieces_of
-        self._backward_order: list[int] = []  # piece indices, the DDP buffer's order
         self._hooks: list = []
         # delayed mode, copies during the backward (see watch_backward)
         self.copy_during_backward = delayed and copy_during_backward
@@ -425,12 +424,8 @@ class CpuAdam(HostAdam):
         early, self._early, self._remaining = self._early, {}, None  # copied during the backward
         if self._pieces is None:
             self._pieces = self._plan()
-            # the DDP buffer is in backward-ready order (the last layers' gradients are final
-            # first); landing during the forward takes the pieces in forward order
-            self._backward_order = list(range(len(self._pieces)))
-            if self.land_during_forward:
+            if self.land_during_forward:  # forward order: the buffer is in backward order
                 self._pieces.reverse()
-                self._backward_order.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
@@ -509,10 +504,12 @@ class CpuAdam(HostAdam):
         (during the backward, or at ``step()``, which follows this order too); in forward order
         it would start on the first layers' gradients, the last to come down, and every landing
         of the next backward would wait for the update's end."""
+        pieces = range(len(self._pieces))
         if not delayed:
-            return list(range(len(self._pieces)))
+            return list(pieces)
+        backward = pieces[::-1] if self.land_during_forward else pieces  # the DDP buffer's order
         seen = set(crossed)
-        return crossed + [i for i in self._backward_order if i not in seen]
+        return crossed + [i for i in backward if i not in seen]
 
     def _start_fetch(self) -> None:
         import torch
@@ -1056,13 +1053,13 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     if forward_backward_s:  # exact mode landing during the forward: its wait is not its work
         forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
     delayed = built[0].delayed
-    slowdown, without = launch_slowdown(forward_backward_s, busy, delayed, planner)
+    slowdown, without, measured = launch_slowdown(forward_backward_s, busy, delayed, planner)
     hidden = None
     if without and rate:
         copies = copy_seconds_per_param(planner.host_link_gb_per_s) if planner else 0.0
         overhead = planner.delayed_max_overhead if planner else 1.0
         window = copy_window(without, copy_micro_batches) if copy_micro_batches else 0.0
-        hidden = hidden_fraction(without, rate, shard, copies, overhead, window, slowdown or 0.0)
+        hidden = hidden_fraction(without, rate, shard, copies, overhead, window, slowdown)
     return {
         "cpu_offloaded_params": params,
         "cpu_adam_params_per_s": rate,
@@ -1084,23 +1081,25 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         # ... and without offload: what the hidden fraction used
         "cpu_adam_forward_backward_without_s": without,
         "cpu_adam_launch_slowdown": slowdown,
+        "cpu_adam_launch_slowdown_measured": measured,  # else the planner's figure
     }
 
 
 def launch_slowdown(forward_backward_s: float | None, busy_s: float, delayed: bool,
-                    planner) -> tuple[float | None, float | None]:  # fmt: skip
+                    planner) -> tuple[float | None, float | None, bool]:  # fmt: skip
     """(seconds of forward+backward lost per second of CPU Adam beside it, forward+backward
-    without offload) for a run whose forward+backward was ``forward_backward_s`` and CPU Adam
-    ``busy_s``: measured where the planner knows forward+backward without offload and the run
-    is delayed (its CPU Adam runs beside forward+backward), else the planner's figure."""
+    without offload, whether the first was measured) for a run whose forward+backward was
+    ``forward_backward_s`` and CPU Adam ``busy_s``: measured where the planner knows
+    forward+backward without offload and the run is delayed (its CPU Adam runs beside
+    forward+backward), else the planner's figure."""
     if not forward_backward_s:
-        return None, None
+        return None, None, False
     without = planner.forward_backward_s if planner else None
     beside = min(busy_s, forward_backward_s) if delayed else 0.0
     if without and beside:
-        return max(forward_backward_s - without, 0.0) / beside, without
+        return max(forward_backward_s - without, 0.0) / beside, without, True
     slowdown = planner.cpu_adam_launch_slowdown if planner else 0.0
-    return slowdown, without or max(forward_backward_s - slowdown * beside, 0.0)
+    return slowdown, without or max(forward_backward_s - slowdown * beside, 0.0), False
 
 
 def report_hidden_fraction(found: dict, planner) -> None:
@@ -1111,7 +1110,7 @@ def report_hidden_fraction(found: dict, planner) -> None:
     if fraction is None or not without:
         return
     slowdown = found.get("cpu_adam_launch_slowdown") or 0.0
-    measured = bool(planner.forward_backward_s) and found.get("cpu_adam_mode") == "delayed"
+    measured = found.get("cpu_adam_launch_slowdown_measured")
     log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s "
              "without offload; the training thread loses %.2f s per second of CPU Adam beside "
              "it (%s): delayed mode hides the CPU update, with that slowdown and its copies "
