@@ -79,10 +79,22 @@ def is_whole_states(result: dict) -> bool:
             or "states_offloaded_params" not in (result.get("summary") or {}))  # fmt: skip
 
 
+def ran_before_gpu_share(result: dict) -> bool:
+    """A CPU-Adam run from before exact mode had a GPU share (optimizer.cpu_adam_gpu_share, on
+    by default since): its summary has no ``cpu_adam_params_on_gpu``, all of Adam ran on the
+    CPU."""
+    summary = result.get("summary") or {}
+    return "cpu_offloaded_params" in summary and "cpu_adam_params_on_gpu" not in summary
+
+
 def plan_of(result: dict) -> Plan:
-    """The planner's plan for a recorded run's command line, on the run's GPU count."""
+    """The planner's plan for a recorded run's command line, on the run's GPU count (as the run
+    behaved at its commit: ``ran_before_gpu_share``)."""
     nproc = result["case"].get("nproc", 1)
-    run = to_run_config(compose_config(overrides_of(result["command"])))
+    overrides = overrides_of(result["command"])
+    if ran_before_gpu_share(result) and "offload/optimizer=cpu_adam" in overrides:
+        overrides.append("optimizer.cpu_adam_gpu_share=0")
+    run = to_run_config(compose_config(overrides))
     return make_plan(run, world=nproc, gpus_per_node=nproc)
 
 

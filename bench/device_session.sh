@@ -88,6 +88,16 @@ case "$1" in
     # spread within the call); delayed mode for the routed experts only
     python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 570 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-split-4|cpu-adam-split-1)  # exact mode with its GPU share balanced each step against
+    # all of Adam on the CPU, beside the baseline (twice) and HDO 100% + overlap
+    python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 570 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  split-probe-tests)  # the CPU/GPU split outside the engine (bench/cpu_gpu_split_probe.py), then
+    # exact mode's gpu tests: all on the CPU against HDO, the GPU share, resume
+    OMP_WAIT_POLICY=PASSIVE timeout 120 python bench/cpu_gpu_split_probe.py 2>&1 \
+      | tee "$OUT/cpu-gpu-split-probe.txt"
+    TEST_TIMEOUT=450 gpu_tests "cpu_adam_matches or cpu_adam_moe or gpu_share or (resume and \
+cpu-adam and not delayed) or moves_between" cpu-adam-split ;;
   cpu-adam-1-exact-1|cpu-adam-1-exact-2)  # cpu-adam-1's baseline and HDO 100% + overlap (-1),
     # cpu_adam 100% (-2), 12 iterations: one table from two calls on the same machine
     python bench/run_benchmarks.py run --suite "$1" --iters 12 \

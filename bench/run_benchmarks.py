@@ -178,6 +178,18 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
     ]  # fmt: skip
 
 
+ALL_ON_CPU = "optimizer.cpu_adam_gpu_share=0"
+
+
+def _split_cases(gbs: int) -> list[Case]:
+    """Exact mode with its GPU share balanced each step (the default) against all of Adam on the
+    CPU, beside the baseline (twice) and HDO 100% + overlap."""
+    cases = _cpu_adam_cases(gbs)
+    all_on_cpu = replace(cases[2], name=f"{cases[2].name}, all on the CPU",
+                         overrides=(*cases[2].overrides, ALL_ON_CPU))  # fmt: skip
+    return [*cases[:3], all_on_cpu, cases[5]]
+
+
 def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ...]) -> list[Case]:
     batch = _batch(gbs)
     base = f"sweep GBS{gbs} no offload"
@@ -436,6 +448,8 @@ SUITES: dict[str, list[Case]] = {
     # delayed mode's pieces: 256 MiB against 64 MiB, copying during the backward
     "cpu-adam-4-pieces": _pieces_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),
+    "cpu-adam-split-4": _split_cases(4),
+    "cpu-adam-split-1": _split_cases(1),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
     # forward): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), one machine
@@ -771,7 +785,8 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         base_step = base.get("step_time_s_median")
         if not base_step or base.get("cpu_adam_params_per_s"):  # no bound without a no-offload run
             continue
-        cpu = s["cpu_offloaded_params"] / s["cpu_adam_params_per_s"]
+        offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
+        cpu = offloaded / rate
         delayed = s.get("cpu_adam_mode") == "delayed"
         bound = max(base_step, cpu) if delayed else base_step + cpu
         step = s["step_time_s_median"]
@@ -779,17 +794,38 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
         hdo = by_name.get(hdo_name, {}).get("summary", {}).get("step_time_s_median")
         hdo = hdo if hdo_name != r["case"]["baseline"] else None
-        parts = [
-            f"- {r['case']['name']}: {s['cpu_offloaded_params'] / 1e9:.2f}B params on the CPU at "
-            f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
-            + (f"; {s['cpu_adam_params_per_s'] / ref:.2f}x torch's fused AdamW alone, "
-               f"{ref / 1e9:.2f} G/s)" if ref else ")"),
-            f"bound {'max' if delayed else 'sum'}({base_step * 1000:.0f}, {cpu * 1000:.0f}) = "
-            f"{bound * 1000:.0f} ms, step {step * 1000:.0f} ms = {step / bound:.2f}x the bound",
+        rated = (f"{rate / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
+                 + (f"; {rate / ref:.2f}x torch's fused AdamW alone, {ref / 1e9:.2f} G/s)"
+                    if ref else ")"))  # fmt: skip
+        on_gpu, gpu_rate = s.get("cpu_adam_params_on_gpu"), s.get("cpu_adam_stream_params_per_s")
+        if on_gpu and gpu_rate:  # exact mode's GPU share: the CPU and the link at once
+            both = offloaded / (rate + gpu_rate)
+            parts = [
+                f"- {r['case']['name']}: the states of {offloaded / 1e9:.2f}B params on the host; "
+                f"Adam on {s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
+                f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, "
+                f"their states through the window at {gpu_rate / 1e9:.2f} G/s "
+                f"({12 * gpu_rate / 1e9:.1f} GB/s each way)",
+                f"bound at both rates sum({base_step * 1000:.0f}, {both * 1000:.0f}) = "
+                f"{(base_step + both) * 1000:.0f} ms, step {step * 1000:.0f} ms = "
+                f"{step / (base_step + both):.2f}x that bound and {step / bound:.2f}x the CPU's "
+                f"alone at its rate, sum({base_step * 1000:.0f}, {cpu * 1000:.0f}) = "
+                f"{bound * 1000:.0f} ms",
+            ]  # fmt: skip
+        else:
+            parts = [
+                f"- {r['case']['name']}: {offloaded / 1e9:.2f}B params on the CPU at {rated}",
+                f"bound {'max' if delayed else 'sum'}({base_step * 1000:.0f}, {cpu * 1000:.0f}) "
+                f"= {bound * 1000:.0f} ms, step {step * 1000:.0f} ms = {step / bound:.2f}x the "
+                "bound",
+            ]  # fmt: skip
+        parts += [
             f"CPU worker {s['cpu_adam_wall_s_median'] * 1000:.0f} ms (Adam "
             f"{s['cpu_adam_busy_s_median'] * 1000:.0f}, waiting for gradients "
             f"{s['cpu_adam_wait_s_median'] * 1000:.0f})",
         ]  # fmt: skip
+        if on_gpu:
+            parts[-1] += f", the window's pass {s['cpu_adam_stream_s_median'] * 1000:.0f} ms"
         if s.get("cpu_adam_lands_in_forward") and not delayed:
             waited = s.get("cpu_adam_forward_wait_s_median")
             parts.append("landing during the next forward"

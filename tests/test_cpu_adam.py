@@ -73,8 +73,9 @@ def lr_at(step: int) -> float:
 
 
 def engine(buffers: Buffers, fraction: float, kind: type = CpuAdam, **kwargs) -> CpuAdam:
+    kwargs = {"chunk_bytes": 4 * 1500, **kwargs}
     return kind(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
-                betas=BETAS, eps=EPS, chunk_bytes=4 * 1500, **kwargs)  # fmt: skip
+                betas=BETAS, eps=EPS, **kwargs)  # fmt: skip
 
 
 class Reference:
@@ -747,3 +748,80 @@ def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
     backward = forward[::-1]
     assert orders == [forward, backward, backward]
     at_boundary.close()
+
+
+@pytest.mark.parametrize(("fraction", "share"), [(1.0, 0.4), (0.5, 0.6), (1.0, 1.0)])
+def test_a_gpu_share_through_the_window_is_bit_identical_too(fraction: float, share: float) -> None:
+    """Exact mode with a GPU share: the last pieces in forward order pass through the state
+    window (on the CPU here, with the same fused kernel), the first run on the CPU; each
+    module's forward still sees its exact update, and the masters follow torch's AdamW."""
+    from offload_runner.offload.optimizer_states import SLOTS
+
+    buffers = Buffers()
+    eng = engine(buffers, fraction, land_during_forward=True, gpu_share=share)
+    ref = Reference(buffers)
+    model = model_of(buffers)
+    eng.watch([model])
+    for step in range(1, STEPS + 1):
+        ref.step(step, drive(eng, buffers, step))
+        seen = [layer() for layer in model]  # the next forward
+        assert eng._inflight is None or share == 1.0
+        kept = len(buffers.views) - len(eng.offloaded)  # Adam on the GPU as before
+        rounded = [m.to(torch.bfloat16) for m in reversed(masters(eng, buffers))]
+        assert all(torch.equal(a, b) for a, b in zip(seen, rounded, strict=True)), kept
+        assert_matches(masters(eng, buffers), ref.params, step)
+    pieces, on_cpu = len(eng._pieces), eng._on_cpu
+    on_gpu = sum(p.numel for p in eng._pieces[on_cpu:])
+    assert on_gpu / eng.offloaded_numel == pytest.approx(share, abs=1500 / eng.offloaded_numel)
+    assert eng._streamed == eng._pieces[on_cpu:] and (on_cpu == 0) == (share == 1.0)
+    assert pieces > on_cpu > 0 or share == 1.0
+    assert eng.history[-1].params == eng.offloaded_numel - on_gpu
+    assert eng.streams_states and eng.window_bytes == SLOTS * 12 * 1500
+    metrics = eng.metrics()
+    assert metrics["cpu_adam_params_on_cpu"] == eng.offloaded_numel - on_gpu
+    eng.close()
+
+
+def test_no_gpu_share_in_delayed_mode_nor_at_zero() -> None:
+    buffers = Buffers()
+    for kwargs in ({"delayed": True, "gpu_share": 0.5, "balance": True}, {"gpu_share": 0.0}):
+        eng = engine(buffers, 1.0, **kwargs)
+        drive(eng, buffers, 1)
+        assert not eng.streams_states and eng._on_cpu == len(eng._pieces)
+        eng.close()
+
+
+def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() -> None:
+    """``optimizer.cpu_adam_gpu_share=null``: after each exact step the engine sets its GPU
+    share half way to where the measured CPU and window rates would finish together."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, gpu_share=0.5, balance=True, chunk_bytes=4 * 500)
+    total = eng.offloaded_numel
+    for step in range(1, 4):
+        drive(eng, buffers, step)
+    on_gpu = sum(p.numel for p in eng._pieces[eng._on_cpu :])
+    assert on_gpu / total == pytest.approx(0.5, abs=500 / total)  # no timing on the CPU: kept
+    # the CPU updated its share at half the rate the window passed its own: 2/3 should go to the
+    # GPU, so the next split takes the GPU share half way there
+    last = eng.history[-1]
+    last.wall_s = 2.0 * last.params / total
+    eng._window.history.append((1.0 * on_gpu / total, on_gpu))
+    eng._rebalance()
+    moved = sum(p.numel for p in eng._pieces[eng._on_cpu :]) / total
+    share = on_gpu / total
+    assert moved == pytest.approx(share + 0.5 * (2 / 3 - share), abs=500 / total)
+    eng._rebalance()  # the same step's timing moves it once
+    assert sum(p.numel for p in eng._pieces[eng._on_cpu :]) / total == pytest.approx(moved)
+    # far from balance it keeps a piece on each side, so both rates stay measured
+    assert eng._cpu_pieces(1.0) == 1 and eng._cpu_pieces(0.0) == len(eng._pieces) - 1
+    eng.close()
+    # the run stays exact while the split moves between steps
+    buffers = Buffers()
+    eng2 = engine(buffers, 1.0, gpu_share=0.5, balance=True, chunk_bytes=4 * 500)
+    ref = Reference(buffers)
+    for step in range(1, 8):
+        ref.step(step, drive(eng2, buffers, step))
+        eng2._on_cpu = [2, 30, 10, 5, 20, 15, 25][step - 1]  # moved between every step
+        eng2._window.finish()
+    assert_matches(masters(eng2, buffers), ref.params, 7)
+    eng2.close()

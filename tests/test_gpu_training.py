@@ -57,6 +57,13 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("gpu"))
 
 
+# exact CPU Adam with no GPU share: the whole update on the CPU
+ALL_ON_CPU = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0")
+# exact CPU Adam in pieces of 4 MiB, so that the tiny model's shard splits between the CPU and
+# the GPU share (balanced each step)
+GPU_SHARE = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=4")
+
+
 def max_delta(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
@@ -98,7 +105,7 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
     iters = ("train.train_iters=20",)
     base = train(Path(root) / "base20", *iters)
     hdo = train(Path(root) / "hdo100", *iters, "offload/optimizer=cpu_100")
-    run = train(Path(root) / "cpu-adam", *iters, "offload/optimizer=cpu_adam")
+    run = train(Path(root) / "cpu-adam", *iters, *ALL_ON_CPU)
     on_gpu = train(Path(root) / "cpu-adam-none", *iters, "offload/optimizer=cpu_adam",
                    "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
     delta = max_delta(run["losses"], base["losses"])
@@ -110,14 +117,41 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
     assert on_gpu.get("cpu_offloaded_params", 0) == 0
     assert run["losses"] == hdo["losses"]
     assert run["cpu_adam_lands_in_forward"]  # one GPU: the next forward waits module by module
-    within_step = train(Path(root) / "cpu-adam-within-step", *iters, "offload/optimizer=cpu_adam",
+    within_step = train(Path(root) / "cpu-adam-within-step", *iters, *ALL_ON_CPU,
                         "optimizer.cpu_adam_land_during_forward=false")  # fmt: skip
     assert within_step["losses"] == run["losses"]
     assert run["losses"][:2] == on_gpu["losses"][:2]  # the first update: the same bf16 weights
     assert max_delta(run["losses"][:3], base["losses"][:3]) < 1e-3
     assert delta <= max_delta(hdo["losses"], base["losses"])
     assert run["cpu_offloaded_params"] > 0 and run["cpu_adam_params_per_s"] > 0
-    assert run["host_pinned_gb_max"] > 0
+    assert run["host_pinned_gb_max"] > 0 and run["cpu_adam_params_on_gpu"] == 0
+
+
+def test_cpu_adam_gpu_share_splits_the_update_between_cpu_and_gpu(root: str) -> None:
+    """Exact mode's GPU share (balanced each step, the default): pieces of 4 MiB, so the tiny
+    model's shard splits; the CPU updates the first pieces in forward order while the GPU
+    updates the rest over states streamed through the window. The losses stay with the
+    all-CPU run's within what torch's fused AdamW on the GPU differs from it by."""
+    iters = ("train.train_iters=20", "optimizer.cpu_adam_chunk_mb=4")
+    cpu = train(Path(root) / "share-cpu", *iters, *ALL_ON_CPU)
+    on_gpu = train(Path(root) / "share-none", *iters, "offload/optimizer=cpu_adam",
+                   "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
+    shared = train(Path(root) / "share-balanced", *iters, "offload/optimizer=cpu_adam")
+    fixed = train(Path(root) / "share-fixed", *iters, "offload/optimizer=cpu_adam",
+                  "optimizer.cpu_adam_gpu_share=0.5")  # fmt: skip
+    kernels = max_delta(cpu["losses"], on_gpu["losses"])
+    print(f"GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced), "
+          f"{fixed['cpu_adam_gpu_share']:.2f} (0.5): max |Δloss| against all on the CPU "
+          f"{max_delta(shared['losses'], cpu['losses']):.2e} / "
+          f"{max_delta(fixed['losses'], cpu['losses']):.2e}; CPU against GPU Adam {kernels:.2e}; "
+          f"window {shared['cpu_adam_stream_params_per_s']:.3g} params/s")  # fmt: skip
+    for run in (shared, fixed):
+        assert run["cpu_adam_params_on_cpu"] > 0 and run["cpu_adam_params_on_gpu"] > 0
+        assert run["cpu_offloaded_params"] == cpu["cpu_offloaded_params"]
+        assert run["losses"][:2] == cpu["losses"][:2]
+        assert max_delta(run["losses"], cpu["losses"]) <= max(kernels, 1e-3)
+        assert run["cpu_adam_stream_s_median"] > 0
+    assert abs(fixed["cpu_adam_gpu_share"] - 0.5) < 0.2  # whole pieces of 4 MiB
 
 
 def test_cpu_adam_moe_engines_share_the_worker_and_match_hybrid_device_optimizer(
@@ -126,7 +160,7 @@ def test_cpu_adam_moe_engines_share_the_worker_and_match_hybrid_device_optimizer
     """A MoE model: one engine for the dense shard, one for the experts', sharing the worker and
     landing during the forward; the same losses as HybridDeviceOptimizer 100%."""
     hdo = train(Path(root) / "moe-hdo100", "offload/optimizer=cpu_100", recipe="tiny_moe")
-    run = train(Path(root) / "moe-cpu-adam", "offload/optimizer=cpu_adam", recipe="tiny_moe")
+    run = train(Path(root) / "moe-cpu-adam", *ALL_ON_CPU, recipe="tiny_moe")
     assert run["cpu_adam_lands_in_forward"] and run["cpu_adam_pieces"] >= 2
     assert run["losses"] == hdo["losses"]
 
@@ -175,6 +209,8 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exac
             ("offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=0.5"),
             id="cpu-adam-50",
         ),
+        pytest.param(ALL_ON_CPU, id="cpu-adam-all-on-cpu"),
+        pytest.param((*GPU_SHARE,), id="cpu-adam-gpu-share"),
         pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
         # interleaved pipeline: two model chunks per rank, checkpoint keys model0/model1,
         # every data-parallel rank writing its share

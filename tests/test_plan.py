@@ -154,16 +154,24 @@ def test_cpu_adam_engine_host_memory() -> None:
     """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned); on the GPU
     the engine keeps its ring of two pieces of fp32 masters (the tiny model is under one piece,
     the proxy's shards over it)."""
-    engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
+    engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
+                                   "optimizer.cpu_adam_gpu_share=0")).ranks[0]  # fmt: skip
     hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
     params = count_parameters(compose_run("recipe=tiny").model).total
     assert engine.host_pinned == pytest.approx(8 * params, rel=1e-6)
     assert engine.host == pytest.approx(16 * params, rel=1e-6)
+    assert engine.optimizer_step_only == 0
     assert hdo.host == pytest.approx(18 * params, rel=1e-6)
     assert hdo.optimizer_gpu == 0
     assert engine.optimizer_gpu == pytest.approx(2 * 4 * params, rel=1e-6)
     proxy = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=cpu_adam")
     assert make_plan(proxy).ranks[0].optimizer_gpu == 2 * 2 * 64 * 1024**2  # dense, experts
+    # with the GPU share (the default): the moments pinned too, and the step holds a window of
+    # up to 4 pieces of masters and moments per part (one piece: the tiny model's whole shard)
+    shared = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
+    assert shared.host_pinned == pytest.approx(16 * params, rel=1e-6) == shared.host
+    assert shared.optimizer_step_only == pytest.approx(12 * params, rel=1e-6)
+    assert make_plan(proxy).ranks[0].optimizer_step_only == 2 * 4 * 3 * 64 * 1024**2
 
 
 def test_auto_tries_activation_layers_before_the_optimizer() -> None:
@@ -262,27 +270,35 @@ def test_context_parallel_halves_each_ranks_sequence_and_shards_over_dp_x_cp() -
 
 
 def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> None:
-    """On PCIe CPU Adam costs less per param than streaming 12 B of states each way; on a link
-    several times faster (Grace-Hopper class) state offload wins where it fits."""
+    """On PCIe CPU Adam (beside its balanced GPU share) costs less per param than streaming 12 B
+    of states each way; on a link several times faster (Grace-Hopper class) state offload wins
+    where it fits."""
     common = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
               "offload/optimizer=auto", "planner.gpu_memory_gb=60",
               "planner.host_memory_gb=512", "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
     pcie = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=50.8"))
     assert pcie.overrides["optimizer.offload_optimizer_states"] is False
     assert pcie.overrides["optimizer.optimizer_offload_fraction"] == 0.25
-    assert "predicted +0.19 s per step" in pcie.description and "states +" in pcie.description
+    assert "predicted +0.12 s per step" in pcie.description and "states +" in pcie.description
+    assert "Adam on 49% of them on the CPU" in pcie.description  # the balanced GPU share
     c2c = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=450"))
     assert c2c.overrides["optimizer.offload_optimizer_states"] is True
     assert c2c.description.startswith("offload/optimizer=states")
 
 
 def test_step_cost_model() -> None:
+    from offload_runner.plan import CPU_ADAM_RATE_BESIDE_STREAMS as K
     from offload_runner.plan import HDO_RATE_SHARE, StepCost
 
     cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
-    for option, expected in (("cpu_adam", 1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
+    # exact mode's balanced GPU share x: the CPU's (1 - x) at 4e9 K params/s and the link's
+    # 12 x + 4 (1 - x) B/param at 50 GB/s take as long
+    on_cpu = (12 / 50e9) / (1 / (4e9 * K) + 8 / 50e9)
+    balanced = on_cpu / (4e9 * K)
+    for option, expected in (("cpu_adam", balanced), ("cpu_adam optimizer.cpu_adam_gpu_share=0",
+                             1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
                              ("states", 12 / 50e9)):  # fmt: skip
-        run = compose_run("recipe=tiny", f"offload/optimizer={option}")
+        run = compose_run("recipe=tiny", *f"offload/optimizer={option}".split())
         rank = make_plan(run).ranks[0]
         params = count_parameters(run.model).total
         assert cost.seconds(run, rank) == pytest.approx(params * expected, rel=1e-6), option
@@ -318,7 +334,8 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     assert long.seconds(run, rank) == pytest.approx(copies)
     assert long.hidden_fraction(run, rank) == 1.0
     exact = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
-                        "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+                        "optimizer.optimizer_offload_fraction=0.5",
+                        "optimizer.cpu_adam_gpu_share=0")  # fmt: skip
     assert long.seconds(exact, make_plan(exact).ranks[0]) == pytest.approx(cpu)
     assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
     assert hidden_fraction(2.0, 1e9, 4e9, copy_s_per_param=1e-9, max_overhead=0.5) == 0.25

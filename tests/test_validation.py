@@ -319,6 +319,12 @@ CASES = [
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(
+        "gpu_share_needs_exact_cpu_adam",
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0.5"),
+        "optimizer.cpu_adam_gpu_share only acts",
+    ),
+    Case(
         "auto_delayed_needs_auto",
         ("recipe=tiny", "planner.auto_delayed=true"),
         ("recipe=tiny", "planner.auto_delayed=true", "planner.auto_optimizer=true"),

@@ -49,7 +49,9 @@ PARAM_REMAINDER_BYTES = 2
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
-CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq
+CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
+# exact mode's GPU share streams them: cpu_adam_streams)
+WINDOW_SLOTS = 4  # pieces in a state window: one in Adam, one going out, one or two coming in
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
 # Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
 # the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
@@ -283,6 +285,9 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         )
         on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
         resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
+        if cpu_adam_streams(run):  # the moments pinned; the step holds the window
+            pinned_per_param, on_cpu = pinned_per_param + CPU_ADAM_PAGEABLE_BYTES, 0
+            step_only = cpu_adam_window_bytes(parts, hdo, o.cpu_adam_chunk_mb)
     else:
         pinned_per_param = HDO_PINNED_BYTES
     if o.offload_optimizer_states:  # the step holds the window the states pass through
@@ -333,6 +338,27 @@ def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> i
     fp32 masters on their way into the bf16 parameters."""
     chunk = chunk_mb * 1024**2 // 4
     return sum(2 * 4 * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)
+
+
+def cpu_adam_window_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:
+    """Exact mode's GPU share: per optimizer part with params on the host, a window of up to
+    WINDOW_SLOTS pieces of masters and moments, held during the step (at most: the share is
+    balanced at run time)."""
+    chunk = chunk_mb * 1024**2 // 4
+    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / chunk)) * ADAM_BYTES
+               * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)  # fmt: skip
+
+
+def cpu_adam_streams(run: RunConfig) -> bool:
+    """The CPU-Adam engine in exact mode with a GPU share (optimizer.cpu_adam_gpu_share: null
+    balances it, 0 has none): it streams that share's states through a window."""
+    o = run.optimizer
+    return (
+        o.optimizer_cpu_offload
+        and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+        and not o.cpu_adam_delayed_update
+        and (o.cpu_adam_gpu_share is None or o.cpu_adam_gpu_share > 0)
+    )
 
 
 @dataclass
@@ -430,6 +456,33 @@ HDO_RATE_SHARE = 0.27
 
 
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
+# Fused CPU AdamW's rate while the link streams states both ways at full speed, over its rate
+# alone: the two share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one
+# H200: docs/evidence/cpu-gpu-split-probe.txt).
+CPU_ADAM_RATE_BESIDE_STREAMS = 0.77
+
+
+def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float) -> float:
+    """Exact mode's GPU share of the offloaded Adam at which the CPU and the link finish
+    together: the CPU's share x at its rate beside the streams, the link carrying
+    CPU_ADAM_COPY_BYTES each way for it and ADAM_BYTES for the GPU's share, both at once:
+    x / (rate k) = (ADAM_BYTES (1 - x) + CPU_ADAM_COPY_BYTES x) / link."""
+    cpu = 1 / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
+    link = 1 / (host_link_gb_per_s * 1e9)
+    on_cpu = ADAM_BYTES * link / (cpu + (ADAM_BYTES - CPU_ADAM_COPY_BYTES) * link)
+    return min(max(1.0 - on_cpu, 0.0), 1.0)
+
+
+def exact_update_seconds(params: float, cpu_params_per_s: float, host_link_gb_per_s: float,
+                         gpu_share: float) -> float:  # fmt: skip
+    """Exact mode's update of ``params`` offloaded params with ``gpu_share`` of them on the GPU:
+    the CPU's share at its rate (beside the streams where there are any) or the link, whichever
+    takes longer."""
+    if gpu_share <= 0:
+        return params / cpu_params_per_s
+    cpu = (1 - gpu_share) * params / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
+    moved = ADAM_BYTES * gpu_share + CPU_ADAM_COPY_BYTES * (1 - gpu_share)
+    return max(cpu, moved * params / (host_link_gb_per_s * 1e9))
 
 
 def param_count(n: float) -> str:
@@ -515,9 +568,22 @@ class StepCost:
         slower = WEIGHT_PREDICTION_CPU_FACTOR if predicting_weights(run) else 1.0
         return self.cpu_adam_params_per_s / slower
 
+    def gpu_share(self, run: RunConfig) -> float:
+        """Exact mode's GPU share (0: none; null in the config: the balanced one)."""
+        if not cpu_adam_streams(run):
+            return 0.0
+        share = run.optimizer.cpu_adam_gpu_share
+        if share is None:
+            return balanced_gpu_share(self.cpu_rate(run), self.host_link_gb_per_s)
+        return share
+
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
         cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
+        if cpu_adam_streams(run):
+            update = exact_update_seconds(rank.cpu_adam_params, self.cpu_rate(run),
+                                          self.host_link_gb_per_s, self.gpu_share(run))  # fmt: skip
+            return update + link
         if cpu_adam_delayed(run):
             copies = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
             tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
@@ -548,7 +614,18 @@ class StepCost:
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
-        if rank.cpu_adam_params:
+        share = self.gpu_share(run)
+        if rank.cpu_adam_params and share:
+            seconds = exact_update_seconds(rank.cpu_adam_params, self.cpu_rate(run),
+                                           self.host_link_gb_per_s, share)  # fmt: skip
+            how = "balanced each step" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
+            parts.append(f"the states of {param_count(rank.cpu_adam_params)} params on the host, "
+                         f"Adam on {1 - share:.0%} of them on the CPU at "
+                         f"{self.cpu_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
+                         f"beside the streams) and on {share:.0%} on the GPU, their states "
+                         f"streamed at {self.host_link_gb_per_s:.0f} GB/s each way ({seconds:.2f} "
+                         f"s; the share {how})")  # fmt: skip
+        elif rank.cpu_adam_params:
             cpu = rank.cpu_adam_params / self.cpu_rate(run)
             parts.append(f"{param_count(rank.cpu_adam_params)} params of Adam on the CPU at "
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip

@@ -406,6 +406,16 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
+        "gpu_share_needs_exact_cpu_adam",
+        lambda c, e: (
+            bool(c.optimizer.cpu_adam_gpu_share)
+            and not (cpu_adam_on(c) and not c.optimizer.cpu_adam_delayed_update)
+        ),
+        "optimizer.cpu_adam_gpu_share only acts in the CPU-Adam engine's exact mode (delayed "
+        "mode hides its whole update under forward+backward, on the CPU)",
+        "drop the key (or set it to 0), or use offload/optimizer=cpu_adam",
+    ),
+    Rule(
         "auto_delayed_needs_auto",
         lambda c, e: c.planner.auto_delayed and not c.planner.auto_optimizer,
         "planner.auto_delayed only acts when offload/optimizer=auto chooses the optimizer offload",
@@ -975,6 +985,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("optimizer", "adam_beta2"): (0, 1),
     ("optimizer", "adam_eps"): (0, None),
     ("optimizer", "clip_grad"): (0, None),
+    ("optimizer", "cpu_adam_gpu_share"): (0, 1),
     ("scheduler", "lr_warmup_iters"): (0, None),
     ("scheduler", "lr_decay_iters"): (1, None),
     ("scheduler", "lr_wsd_decay_iters"): (1, None),

@@ -272,6 +272,12 @@ class OptimizerConfig:
     # parameters alone (where no data-parallel parameter all-gather follows the step; else
     # step() waits for the whole update). false: step() always waits.
     cpu_adam_land_during_forward: bool = True
+    # Exact mode: this share of the offloaded params has its Adam on the GPU instead, its
+    # masters and moments (on the host like the rest) streamed through a GPU window of 4 pieces
+    # during the step while the CPU updates the others: the CPU and the link work at once
+    # (docs/BENCHMARKS.md). null: balanced each step so both finish together; 0: all on the CPU
+    # (the moments stay pageable). Delayed mode runs all of it on the CPU.
+    cpu_adam_gpu_share: Optional[float] = None
     # Delayed mode: the step boundary's copies (this step's gradients down, the last update's
     # masters up, 4 B/param each way) run during the last micro-batch's backward, each piece as
     # soon as its gradients are final, and the CPU applies the clip factor (where nothing edits

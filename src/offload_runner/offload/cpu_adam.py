@@ -40,6 +40,19 @@ over GPU Adam is about the CPU Adam time, ``offloaded params / rate`` (fused CPU
 params/s on 16 cores), less the forward that runs behind it. A rank's engines (a MoE model's
 dense and expert shards) share one worker thread, so their updates take the cores in turn.
 
+Exact mode's GPU share (``optimizer.cpu_adam_gpu_share``): the CPU's 4 B/param each way leave
+the link mostly idle during the update, and fused CPU AdamW is bound by the host's memory
+bandwidth, which the copy engines share without taking much of the CPU's rate. So the last
+pieces in forward order (``_streamed``) are updated by the GPU instead, over their masters and
+moments streamed through a state window (optimizer_states.StatesWindow, 12 B/param each way, on
+the compute stream ahead of the next forward), while the worker updates the first ones: the
+update takes about max(CPU share / CPU rate, link time) instead of all params / CPU rate. Every
+state still lives on the host (its moments page-locked then); the step holds the window of up
+to 4 pieces. With the share unset (null) each exact step moves the split half way to where the
+CPU and the window, at the rates they just reached side by side, finish together
+(``_rebalance``), starting from the planner's balance (plan.balanced_gpu_share). Delayed mode
+keeps all of it on the CPU: there the CPU's update hides under forward and backward.
+
 Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous update piece by
 piece as the worker finishes each (its masters go up while this step's gradients of the same
 piece go down, both directions at once), hands this step's update to the worker and returns: the
@@ -85,7 +98,8 @@ docs/BENCHMARKS.md: delayed updates of the experts alone ended within the seeds'
 parameter outside it; ``attach`` warns when the fraction reaches past the experts).
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
-each way against 50 GB/s); delayed step = max(GPU step + copy time not hidden,
+each way against 50 GB/s), with a GPU share the larger of its CPU part and its link time
+(plan.exact_update_seconds); delayed step = max(GPU step + copy time not hidden,
 params/rate); measured (docs/BENCHMARKS.md, "Delayed mode's step boundary"), the CPU update also
 slows the kernel-launching training thread on a launch-bound model. State offload
 (offload/optimizer=states) moves 12 B/param each way instead and keeps
@@ -110,14 +124,17 @@ from offload_runner.config.schema import RunConfig, cpu_adam_copies_during_backw
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece, hyper
+from offload_runner.offload.optimizer_states import StatesWindow
 from offload_runner.plan import (
     CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
     GiB,
     copy_seconds_per_param,
     copy_window,
+    cpu_adam_streams,
     hidden_fraction,
     param_count,
+    step_cost,
 )
 
 log = logging.getLogger("offload_runner")
@@ -310,6 +327,8 @@ class _Update:
     step: int
     hyper: list[dict]  # per param group: lr, weight_decay, beta1, beta2, eps
     land_in_worker: bool
+    on_cpu: int = 0  # pieces [0, on_cpu) run on the CPU (exact mode's GPU share follows them)
+    params: int = 0  # ... holding this many params
     guess: bool = False  # also extrapolate the updated masters into host_guess
     # threading.Event per piece: its gradients' copy (and any landing before it) is enqueued
     ready: list = field(default_factory=list)
@@ -356,6 +375,8 @@ class CpuAdam(HostAdam):
         land_during_forward: bool = False,
         copy_during_backward: bool = False,
         clip_grad: float = 0.0,
+        gpu_share: float = 0.0,
+        balance: bool = False,
         worker: concurrent.futures.ThreadPoolExecutor | None = None,
     ) -> None:
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
@@ -374,6 +395,13 @@ class CpuAdam(HostAdam):
         # delayed mode, copies during the backward (see watch_backward)
         self.copy_during_backward = delayed and copy_during_backward
         self.clip_grad = clip_grad
+        # exact mode's GPU share (see _split_pieces): Adam on the GPU, the states streamed
+        self.gpu_share = 0.0 if delayed else gpu_share
+        self.balance = balance and not delayed
+        self._window: StatesWindow | None = None
+        self._on_cpu = 0  # pieces [0, _on_cpu) run on the CPU, the rest through the window
+        self._streamed: list[Piece] = []  # this step's GPU share: _pieces[_on_cpu:]
+        self._balanced_at = 0  # the step whose timing last moved the split
         self._grad_hooks: list = []
         self._hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
         self._param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
@@ -401,12 +429,19 @@ class CpuAdam(HostAdam):
     def _allocate(self) -> None:
         """In the worker, so its own threads touch the host pages first (NUMA placement): the
         masters and a gradient staging array page-locked (the copy engines read and write them),
-        the moments pageable (only the CPU touches them), with weight prediction the
+        the moments pageable where only the CPU touches them (page-locked, and a state window,
+        with a GPU share), with weight prediction the
         page-locked guess the landings read; a ring of two pieces of fp32 masters on the GPU,
         rounded into the bf16 params there."""
         import torch
 
-        self._allocate_states(pin_moments=False, what="cpu_adam")
+        streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
+        self._allocate_states(pin_moments=streams, what="cpu_adam")
+        if streams:  # the copy engines read and write the moments of the GPU share
+            self._window = StatesWindow(
+                (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
+                min(self.chunk_numel, self.offloaded_numel),
+            )  # fmt: skip
         self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
         if self.predict:  # what delayed mode lands: the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
@@ -427,6 +462,10 @@ class CpuAdam(HostAdam):
             if self.land_during_forward:  # forward order: the buffer is in backward order
                 self._pieces.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
+            self._on_cpu = self._cpu_pieces(self.gpu_share) if self._window else len(self._pieces)
+        if self._window is not None:
+            self._window.finish()  # pieces the last pass streamed may go to the CPU now
+            self.prefetch()
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
         if delayed and self._hooks:  # only exact steps land during the forward
@@ -448,6 +487,8 @@ class CpuAdam(HostAdam):
         # is enqueued (enqueueing hundreds of copies takes the training thread a while).
         guess_next = self.predict and step >= self.exact_steps
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
+                         on_cpu=self._on_cpu,
+                         params=sum(q.numel for q in self._pieces[: self._on_cpu]),
                          order=self._update_order(delayed, list(early)),
                          ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces],
@@ -479,6 +520,8 @@ class CpuAdam(HostAdam):
                 ready.set()
             raise
         self._unlanded = False
+        if self._window is not None:  # the GPU share, on the compute stream
+            self._window.run(self._streamed, step, hypers)
         self._gpu_step(step, hypers)
         if delayed:
             self._pending = update
@@ -496,6 +539,56 @@ class CpuAdam(HostAdam):
             group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
         return None
 
+    # -- exact mode's GPU share ---------------------------------------------------------------
+    @property
+    def streams_states(self) -> bool:
+        return self._window is not None
+
+    @property
+    def window_bytes(self) -> int:
+        return self._window.nbytes if self._window is not None else 0
+
+    def prefetch(self) -> None:
+        """Exact mode's GPU share: where the split between the CPU and the GPU falls this step
+        (``_rebalance``), and the first of the GPU share's states coming in (at the tail of
+        backward, through optimizer_states' hook; ``step()`` does it where nothing did)."""
+        if self._window is None or self._pieces is None or self._window.prefetched:
+            return
+        self._rebalance()
+        self._streamed = self._pieces[self._on_cpu :]
+        self._window.prefetch(self._streamed)
+
+    def _cpu_pieces(self, gpu_share: float) -> int:
+        """How many leading pieces hold about ``1 - gpu_share`` of the offloaded params (while
+        balancing, at least one on each side, so both rates stay measured)."""
+        target, taken, count = (1.0 - gpu_share) * self.offloaded_numel, 0, 0
+        for piece in self._pieces:
+            if taken + piece.numel / 2 > target:
+                break
+            taken += piece.numel
+            count += 1
+        if self.balance and len(self._pieces) > 1:
+            count = min(max(count, 1), len(self._pieces) - 1)
+        return count
+
+    def _rebalance(self) -> None:
+        """Move the split so that the CPU's share and the GPU's take as long: at the last exact
+        step, both running at once, the CPU updated ``params`` in its wall time and the window
+        passed its share in its own; the new GPU share is half way from the current one to where
+        those two rates would finish together (``optimizer.cpu_adam_gpu_share=null``)."""
+        passes = self._window.timing() if self.balance else []
+        last = self.history[-1] if self.history else None
+        if not (passes and last) or last.step < 2 or last.step <= self._balanced_at:
+            return  # the first step's timing includes its allocations
+        self._balanced_at = last.step
+        gpu_s, gpu_params = passes[-1]
+        if not (gpu_s and last.wall_s and last.params and gpu_params):
+            return
+        cpu_rate, gpu_rate = last.params / last.wall_s, gpu_params / gpu_s
+        share = gpu_params / (gpu_params + last.params)
+        target = gpu_rate / (cpu_rate + gpu_rate)
+        self._on_cpu = self._cpu_pieces(share + 0.5 * (target - share))
+
     def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
         """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
         the next forward waits for them). Delayed: the order their gradients went down during
@@ -506,7 +599,7 @@ class CpuAdam(HostAdam):
         of the next backward would wait for the update's end."""
         pieces = range(len(self._pieces))
         if not delayed:
-            return list(pieces)
+            return list(pieces[: self._on_cpu])
         backward = pieces[::-1] if self.land_during_forward else pieces  # the DDP buffer's order
         seen = set(crossed)
         return crossed + [i for i in backward if i not in seen]
@@ -685,6 +778,7 @@ class CpuAdam(HostAdam):
         if index is None:
             index = self._needs[id(module)] = self._last_piece_of(params)
         update = inflight[0]
+        index = min(index, update.on_cpu - 1)  # the GPU share lands on the compute stream
         if index < update.waited:
             return
         began = time.perf_counter()
@@ -698,7 +792,7 @@ class CpuAdam(HostAdam):
 
             torch.cuda.current_stream().wait_event(self._pieces[index].landed)
         update.waited = index + 1
-        if update.waited == len(self._pieces):
+        if update.waited == update.on_cpu:
             self._complete()
 
     def _last_piece_of(self, params: list) -> int:
@@ -816,8 +910,10 @@ class CpuAdam(HostAdam):
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for a delayed update (checkpoints: masters and states consistent; not landed)
-        or an exact one landing during the forward."""
+        or an exact one landing during the forward, and the GPU share's copies out."""
         self._complete()
+        if self._window is not None:
+            self._window.finish()
         if self._pending is not None and not self._pending.scaled.is_set():
             raise RuntimeError(
                 "cpu_adam: an update whose gradients went down during the "
@@ -867,10 +963,15 @@ class CpuAdam(HostAdam):
         if not steady:
             return {}
         busy = statistics.median(u.busy_s for u in steady)
+        on_cpu = statistics.median(u.params for u in steady)
+        passes = self._window.timing()[skip:] if self._window is not None else []
         return {
             "cpu_offloaded_params": self.offloaded_numel,
-            "cpu_adam_params_per_s": self.offloaded_numel / busy if busy else None,
+            "cpu_adam_params_on_cpu": on_cpu,
+            "cpu_adam_params_per_s": on_cpu / busy if busy else None,
             "cpu_adam_busy_s_median": busy,
+            "cpu_adam_params_on_gpu": statistics.median(n for _, n in passes) if passes else 0,
+            "cpu_adam_stream_s_median": statistics.median(t for t, _ in passes) if passes else 0.0,
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
             "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),
@@ -944,6 +1045,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
     in_backward = [cpu_adam_copies_during_backward(run) and not _gathers_params(p) for p in parts]
     worker = cpu_worker(cpus, threads, _current_device())
+    share = step_cost(run, local_world).gpu_share(run) if cpu_adam_streams(run) else 0.0
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -951,7 +1053,8 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
         land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
-        clip_grad=o.clip_grad, worker=worker,
+        clip_grad=o.clip_grad, gpu_share=share, balance=o.cpu_adam_gpu_share is None,
+        worker=worker,
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:
@@ -962,6 +1065,13 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
              "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
              "delayed" if o.cpu_adam_delayed_update else "exact")  # fmt: skip
+    if share:
+        log.info("cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
+                 "through a %.0f MiB window during the step while the CPU updates the rest (%s)",
+                 100 * share, max(e.window_bytes for e in built) / 1024**2,
+                 "the share starts at the planner's balance and follows the measured one "
+                 "each step" if o.cpu_adam_gpu_share is None
+                 else "optimizer.cpu_adam_gpu_share")  # fmt: skip
     if o.cpu_adam_land_during_forward and not all(in_forward):
         log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
                  "after the step land within step() (the all-gather needs them whole); "
@@ -1047,7 +1157,10 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         return {}
     busy = sum(m["cpu_adam_busy_s_median"] for m in found)
     params = sum(m["cpu_offloaded_params"] for m in found)
-    rate = params / busy if busy else None
+    on_cpu = sum(m["cpu_adam_params_on_cpu"] for m in found)
+    on_gpu = sum(m["cpu_adam_params_on_gpu"] for m in found)
+    stream_s = sum(m["cpu_adam_stream_s_median"] for m in found)  # the passes run in turn
+    rate = on_cpu / busy if busy else None
     shard = sum(e.shard_numel for e in built)
     forward_wait = sum(m["cpu_adam_forward_wait_s_median"] for m in found)
     if forward_backward_s:  # exact mode landing during the forward: its wait is not its work
@@ -1061,8 +1174,13 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         window = copy_window(without, copy_micro_batches) if copy_micro_batches else 0.0
         hidden = hidden_fraction(without, rate, shard, copies, overhead, window, slowdown)
     return {
-        "cpu_offloaded_params": params,
+        "cpu_offloaded_params": params,  # their masters and moments live on the host
+        "cpu_adam_params_on_cpu": on_cpu,  # ... of which Adam ran on the CPU (medians)
         "cpu_adam_params_per_s": rate,
+        "cpu_adam_params_on_gpu": on_gpu,  # ... and on the GPU, the states streamed
+        "cpu_adam_gpu_share": on_gpu / params if params else 0.0,
+        "cpu_adam_stream_s_median": stream_s,  # the GPU share's pass, first Adam to last copy
+        "cpu_adam_stream_params_per_s": on_gpu / stream_s if stream_s else None,
         "cpu_adam_hidden_fraction": hidden,
         "cpu_adam_busy_s_median": busy,
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),

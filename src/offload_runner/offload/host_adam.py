@@ -221,6 +221,14 @@ class HostAdam(HybridDeviceOptimizer):
             torch._foreach_copy_([p.view(-1) for p, _, _ in items], masters)
 
     # -- around the step ---------------------------------------------------------------------
+    @property
+    def streams_states(self) -> bool:
+        """Some of Adam runs on the GPU over states streamed from the host (``prefetch``)."""
+        return False
+
+    def prefetch(self) -> None:
+        """Start bringing in the first streamed states (at the tail of backward)."""
+
     def finish(self) -> None:
         """Wait until the host arrays hold this engine's newest masters and moments
         (checkpoints)."""

@@ -44,11 +44,12 @@ from offload_runner.config.schema import RunConfig
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece
+from offload_runner.plan import ADAM_BYTES, WINDOW_SLOTS
 
 log = logging.getLogger("offload_runner")
 
-BYTES_PER_PARAM = 12  # fp32 master + exp_avg + exp_avg_sq
-SLOTS = 4  # pieces in the window: one in Adam, one going out, one or two coming in
+BYTES_PER_PARAM = ADAM_BYTES  # fp32 master + exp_avg + exp_avg_sq
+SLOTS = WINDOW_SLOTS  # pieces in the window: one in Adam, one going out, one or two coming in
 HISTORY = 500  # steps kept for the metrics
 
 
@@ -76,78 +77,99 @@ def describe(run: RunConfig) -> OffloadSummary:
 
 
 @dataclass
-class _Stream:
-    """One step's pass of the states through the window: its events and what it measured."""
+class _Pass:
+    """One step's pass of some pieces' states through the window: its events and timing."""
 
-    window: object  # the GPU (or, in tests, CPU) window: SLOTS x 3 arrays of one piece
+    pieces: list[Piece]
+    window: object  # the GPU (or, in tests, CPU) window: up to SLOTS x 3 arrays of one piece
     loaded: list  # per piece: event, its copy in has finished (None without CUDA)
     freed: list  # per slot: event, the copy out of its last piece has read it
-    began: object = None  # event on the compute stream when step() starts its Adam calls
+    began: object = None  # event on the compute stream when the Adam calls start
     ended: object = None  # event after the last copy out
     queued: int = 0  # pieces whose copy in is queued
 
 
-class WindowedStates(HostAdam):
-    """Adam on the GPU for one DistributedOptimizer's shard whose masters and moments live in
-    page-locked host arrays and pass through a GPU window of ``window_bytes`` (module doc)."""
+class StatesWindow:
+    """Adam on the GPU for pieces whose fp32 masters and moments live in page-locked host arrays:
+    each step's pass brings them through a window of SLOTS slots of ``piece_numel`` params, on
+    two side streams (module doc, steps 1-3). ``WindowedStates`` passes its whole shard through
+    one; the CPU-Adam engine passes its GPU share (``cpu_adam.CpuAdam``, exact mode)."""
 
-    def __init__(
-        self,
-        params,
-        *,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        window_bytes: int = 512 * 1024**2,
-        order_key=None,
-    ) -> None:
-        # a piece of n params takes 12 n bytes of the window: chunk_bytes counts 4 B per param
-        super().__init__(params, fraction=1.0, lr=lr, weight_decay=weight_decay, betas=betas,
-                         eps=eps, chunk_bytes=window_bytes // (SLOTS * 3),
-                         order_key=order_key)  # fmt: skip
-        self._allocate_states(pin_moments=True, what="offload/optimizer=states")
-        self._streams = None
-        self._pass: _Stream | None = None  # the current step's pass (from the prefetch on)
-        self._adam = _te_adam(self.device) if self.on_cuda else None
-        self.history: list[float] = []  # seconds from step() to the last copy out
-        self._timed: _Stream | None = None  # the last pass, its events not read yet
-
-    @property
-    def window_bytes(self) -> int:
-        return SLOTS * 3 * 4 * min(self.chunk_numel, self.offloaded_numel)
-
-    # -- the pass ----------------------------------------------------------------------------
-    def prefetch(self) -> None:
-        """Start bringing in the first SLOTS pieces (at the tail of backward; ``step()`` calls
-        it if nothing did, e.g. at the first step, whose gradients' places are known only in
-        ``step()``)."""
+    def __init__(self, host: tuple, device, piece_numel: int, adam=None) -> None:
         import torch
 
-        if self._pass is not None or self._pieces is None:
+        self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays
+        self.device = device
+        self.piece_numel = piece_numel
+        on_cuda = device.type == "cuda"
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if on_cuda else None  # h2d, d2h
+        self._adam = adam  # Transformer Engine's multi-tensor Adam (_te_adam), else torch's
+        self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
+        self._timed: _Pass | None = None  # the last pass, its events not read yet
+        self.history: list[tuple[float, int]] = []  # per pass: seconds (Adam to last copy out),
+        # params
+
+    @property
+    def nbytes(self) -> int:
+        """The most a pass holds: SLOTS pieces (fewer where it passes fewer)."""
+        return SLOTS * BYTES_PER_PARAM * self.piece_numel
+
+    @property
+    def prefetched(self) -> bool:
+        """This step's pass has begun (its first pieces are coming in)."""
+        return self._pass is not None
+
+    def prefetch(self, pieces: list[Piece]) -> None:
+        """Start the pass of ``pieces``: the window, and the first SLOTS pieces coming in (at the
+        tail of backward; ``run`` does it if nothing did)."""
+        import torch
+
+        if self._pass is not None or not pieces:
             return
         self._collect_timing()
-        piece = min(self.chunk_numel, self.offloaded_numel)
-        if self._streams is None:
-            window = torch.empty(SLOTS, 3, piece, dtype=torch.float32, device=self.device)
+        shape = (min(SLOTS, len(pieces)), 3, self.piece_numel)
+        if self.streams is None:
+            window = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
-            h2d, d2h = self._streams
+            h2d, d2h = self.streams
             h2d.wait_stream(d2h)  # the last step's copies out have written the host arrays
             with torch.cuda.stream(h2d):  # the window comes from (and returns to) h2d's pool
-                window = torch.empty(SLOTS, 3, piece, dtype=torch.float32, device=self.device)
-        self._pass = _Stream(window, [None] * len(self._pieces), [None] * SLOTS)
-        for _ in range(min(SLOTS, len(self._pieces))):
+                window = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._pass = _Pass(pieces, window, [None] * len(pieces), [None] * len(window))
+        for _ in range(len(window)):
             self._load_next()
 
+    def run(self, pieces: list[Piece], step: int, hypers: list[dict]) -> None:
+        """The pass of ``pieces``: on the current stream, Adam on each as soon as it is in, its
+        masters rounded into its bf16 parameters, then out on ``d2h``; returns once queued."""
+        import torch
+
+        self.prefetch(pieces)
+        if self._pass is None:
+            return
+        assert self._pass.pieces is pieces, "prefetched another set of pieces"
+        # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
+        steps = None if self._adam else torch.tensor(float(step), device=self.device)
+        compute = torch.cuda.current_stream() if self.streams else None
+        if compute is not None:
+            self._pass.began = _record(compute)
+        for index, piece in enumerate(pieces):
+            if compute is not None:
+                compute.wait_event(self._pass.loaded[index])
+            self._update(piece, self._slot(index), step, steps, hypers)
+            self._unload(index)
+            if self._pass.queued < len(pieces):
+                self._load_next()
+        self._end_pass()
+
     def _slot(self, index: int) -> tuple:
-        """The window's (master, exp_avg, exp_avg_sq) arrays for piece ``index``."""
-        n = self._pieces[index].numel
-        slot = self._pass.window[index % SLOTS]
+        """The window's (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``."""
+        n = self._pass.pieces[index].numel
+        slot = self._pass.window[index % len(self._pass.window)]
         return slot[0, :n], slot[1, :n], slot[2, :n]
 
-    def _host(self, piece: Piece) -> tuple:
-        span = slice(piece.start, piece.stop)
-        return self.host_master[span], self.host_exp_avg[span], self.host_exp_avg_sq[span]
+    def _on_host(self, piece: Piece) -> tuple:
+        return tuple(array[piece.start : piece.stop] for array in self.host)
 
     def _load_next(self) -> None:
         """The next piece's masters and moments into its slot (on ``h2d``, after the slot's
@@ -156,13 +178,13 @@ class WindowedStates(HostAdam):
 
         index = self._pass.queued
         self._pass.queued += 1
-        pairs = zip(self._slot(index), self._host(self._pieces[index]), strict=True)
-        if self._streams is None:
+        pairs = zip(self._slot(index), self._on_host(self._pass.pieces[index]), strict=True)
+        if self.streams is None:
             for gpu, host in pairs:
                 gpu.copy_(host)
             return
-        h2d = self._streams[0]
-        freed = self._pass.freed[index % SLOTS]
+        h2d = self.streams[0]
+        freed = self._pass.freed[index % len(self._pass.freed)]
         if freed is not None:
             h2d.wait_event(freed)
         with torch.cuda.stream(h2d):
@@ -171,48 +193,21 @@ class WindowedStates(HostAdam):
         self._pass.loaded[index] = _record(h2d)
 
     def _unload(self, index: int) -> None:
-        """Piece ``index``'s updated masters and moments back to the host (on ``d2h``, after its
-        Adam call on the compute stream)."""
+        """The pass's piece ``index``: updated masters and moments back to the host (on ``d2h``,
+        after its Adam call on the compute stream)."""
         import torch
 
-        pairs = zip(self._host(self._pieces[index]), self._slot(index), strict=True)
-        if self._streams is None:
+        pairs = zip(self._on_host(self._pass.pieces[index]), self._slot(index), strict=True)
+        if self.streams is None:
             for host, gpu in pairs:
                 host.copy_(gpu)
             return
-        d2h = self._streams[1]
+        d2h = self.streams[1]
         d2h.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(d2h):
             for host, gpu in pairs:
                 host.copy_(gpu, non_blocking=True)
-        self._pass.freed[index % SLOTS] = _record(d2h)
-
-    def step(self, closure=None):
-        import torch
-
-        step, hypers = self._next_step()
-        if self._pieces is None and self.offloaded:
-            self._pieces = self._plan()
-            if self.on_cuda:
-                self._streams = (torch.cuda.Stream(), torch.cuda.Stream())  # h2d, d2h
-        self.prefetch()
-        if self._pass is not None:
-            # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
-            steps = None if self._adam else torch.tensor(float(step), device=self.device)
-            compute = torch.cuda.current_stream() if self._streams else None
-            if compute is not None:
-                self._pass.began = _record(compute)
-            for index, piece in enumerate(self._pieces):
-                if compute is not None:
-                    compute.wait_event(self._pass.loaded[index])
-                self._update(piece, self._slot(index), step, steps, hypers)
-                self._unload(index)
-                if self._pass.queued < len(self._pieces):
-                    self._load_next()
-            self._end_pass()
-        self._gpu_step(step, hypers)
-        self._end_step(step)
-        return None
+        self._pass.freed[index % len(self._pass.freed)] = _record(d2h)
 
     def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict]) -> None:
         """Adam on one piece in the window; its masters rounded into the bf16 parameters."""
@@ -237,10 +232,10 @@ class WindowedStates(HostAdam):
         import torch
 
         done, self._pass = self._pass, None
-        if self._streams is None:
+        if self.streams is None:
             return
-        done.ended = _record(self._streams[1])
-        for stream in (torch.cuda.current_stream(), *self._streams):
+        done.ended = _record(self.streams[1])
+        for stream in (torch.cuda.current_stream(), *self.streams):
             done.window.record_stream(stream)  # not reused before the copies out have read it
         done.window = None
         self._timed = done
@@ -248,24 +243,85 @@ class WindowedStates(HostAdam):
     def _collect_timing(self) -> None:
         if self._timed is not None:
             self._timed.ended.synchronize()
-            self.history.append(self._timed.began.elapsed_time(self._timed.ended) / 1000)
+            seconds = self._timed.began.elapsed_time(self._timed.ended) / 1000
+            self.history.append((seconds, sum(p.numel for p in self._timed.pieces)))
             self._timed = None
             if len(self.history) > 2 * HISTORY:
                 del self.history[2:-HISTORY]
 
+    def finish(self) -> None:
+        """The copies out have finished: the host arrays hold the newest states."""
+        if self.streams is not None:
+            self.streams[1].synchronize()
+
+    def timing(self) -> list[tuple[float, int]]:
+        """(seconds, params) of every pass so far (the last one waited for)."""
+        self.finish()
+        self._collect_timing()
+        return self.history
+
+
+class WindowedStates(HostAdam):
+    """Adam on the GPU for one DistributedOptimizer's shard whose masters and moments live in
+    page-locked host arrays and pass through a GPU window of ``window_bytes`` (module doc)."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        window_bytes: int = 512 * 1024**2,
+        order_key=None,
+    ) -> None:
+        # a piece of n params takes 12 n bytes of the window: chunk_bytes counts 4 B per param
+        super().__init__(params, fraction=1.0, lr=lr, weight_decay=weight_decay, betas=betas,
+                         eps=eps, chunk_bytes=window_bytes // (SLOTS * 3),
+                         order_key=order_key)  # fmt: skip
+        self._allocate_states(pin_moments=True, what="offload/optimizer=states")
+        self._window = StatesWindow(
+            (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
+            min(self.chunk_numel, self.offloaded_numel),
+            _te_adam(self.device) if self.on_cuda else None,
+        )  # fmt: skip
+
+    @property
+    def window_bytes(self) -> int:
+        return self._window.nbytes
+
+    @property
+    def streams_states(self) -> bool:
+        return True
+
+    def prefetch(self) -> None:
+        """Start bringing in the first pieces (at the tail of backward; ``step()`` does it if
+        nothing did, e.g. at the first step, whose gradients' places are known only then)."""
+        if self._pieces is not None:
+            self._window.prefetch(self._pieces)
+
+    def step(self, closure=None):
+        step, hypers = self._next_step()
+        if self._pieces is None and self.offloaded:
+            self._pieces = self._plan()
+        if self._pieces:
+            self._window.run(self._pieces, step, hypers)
+        self._gpu_step(step, hypers)
+        self._end_step(step)
+        return None
+
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
         """The copies out have finished: the host arrays hold the newest states."""
-        if self._streams is not None:
-            self._streams[1].synchronize()
+        self._window.finish()
 
     def metrics(self, skip: int = 2) -> dict:
-        self.finish()
-        self._collect_timing()
-        steady = self.history[skip:] or self.history
+        history = self._window.timing()
+        steady = history[skip:] or history
         if not steady:
             return {}
-        seconds = statistics.median(steady)
+        seconds = statistics.median(s for s, _ in steady)
         moved = BYTES_PER_PARAM * self.offloaded_numel
         return {"states_offloaded_params": self.offloaded_numel,
                 "states_stream_s_median": seconds,
@@ -323,7 +379,7 @@ def metrics(optimizer) -> dict:
     }
 
 
-def _prefetching(engines: list[WindowedStates], finalize):
+def _prefetching(engines: list[HostAdam], finalize):
     """Megatron-Core's finalize_model_grads, the first window's copies in started before it."""
 
     def finalize_and_prefetch(*args, **kwargs):
@@ -355,9 +411,10 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
 
 
 def attach(optimizer, transformer_config) -> None:
-    """Wire the windowed engines (installed with the optimizer) into Megatron-Core's gradient
-    finalize hook, where they prefetch their first window."""
-    engines = windowed_engines(optimizer)
+    """Wire the engines that stream states through a window (this module's, and the CPU-Adam
+    engine's GPU share) into Megatron-Core's gradient finalize hook, where they prefetch their
+    first pieces."""
+    engines = [e for e in host_adam.engines(optimizer) if e.streams_states]
     if engines:
         transformer_config.finalize_model_grads_func = _prefetching(
             engines, transformer_config.finalize_model_grads_func
