@@ -96,8 +96,11 @@ case "$1" in
     # exact mode's gpu tests: all on the CPU against HDO, the GPU share, resume
     OMP_WAIT_POLICY=PASSIVE timeout 120 python bench/cpu_gpu_split_probe.py 2>&1 \
       | tee "$OUT/cpu-gpu-split-probe.txt"
-    TEST_TIMEOUT=450 gpu_tests "cpu_adam_matches or cpu_adam_moe or gpu_share or (resume and \
-cpu-adam and not delayed) or moves_between" cpu-adam-split ;;
+    TEST_TIMEOUT=450 gpu_tests "cpu_adam_matches or gpu_share" cpu-adam-split ;;
+  split-tests)  # the GPU share's gpu tests: against all on the CPU, resume (with and without a
+    # share), the MoE model's two engines all on the CPU against HDO
+    TEST_TIMEOUT=570 gpu_tests "gpu_share or cpu_adam_moe or (resume and cpu-adam and not \
+delayed and not 50 and not all)" cpu-adam-split ;;
   cpu-adam-1-exact-1|cpu-adam-1-exact-2)  # cpu-adam-1's baseline and HDO 100% + overlap (-1),
     # cpu_adam 100% (-2), 12 iterations: one table from two calls on the same machine
     python bench/run_benchmarks.py run --suite "$1" --iters 12 \
