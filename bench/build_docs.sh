@@ -57,6 +57,46 @@ PY
   echo
   echo "A bar that is a ratio to one baseline run inherits that spread; compare rows of one suite."
   echo
+  echo "### Exact mode's GPU share (suites \`cpu-adam-split-1\`, \`cpu-adam-split-4\`)"
+  echo
+  echo "Exact CPU Adam moves 4 B/param each way and leaves the link mostly idle, while fused CPU"
+  echo "AdamW is bound by the host's memory bandwidth, which the copy engines share. Outside the"
+  echo "engine (\`OMP_WAIT_POLICY=PASSIVE python bench/cpu_gpu_split_probe.py\`, one H200,"
+  echo "docs/evidence/cpu-gpu-split-probe.txt: 1e9 params, the CPU's share as the engine moves it,"
+  echo "the rest's masters and moments through a GPU window of four 64 MiB pieces, both at once):"
+  echo
+  sed -n 's/^CPU share/- CPU share/p' docs/evidence/cpu-gpu-split-probe.txt
+  echo
+  echo "So exact mode gives the last pieces in forward order to the GPU over a state window"
+  echo "(\`optimizer.cpu_adam_gpu_share\`, balanced each step by default) while the CPU updates the"
+  echo "first ones. On the proxy, each suite one call on one H200 (\`bash bench/device_session.sh"
+  echo "cpu-adam-split-4\` and \`-1\`), the default against all of Adam on the CPU"
+  echo "(\`optimizer.cpu_adam_gpu_share=0\`) and HybridDeviceOptimizer 100% + overlap:"
+  echo
+  python - <<'PY2'
+import json, pathlib
+for gbs in (1, 4):
+    data = json.loads(pathlib.Path(f"bench/results/results-cpu-adam-split-{gbs}.json").read_text())
+    by = {r["case"]["name"]: r["summary"] for r in data["results"]}
+    step = lambda name: by[f"GBS{gbs} {name}"]["step_time_s_median"]
+    share = by[f"GBS{gbs} cpu_adam 100%"]
+    hdo, base = step("HDO 100% + overlap"), step("no offload")
+    both, alone = step("cpu_adam 100%"), step("cpu_adam 100%, all on the CPU")
+    print(f"- GBS {gbs} (commit {data['environment'].get('commit', '?')}): no offload "
+          f"{base * 1000:.0f} ms (repeat {step('no offload (repeat)') * 1000:.0f}); cpu_adam 100% "
+          f"with a GPU share of {share['cpu_adam_gpu_share']:.2f} {both * 1000:.0f} ms, all on the "
+          f"CPU {alone * 1000:.0f} ms ({alone / both:.2f}x slower); HDO 100% + overlap "
+          f"{hdo * 1000:.0f} ms: {hdo / both:.2f}x the GPU share's step, {hdo / alone:.2f}x all on "
+          f"the CPU's; peak {share['gpu_peak_allocated_gb']:.2f} GB against HDO's "
+          f"{by[f'GBS{gbs} HDO 100% + overlap']['gpu_peak_allocated_gb']:.2f}, page-locked host "
+          f"{share['host_pinned_gb_max']:.1f} GB (the moments too) against "
+          f"{by[f'GBS{gbs} cpu_adam 100%, all on the CPU']['host_pinned_gb_max']:.1f}")
+PY2
+  echo
+  echo "The split settles where the CPU's share (at the rate it keeps beside the streams) and the"
+  echo "window's pass take about as long; the planner prices it the same way"
+  echo "(\`plan.exact_update_seconds\`, \`plan.CPU_ADAM_RATE_BESIDE_STREAMS\` from the probe above)."
+  echo
   echo "### Exact mode: landing during the next forward (suite \`cpu-adam-landing\`)"
   echo
   echo "\`step()\` hands the update to the CPU and returns; the pieces run in forward order and each"

@@ -456,10 +456,10 @@ HDO_RATE_SHARE = 0.27
 
 
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
-# Fused CPU AdamW's rate while the link streams states both ways at full speed, over its rate
-# alone: the two share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one
-# H200: docs/evidence/cpu-gpu-split-probe.txt).
-CPU_ADAM_RATE_BESIDE_STREAMS = 0.77
+# Fused CPU AdamW's rate while the link streams states both ways, over its rate alone: the two
+# share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one H200, the median
+# of its split rows: docs/evidence/cpu-gpu-split-probe.txt).
+CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
 
 
 def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float) -> float:
