@@ -591,12 +591,13 @@ class CpuAdam(HostAdam):
 
     def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
         """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
-        the next forward waits for them). Delayed: the order their gradients went down during
-        the backward (``crossed``), then backward-ready order: the worker starts on the
-        gradients that are down first, and the next step lands its pieces in that order again
-        (during the backward, or at ``step()``, which follows this order too); in forward order
-        it would start on the first layers' gradients, the last to come down, and every landing
-        of the next backward would wait for the update's end."""
+        the next forward waits for them), the CPU's share of them (``_on_cpu``). Delayed: the
+        order their gradients went down during the backward (``crossed``), then backward-ready
+        order: the worker starts on the gradients that are down first, and the next step lands
+        its pieces in that order again (during the backward, or at ``step()``, which follows
+        this order too); in forward order it would start on the first layers' gradients, the
+        last to come down, and every landing of the next backward would wait for the update's
+        end."""
         pieces = range(len(self._pieces))
         if not delayed:
             return list(pieces[: self._on_cpu])
