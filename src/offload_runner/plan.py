@@ -37,6 +37,7 @@ from offload_runner.config.schema import (
     RunConfig,
     cpu_adam_copies_during_backward,
     cpu_adam_delayed,
+    cpu_adam_streams,
 )
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
 
@@ -347,18 +348,6 @@ def cpu_adam_window_bytes(parts: list[float], fraction: float, chunk_mb: int) ->
     chunk = chunk_mb * 1024**2 // 4
     return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / chunk)) * ADAM_BYTES
                * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)  # fmt: skip
-
-
-def cpu_adam_streams(run: RunConfig) -> bool:
-    """The CPU-Adam engine in exact mode with a GPU share (optimizer.cpu_adam_gpu_share: null
-    balances it, 0 has none): it streams that share's states through a window."""
-    o = run.optimizer
-    return (
-        o.optimizer_cpu_offload
-        and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        and not o.cpu_adam_delayed_update
-        and (o.cpu_adam_gpu_share is None or o.cpu_adam_gpu_share > 0)
-    )
 
 
 @dataclass

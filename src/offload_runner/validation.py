@@ -27,6 +27,7 @@ from offload_runner.config.schema import (
     TransformerImpl,
     cpu_adam_delayed,
     cpu_adam_on,
+    cpu_adam_streams,
 )
 
 
@@ -407,10 +408,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "gpu_share_needs_exact_cpu_adam",
-        lambda c, e: (
-            bool(c.optimizer.cpu_adam_gpu_share)
-            and not (cpu_adam_on(c) and not c.optimizer.cpu_adam_delayed_update)
-        ),
+        lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not cpu_adam_streams(c),
         "optimizer.cpu_adam_gpu_share only acts in the CPU-Adam engine's exact mode (delayed "
         "mode hides its whole update under forward+backward, on the CPU)",
         "drop the key (or set it to 0), or use offload/optimizer=cpu_adam",

@@ -565,6 +565,17 @@ def cpu_adam_delayed(run: RunConfig) -> bool:
     return cpu_adam_on(run) and run.optimizer.cpu_adam_delayed_update
 
 
+def cpu_adam_streams(run: RunConfig) -> bool:
+    """... in exact mode with a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has
+    none): it streams that share's states through a window."""
+    share = run.optimizer.cpu_adam_gpu_share
+    return (
+        cpu_adam_on(run)
+        and not run.optimizer.cpu_adam_delayed_update
+        and (share is None or share > 0)
+    )
+
+
 def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:
     """... with its step-boundary copies during the last micro-batch's backward."""
     return cpu_adam_delayed(run) and backward_copies_allowed(run, data_parallel)

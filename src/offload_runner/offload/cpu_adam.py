@@ -120,7 +120,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from offload_runner.config.schema import RunConfig, cpu_adam_copies_during_backward, cpu_adam_on
+from offload_runner.config.schema import (
+    RunConfig,
+    cpu_adam_copies_during_backward,
+    cpu_adam_on,
+    cpu_adam_streams,
+)
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import OffloadSummary, host_adam
 from offload_runner.offload.host_adam import HostAdam, Piece, hyper
@@ -131,7 +136,6 @@ from offload_runner.plan import (
     GiB,
     copy_seconds_per_param,
     copy_window,
-    cpu_adam_streams,
     hidden_fraction,
     param_count,
     step_cost,
@@ -463,9 +467,7 @@ class CpuAdam(HostAdam):
                 self._pieces.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
             self._on_cpu = self._cpu_pieces(self.gpu_share) if self._window else len(self._pieces)
-        if self._window is not None:
-            self._window.finish()  # pieces the last pass streamed may go to the CPU now
-            self.prefetch()
+        self.prefetch()
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
         if delayed and self._hooks:  # only exact steps land during the forward
@@ -554,6 +556,7 @@ class CpuAdam(HostAdam):
         backward, through optimizer_states' hook; ``step()`` does it where nothing did)."""
         if self._window is None or self._pieces is None or self._window.prefetched:
             return
+        self._window.finish()  # pieces the last pass streamed may go to the CPU now
         self._rebalance()
         self._streamed = self._pieces[self._on_cpu :]
         self._window.prefetch(self._streamed)
