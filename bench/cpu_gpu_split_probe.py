@@ -45,24 +45,32 @@ class Arrays:
         self.cpu_step = torch.tensor(10.0)
 
 
-def on_cpu(a: Arrays, lo: int, hi: int, out: list[float]) -> None:
-    """Gradients down per piece, fused AdamW on the CPU as each arrives, masters up behind it."""
+def on_cpu(
+    a: Arrays, lo: int, hi: int, out: list[float], copy_down: bool = True, copy_up: bool = True
+) -> None:
+    """Gradients down per piece, fused AdamW on the CPU as each arrives, masters up behind it
+    (without the copies down or up where told: the gradients are already on the host)."""
     down, up = a.streams[0], a.streams[1]
     arrived = []
     with torch.cuda.stream(down):
         for s in range(lo, hi, PIECE):
             e = min(s + PIECE, hi)
-            a.grad_host[s:e].copy_(a.grad[s:e], non_blocking=True)
-            event = torch.cuda.Event(blocking=True)
-            event.record(down)
+            event = None
+            if copy_down:
+                a.grad_host[s:e].copy_(a.grad[s:e], non_blocking=True)
+                event = torch.cuda.Event(blocking=True)
+                event.record(down)
             arrived.append((s, e, event))
     busy = 0.0
     for i, (s, e, event) in enumerate(arrived):
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
         began = time.perf_counter()
         torch._fused_adamw_([a.master[s:e]], [a.grad_host[s:e]], [a.exp_avg[s:e]],
                             [a.exp_avg_sq[s:e]], [], [a.cpu_step], **HYPER)  # fmt: skip
         busy += time.perf_counter() - began
+        if not copy_up:
+            continue
         with torch.cuda.stream(up):
             ring = a.ring[i % 2][: e - s]
             ring.copy_(a.master[s:e], non_blocking=True)

@@ -86,11 +86,16 @@ def test_optimizer_cpu_options(choice: str, fraction: float, overlap: bool) -> N
     assert o.use_precision_aware_optimizer  # follows optimizer_cpu_offload
 
 
-@pytest.mark.parametrize(("choice", "delayed"), [("cpu_adam", False), ("cpu_adam_delayed", True)])
-def test_cpu_adam_options(choice: str, delayed: bool) -> None:
+@pytest.mark.parametrize(
+    ("choice", "delayed", "scope"),
+    [("cpu_adam", False, "all"), ("cpu_adam_delayed", True, "all"),
+     ("cpu_adam_delayed_experts", True, "experts")],
+)  # fmt: skip
+def test_cpu_adam_options(choice: str, delayed: bool, scope: str) -> None:
     o = compose_run("recipe=tiny", f"offload/optimizer={choice}").optimizer
     assert o.optimizer_cpu_offload and o.cpu_offload_engine.value == "cpu_adam"
     assert o.optimizer_offload_fraction == 1.0 and o.cpu_adam_delayed_update is delayed
+    assert o.cpu_adam_delayed_scope.value == scope
     assert o.use_precision_aware_optimizer  # Megatron-Core's path without GPU fp32 masters
     # a Megatron-Bridge fraction key still applies, and other options reset the engine
     quarter = compose_run(
@@ -173,6 +178,7 @@ def test_config_groups_lists_offload_groups_and_recipes() -> None:
         "cpu_75",
         "cpu_adam",
         "cpu_adam_delayed",
+        "cpu_adam_delayed_experts",
         "disabled",
         "states",
     ]

@@ -18,11 +18,13 @@ import contextlib
 import copy
 import threading
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from offload_runner.offload.cpu_adam import HOST_BYTES_PER_PARAM, CpuAdam, part_fractions
+from tests.conftest import compose_run
 
 BETAS, EPS = (0.9, 0.95), 1e-8
 SIZES = [3000, 64, 5000, 64, 2500, 700, 64, 4100]  # weights and norms, interleaved
@@ -575,6 +577,24 @@ def test_delayed_mode_past_the_experts_is_named_with_the_fraction_that_stops_the
     assert delayed_dense_warning(sizes, experts, 0.7949, delayed=True) is None
     assert delayed_dense_warning(sizes, experts, 1.0, delayed=False) is None
     assert delayed_dense_warning([100], [False], 1.0, delayed=True) is None
+
+
+def test_delayed_experts_scope_delays_the_expert_part_alone() -> None:
+    """optimizer.cpu_adam_delayed_scope=experts: the expert part's engine delayed, the dense
+    part's exact (its states on the host all the same); delayed mode delays both; exact mode
+    neither. The summary names the mix."""
+    from offload_runner.offload.cpu_adam import mode_name, part_delays
+
+    experts = [False, True]
+    for option, expected in (("cpu_adam", [False, False]), ("cpu_adam_delayed", [True, True]),
+                             ("cpu_adam_delayed_experts", [False, True])):  # fmt: skip
+        run = compose_run("recipe=tiny_moe", f"offload/optimizer={option}")
+        assert part_delays(run, experts) == expected, option
+    engines = [SimpleNamespace(delayed=d, offloaded_numel=n)
+               for d, n in ((False, 10), (True, 30))]  # fmt: skip
+    assert mode_name(engines) == "delayed experts"
+    assert mode_name(engines[1:]) == "delayed" and mode_name(engines[:1]) == "exact"
+    assert mode_name([engines[0], SimpleNamespace(delayed=True, offloaded_numel=0)]) == "exact"
 
 
 class Trainable(torch.nn.Module):

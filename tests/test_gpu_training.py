@@ -190,6 +190,32 @@ def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:
     assert delta < RESUME_TOLERANCE
 
 
+def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: str) -> None:
+    """optimizer.cpu_adam_delayed_scope=experts on a MoE model: every state on the host, the
+    experts' updates one step late after the warmup, the dense part's exact (landing during the
+    forward, with its GPU share); exact mode's losses until then; resume continues the run."""
+    experts = ("offload/optimizer=cpu_adam_delayed_experts", "optimizer.cpu_adam_chunk_mb=4")
+    exact = train(Path(root) / "moe-exact", "offload/optimizer=cpu_adam", recipe="tiny_moe")
+    run = train(Path(root) / "moe-delayed-experts", *experts, recipe="tiny_moe")
+    assert run["cpu_adam_mode"] == "delayed experts"
+    assert 0 < run["cpu_adam_delayed_params"] < run["cpu_offloaded_params"]
+    assert run["cpu_offloaded_params"] == exact["cpu_offloaded_params"]
+    assert run["cpu_adam_lands_in_forward"] and run["cpu_adam_params_on_gpu"] > 0
+    warmup = 2  # scheduler.lr_warmup_iters: step 4's forward is the first with a stale expert
+    assert max_delta(run["losses"][: warmup + 1], exact["losses"][: warmup + 1]) < 1e-3
+    assert run["losses"][warmup + 1 :] != exact["losses"][warmup + 1 :]
+    assert run["final_loss"] < run["first_loss"]
+    ckpt, half = Path(root) / "ckpt-moe-delayed-experts", ITERS // 2
+    train(Path(root) / "first-moe-delayed-experts", *experts, f"train.train_iters={half}",
+          f"checkpoint.save={ckpt}", f"scheduler.lr_decay_iters={ITERS}",
+          recipe="tiny_moe")  # fmt: skip
+    resumed = train(Path(root) / "resumed-moe-delayed-experts", *experts,
+                    f"checkpoint.load={ckpt}", recipe="tiny_moe")  # fmt: skip
+    delta = max_delta(resumed["losses"], run["losses"][half:])
+    print(f"delayed experts, resumed vs uninterrupted: max |Δloss| {delta:.2e}")
+    assert delta < RESUME_TOLERANCE
+
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
 
 

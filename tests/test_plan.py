@@ -374,6 +374,34 @@ def test_delayed_copies_during_the_backward_hide_in_the_last_backward() -> None:
     assert "at the step boundary" in cost.explain(run, two)
 
 
+def test_delayed_experts_price_the_dense_part_exact_and_the_experts_hidden() -> None:
+    """cpu_adam_delayed_scope=experts on a MoE rank: the experts' params delayed (hidden under
+    forward+backward, their copies during the last backward), the dense part's exact with its
+    GPU share (its moments page-locked, a window); all of Adam's states on the host as in
+    delayed mode."""
+    from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, StepCost, exact_update_seconds
+
+    common = ("recipe=tiny_moe", "planner.forward_backward_s=100")
+    mixed = compose_run(*common, "offload/optimizer=cpu_adam_delayed_experts")
+    every = compose_run(*common, "offload/optimizer=cpu_adam_delayed")
+    m, e = make_plan(mixed).ranks[0], make_plan(every).ranks[0]
+    params = count_parameters(mixed.model)
+    assert m.cpu_adam_params == e.cpu_adam_params == e.delayed_params
+    assert m.delayed_params == pytest.approx(params.experts, abs=1)
+    dense = m.cpu_adam_params - m.delayed_params
+    assert dense == pytest.approx(params.total - params.experts, abs=1) and dense > 0
+    assert m.host == e.host  # the same bytes, the dense part's moments page-locked
+    assert m.host_pinned - e.host_pinned == pytest.approx(dense * CPU_ADAM_PAGEABLE_BYTES, abs=8)
+    assert m.step_peak > e.step_peak  # the dense part's state window
+    cost = StepCost(4e9, 50.0, forward_backward_s=100.0)
+    share = cost.gpu_share(mixed)
+    assert 0 < share < 1 and cost.gpu_share(every) == 0
+    assert cost.seconds(every, e) == pytest.approx(0.0)  # hidden (no slowdown, copies hidden)
+    assert cost.seconds(mixed, m) == pytest.approx(exact_update_seconds(dense, 4e9, 50.0, share))
+    text = cost.explain(mixed, m)
+    assert "(the dense part, exact) on the host" in text and "(the routed experts)" in text
+
+
 def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
     """Predicting weights: 4 B/param more page-locked host memory, and the CPU step slower by
     WEIGHT_PREDICTION_CPU_FACTOR (its copy and extrapolation)."""

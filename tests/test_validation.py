@@ -321,8 +321,22 @@ CASES = [
     Case(
         "gpu_share_needs_exact_cpu_adam",
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5"),
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0.5"),
+        ("recipe=tiny_moe", "offload/optimizer=cpu_adam_delayed_experts",
+         "optimizer.cpu_adam_gpu_share=0.5"),
         "optimizer.cpu_adam_gpu_share only acts",
+    ),
+    Case(
+        "delayed_scope_needs_delayed_mode",
+        ("recipe=tiny_moe", "offload/optimizer=cpu_adam",
+         "optimizer.cpu_adam_delayed_scope=experts"),
+        ("recipe=tiny_moe", "offload/optimizer=cpu_adam_delayed_experts"),
+        "optimizer.cpu_adam_delayed_scope=experts only acts",
+    ),
+    Case(
+        "delayed_experts_need_moe",
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed_experts"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed"),
+        "optimizer.cpu_adam_delayed_scope=experts delays a MoE",
     ),
     Case(
         "auto_delayed_needs_auto",

@@ -37,6 +37,7 @@ from offload_runner.config.schema import (
     RunConfig,
     cpu_adam_copies_during_backward,
     cpu_adam_delayed,
+    cpu_adam_delays_dense,
     cpu_adam_streams,
 )
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
@@ -201,6 +202,7 @@ class RankPlan:
     host_pinned: int
     host_pageable: int
     cpu_adam_params: int = 0  # params this rank updates on the CPU each step
+    delayed_params: int = 0  # ... one step late (delayed mode: all, or the routed experts')
     boundary_params: int = 0  # ... whose copies wait for the step boundary (delayed mode)
     states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
     recomputed: int = 0  # one checkpointed group rebuilt in backward (full recompute)
@@ -227,7 +229,8 @@ class RankPlan:
         return self.host_pinned + self.host_pageable
 
     def as_dict(self) -> dict:
-        counts = ("rank", "node", "stage", "cpu_adam_params", "boundary_params", "states_moved")
+        counts = ("rank", "node", "stage", "cpu_adam_params", "delayed_params", "boundary_params",
+                  "states_moved")  # fmt: skip
         gb = {k: round(v / GiB, 3) for k, v in asdict(self).items() if k not in counts}
         return {
             "rank": self.rank, "node": self.node, "stage": self.stage,
@@ -277,20 +280,22 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     hdo = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     on_cpu = int(adam * hdo)
     resident, step_only = adam - on_cpu, 0
+    offloaded, delayed = offloaded_parts(run, parts, hdo)
     # Host bytes per offloaded param: HybridDeviceOptimizer keeps 12 pageable (fp32 master +
     # Adam) and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the
     # grads (8) and keeps the moments pageable (8).
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
-        pinned_per_param = CPU_ADAM_PINNED_BYTES + (
-            CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0
-        )
+        pinned = shard * hdo * CPU_ADAM_PINNED_BYTES
+        pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
         resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
-        if cpu_adam_streams(run):  # the moments pinned; the step holds the window
-            pinned_per_param, on_cpu = pinned_per_param + CPU_ADAM_PAGEABLE_BYTES, 0
-            step_only = cpu_adam_window_bytes(parts, hdo, o.cpu_adam_chunk_mb)
+        if cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
+            exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
+            pinned += sum(exact) * CPU_ADAM_PAGEABLE_BYTES
+            on_cpu = int(sum(delayed) * CPU_ADAM_PAGEABLE_BYTES)
+            step_only = cpu_adam_window_bytes(exact, 1.0, o.cpu_adam_chunk_mb)
     else:
-        pinned_per_param = HDO_PINNED_BYTES
+        pinned = shard * hdo * HDO_PINNED_BYTES
     if o.offload_optimizer_states:  # the step holds the window the states pass through
         resident, step_only = 0, min(adam, o.offload_states_window_mb * 1024**2)
 
@@ -324,14 +329,33 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         activations=activations, activations_offloaded=offloaded, logits=logits,
         recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
-        host_pinned=int(shard * pinned_per_param * hdo)
+        host_pinned=int(pinned)
         + (adam if o.offload_optimizer_states else 0)
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
         cpu_adam_params=int(shard * hdo),
-        boundary_params=int(shard * hdo) if copies_at_boundary else 0,
+        delayed_params=int(sum(delayed)),
+        boundary_params=int(sum(delayed)) if copies_at_boundary else 0,
         states_moved=adam if o.offload_optimizer_states else 0,
     )  # fmt: skip
+
+
+def offloaded_parts(run: RunConfig, parts: list[float],
+                    fraction: float) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Per optimizer part (dense, then experts'): the params the CPU-Adam engine keeps on the
+    host, and of them those it updates one step late. Delayed mode fills the experts' part
+    before the dense one (cpu_adam.part_fractions) and, with cpu_adam_delayed_scope=experts,
+    delays that part alone; exact mode takes ``fraction`` of each."""
+    if not cpu_adam_delayed(run):
+        return [n * fraction for n in parts], [0.0] * len(parts)
+    budget, taken = fraction * sum(parts), [0.0] * len(parts)
+    for i in reversed(range(len(parts))):  # the experts' part first
+        taken[i] = min(budget, parts[i])
+        budget -= taken[i]
+    if cpu_adam_delays_dense(run):
+        return taken, taken
+    experts = taken[-1] if len(parts) > 1 else 0.0
+    return taken, [0.0] * (len(parts) - 1) + [experts]
 
 
 def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:
@@ -549,36 +573,47 @@ class StepCost:
     delayed_max_overhead: float = 0.1  # planner.delayed_max_overhead
     launch_slowdown: float = 0.0  # planner.cpu_adam_launch_slowdown
 
-    def cpu_rate(self, run: RunConfig) -> float:
-        """Params/s of the CPU part of Adam with ``run``'s engine."""
+    def exact_rate(self, run: RunConfig) -> float:
+        """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact."""
         engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        if not engine:
-            return self.cpu_adam_params_per_s * HDO_RATE_SHARE
+        return self.cpu_adam_params_per_s * (1.0 if engine else HDO_RATE_SHARE)
+
+    def cpu_rate(self, run: RunConfig) -> float:
+        """... its delayed updates (weight prediction adds CPU work)."""
         slower = WEIGHT_PREDICTION_CPU_FACTOR if predicting_weights(run) else 1.0
-        return self.cpu_adam_params_per_s / slower
+        return self.exact_rate(run) / slower
 
     def gpu_share(self, run: RunConfig) -> float:
-        """Exact mode's GPU share (0: none; null in the config: the balanced one)."""
+        """Exact updates' GPU share (0: none; null in the config: the balanced one)."""
         if not cpu_adam_streams(run):
             return 0.0
         share = run.optimizer.cpu_adam_gpu_share
         if share is None:
-            return balanced_gpu_share(self.cpu_rate(run), self.host_link_gb_per_s)
+            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s)
         return share
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
-        cpu = rank.cpu_adam_params / self.cpu_rate(run)
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
+        return link + self.exact_seconds(run, rank) + self.delayed_seconds(run, rank)
+
+    def exact_seconds(self, run: RunConfig, rank: RankPlan) -> float:
+        """The step's wait for the exact updates (with their GPU share, where it streams)."""
+        exact = rank.cpu_adam_params - rank.delayed_params
         if cpu_adam_streams(run):
-            update = exact_update_seconds(rank.cpu_adam_params, self.cpu_rate(run),
-                                          self.host_link_gb_per_s, self.gpu_share(run))  # fmt: skip
-            return update + link
-        if cpu_adam_delayed(run):
-            copies = rank.cpu_adam_params * copy_seconds_per_param(self.host_link_gb_per_s)
-            tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
-            beside = min(cpu, self.forward_backward_s or 0.0)  # CPU Adam beside the training
-            return cpu - beside + self.launch_slowdown * beside + tail + link
-        return cpu + link
+            return exact_update_seconds(exact, self.exact_rate(run), self.host_link_gb_per_s,
+                                        self.gpu_share(run))  # fmt: skip
+        return exact / self.exact_rate(run)
+
+    def delayed_seconds(self, run: RunConfig, rank: RankPlan) -> float:
+        """What the delayed updates add to the step: their CPU Adam beyond forward+backward,
+        the training thread's slowdown beside it, their copies the step waits for."""
+        if not rank.delayed_params:
+            return 0.0
+        cpu = rank.delayed_params / self.cpu_rate(run)
+        copies = rank.delayed_params * copy_seconds_per_param(self.host_link_gb_per_s)
+        tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
+        beside = min(cpu, self.forward_backward_s or 0.0)  # CPU Adam beside the training
+        return cpu - beside + self.launch_slowdown * beside + tail
 
     def _copy_window(self, run: RunConfig, rank: RankPlan) -> float:
         """The time delayed mode's copies hide in: the last micro-batch's backward where they
@@ -603,38 +638,42 @@ class StepCost:
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
+        exact, delayed = rank.cpu_adam_params - rank.delayed_params, rank.delayed_params
         share = self.gpu_share(run)
-        if rank.cpu_adam_params and share:
-            seconds = exact_update_seconds(rank.cpu_adam_params, self.cpu_rate(run),
-                                           self.host_link_gb_per_s, share)  # fmt: skip
+        dense = " (the dense part, exact)" if exact and delayed else ""
+        if exact and share:
             how = "balanced each step" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
-            parts.append(f"the states of {param_count(rank.cpu_adam_params)} params on the host, "
+            parts.append(f"the states of {param_count(exact)} params{dense} on the host, "
                          f"Adam on {1 - share:.0%} of them on the CPU at "
-                         f"{self.cpu_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
+                         f"{self.exact_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
                          f"beside the streams) and on {share:.0%} on the GPU, their states "
-                         f"streamed at {self.host_link_gb_per_s:.0f} GB/s each way ({seconds:.2f} "
-                         f"s; the share {how})")  # fmt: skip
-        elif rank.cpu_adam_params:
-            cpu = rank.cpu_adam_params / self.cpu_rate(run)
-            parts.append(f"{param_count(rank.cpu_adam_params)} params of Adam on the CPU at "
-                         f"{self.cpu_rate(run) / 1e9:.2f} G/s ({cpu:.2f} s)")  # fmt: skip
-            if cpu_adam_delayed(run):
-                hidden = self.hidden_fraction(run, rank)
-                at_boundary = bool(rank.boundary_params)
-                limited = "boundary copies" if at_boundary else "copies beyond the last backward"
-                where = "at the step boundary" if at_boundary else (
-                    "during the last micro-batch's backward"
-                )  # fmt: skip
-                if self.launch_slowdown:
-                    limited += " and the training thread's slowdown beside CPU Adam"
-                parts.append(
-                    "delayed: hidden under forward+backward of "
-                    f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
-                    f"({limited} within {self.delayed_max_overhead:.0%} of it), "
-                    if hidden is not None
-                    else "delayed: not counted as hidden (set planner.forward_backward_s), "
-                )
-                parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way {where}"
+                         f"streamed at {self.host_link_gb_per_s:.0f} GB/s each way "
+                         f"({self.exact_seconds(run, rank):.2f} s; the share {how})")  # fmt: skip
+        elif exact:
+            parts.append(f"{param_count(exact)} params{dense} of Adam on the CPU at "
+                         f"{self.exact_rate(run) / 1e9:.2f} G/s "
+                         f"({self.exact_seconds(run, rank):.2f} s)")  # fmt: skip
+        if delayed:
+            experts = " (the routed experts)" if exact else ""
+            parts.append(f"{param_count(delayed)} params{experts} of Adam on the CPU at "
+                         f"{self.cpu_rate(run) / 1e9:.2f} G/s "
+                         f"({delayed / self.cpu_rate(run):.2f} s)")  # fmt: skip
+            hidden = self.hidden_fraction(run, rank)
+            at_boundary = bool(rank.boundary_params)
+            limited = "boundary copies" if at_boundary else "copies beyond the last backward"
+            where = "at the step boundary" if at_boundary else (
+                "during the last micro-batch's backward"
+            )  # fmt: skip
+            if self.launch_slowdown:
+                limited += " and the training thread's slowdown beside CPU Adam"
+            parts.append(
+                "delayed: hidden under forward+backward of "
+                f"{self.forward_backward_s:.2f} s up to a fraction of {hidden:.2f} "
+                f"({limited} within {self.delayed_max_overhead:.0%} of it), "
+                if hidden is not None
+                else "delayed: not counted as hidden (set planner.forward_backward_s), "
+            )
+            parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way {where}"
         if rank.states_moved:
             parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
                          f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip

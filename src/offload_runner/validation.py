@@ -21,6 +21,7 @@ from enum import Enum
 from offload_runner.config.schema import (
     CpuOffloadEngine,
     CudaGraphImpl,
+    DelayedScope,
     OffloadModule,
     OptimizerType,
     RunConfig,
@@ -409,9 +410,30 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "gpu_share_needs_exact_cpu_adam",
         lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not cpu_adam_streams(c),
-        "optimizer.cpu_adam_gpu_share only acts in the CPU-Adam engine's exact mode (delayed "
+        "optimizer.cpu_adam_gpu_share only acts on the CPU-Adam engine's exact updates (delayed "
         "mode hides its whole update under forward+backward, on the CPU)",
-        "drop the key (or set it to 0), or use offload/optimizer=cpu_adam",
+        "drop the key (or set it to 0), or use offload/optimizer=cpu_adam (or "
+        "offload/optimizer=cpu_adam_delayed_experts: the dense part exact, with the share)",
+    ),
+    Rule(
+        "delayed_scope_needs_delayed_mode",
+        lambda c, e: (
+            c.optimizer.cpu_adam_delayed_scope != DelayedScope.all and not cpu_adam_delayed(c)
+        ),
+        "optimizer.cpu_adam_delayed_scope={o.cpu_adam_delayed_scope.value} only acts in the "
+        "CPU-Adam engine's delayed mode",
+        "use offload/optimizer=cpu_adam_delayed_experts, or drop the key",
+    ),
+    Rule(
+        "delayed_experts_need_moe",
+        lambda c, e: (
+            c.optimizer.cpu_adam_delayed_scope == DelayedScope.experts
+            and cpu_adam_delayed(c)
+            and not c.model.num_moe_experts
+        ),
+        "optimizer.cpu_adam_delayed_scope=experts delays a MoE model's routed experts, and this "
+        "model has none (model.num_moe_experts is not set): every update would be exact",
+        "use offload/optimizer=cpu_adam (exact), or optimizer.cpu_adam_delayed_scope=all",
     ),
     Rule(
         "auto_delayed_needs_auto",

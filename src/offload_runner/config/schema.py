@@ -86,6 +86,13 @@ class CpuOffloadEngine(str, Enum):
     cpu_adam = "cpu_adam"  # offload-runner's pipelined CPU-Adam engine (offload/cpu_adam.py)
 
 
+class DelayedScope(str, Enum):
+    """Which optimizer parts the CPU-Adam engine's delayed mode updates one step late."""
+
+    all = "all"  # every offloaded param
+    experts = "experts"  # a MoE model's routed experts; its dense layers and router stay exact
+
+
 class LRDecayStyle(str, Enum):
     constant = "constant"
     linear = "linear"
@@ -262,6 +269,12 @@ class OptimizerConfig:
     # CPU step) and 4 B/param of page-locked host memory; it narrows delayed mode's convergence
     # lag (docs/BENCHMARKS.md, cpu-adam-conv).
     cpu_adam_weight_prediction: bool = False
+    # Delayed mode's reach: all (every offloaded param one step late) or experts (a MoE model's
+    # routed experts alone; the dense layers and the router, offloaded all the same, update
+    # exactly, their update landing during the next forward with exact mode's GPU share, while
+    # the experts' runs under forward+backward). The dense part's stale updates are what slowed
+    # convergence on the Qwen3-30B-A3B proxy (docs/BENCHMARKS.md, cpu-adam-conv).
+    cpu_adam_delayed_scope: DelayedScope = DelayedScope.all
     # CPU threads of one rank's Adam (null: its share of the node's cores, less 2 in delayed mode
     # for the training thread and data loading)
     cpu_adam_threads: Optional[int] = None
@@ -565,15 +578,17 @@ def cpu_adam_delayed(run: RunConfig) -> bool:
     return cpu_adam_on(run) and run.optimizer.cpu_adam_delayed_update
 
 
+def cpu_adam_delays_dense(run: RunConfig) -> bool:
+    """... delaying the dense layers' and the router's updates too (cpu_adam_delayed_scope=all)."""
+    return cpu_adam_delayed(run) and run.optimizer.cpu_adam_delayed_scope == DelayedScope.all
+
+
 def cpu_adam_streams(run: RunConfig) -> bool:
-    """... in exact mode with a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has
+    """... with exact updates (exact mode, or the dense part where delayed mode reaches the
+    experts alone) and a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has
     none): it streams that share's states through a window."""
     share = run.optimizer.cpu_adam_gpu_share
-    return (
-        cpu_adam_on(run)
-        and not run.optimizer.cpu_adam_delayed_update
-        and (share is None or share > 0)
-    )
+    return cpu_adam_on(run) and not cpu_adam_delays_dense(run) and (share is None or share > 0)
 
 
 def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:

@@ -96,6 +96,10 @@ model is offloaded before the dense part: routed experts see a fraction of the t
 so one step of staleness costs them least (measured on the proxy, suite cpu-adam-conv in
 docs/BENCHMARKS.md: delayed updates of the experts alone ended within the seeds' noise, of every
 parameter outside it; ``attach`` warns when the fraction reaches past the experts).
+``optimizer.cpu_adam_delayed_scope=experts`` keeps every state on the host all the same: the
+expert part's engine is delayed, the dense part's exact (its update lands during the next forward,
+with the GPU share); the one worker runs the dense part's update first, as Megatron-Core's
+ChainedOptimizer steps it first, then the experts' under the next forward+backward.
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
 each way against 50 GB/s), with a GPU share the larger of its CPU part and its link time
@@ -123,6 +127,8 @@ from dataclasses import dataclass, field
 from offload_runner.config.schema import (
     RunConfig,
     cpu_adam_copies_during_backward,
+    cpu_adam_delayed,
+    cpu_adam_delays_dense,
     cpu_adam_on,
     cpu_adam_streams,
 )
@@ -179,6 +185,7 @@ def describe(run: RunConfig) -> OffloadSummary:
     mode = (
         f"delayed parameter update after {exact_steps(run)} exact steps"
         + (", weight prediction" if o.cpu_adam_weight_prediction else "")
+        + ("" if cpu_adam_delays_dense(run) else " for the routed experts; the dense part exact")
         if o.cpu_adam_delayed_update
         else "exact: each update lands before the next forward needs it"
     )
@@ -1013,6 +1020,14 @@ def part_fractions(sizes: list[int], experts: list[bool], fraction: float,
     return fractions
 
 
+def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
+    """Which optimizer parts update one step late: all in delayed mode, or only the routed
+    experts' with ``optimizer.cpu_adam_delayed_scope=experts``."""
+    if not cpu_adam_delayed(run):
+        return [False] * len(experts)
+    return [cpu_adam_delays_dense(run) or e for e in experts]
+
+
 def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float,
                           delayed: bool) -> str | None:  # fmt: skip
     """Delayed mode reaching past a MoE rank's routed experts into its dense part and router:
@@ -1027,7 +1042,8 @@ def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float
         f"past the routed experts ({share:.4f} of this rank's shard) into the dense layers "
         "and the router, whose stale updates slowed convergence beyond the seeds' noise on "
         "the Qwen3-30B-A3B proxy where the experts' alone did not (docs/BENCHMARKS.md); "
-        f"optimizer.optimizer_offload_fraction={keep} keeps them exact on the GPU"
+        f"optimizer.optimizer_offload_fraction={keep} keeps them exact on the GPU, "
+        "optimizer.cpu_adam_delayed_scope=experts exact with their states on the host"
     )
 
 
@@ -1040,20 +1056,24 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     experts = [_is_expert_part(p) for p in parts]
     fractions = part_fractions(sizes, experts, o.optimizer_offload_fraction,
                                o.cpu_adam_delayed_update)  # fmt: skip
+    delayed = part_delays(run, experts)
     warning = delayed_dense_warning(sizes, experts, o.optimizer_offload_fraction,
-                                    o.cpu_adam_delayed_update)  # fmt: skip
+                                    cpu_adam_delays_dense(run))  # fmt: skip
     if warning:
         log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
     in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
     in_backward = [cpu_adam_copies_during_backward(run) and not _gathers_params(p) for p in parts]
+    # One worker runs every part's update in the order their step() hands them over: Megatron-
+    # Core's ChainedOptimizer steps the dense part before the experts', so with delayed experts
+    # the dense part's exact update (the next forward waits for it) runs first.
     worker = cpu_worker(cpus, threads, _current_device())
     share = step_cost(run, local_world).gpu_share(run) if cpu_adam_streams(run) else 0.0
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-        delayed=o.cpu_adam_delayed_update, exact_steps=exact_steps(run),
+        delayed=delayed[i], exact_steps=exact_steps(run),
         predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
         land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
@@ -1068,7 +1088,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
              "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
-             "delayed" if o.cpu_adam_delayed_update else "exact")  # fmt: skip
+             mode_name(built))  # fmt: skip
     if share:
         log.info("cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
                  "through a %.0f MiB window during the step while the CPU updates the rest (%s)",
@@ -1156,7 +1176,8 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     per second of CPU Adam beside it). Otherwise the run's own, less that slowdown at the
     planner's ``cpu_adam_launch_slowdown``."""
     built = engines(optimizer)
-    found = [m for m in (e.metrics() for e in built) if m]
+    reporting = [(e, m) for e, m in ((e, e.metrics()) for e in built) if m]
+    found = [m for _, m in reporting]
     if not found:
         return {}
     busy = sum(m["cpu_adam_busy_s_median"] for m in found)
@@ -1169,7 +1190,7 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     forward_wait = sum(m["cpu_adam_forward_wait_s_median"] for m in found)
     if forward_backward_s:  # exact mode landing during the forward: its wait is not its work
         forward_backward_s = max(forward_backward_s - forward_wait, 0.0)
-    delayed = built[0].delayed
+    delayed = any(e.delayed for e in built)
     slowdown, without, measured = launch_slowdown(forward_backward_s, busy, delayed, planner)
     hidden = None
     if without and rate:
@@ -1196,7 +1217,11 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         "cpu_adam_threads": found[0]["cpu_adam_threads"],
         "cpu_adam_pieces": sum(m["cpu_adam_pieces"] for m in found),
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
-        "cpu_adam_mode": "delayed" if delayed else "exact",
+        "cpu_adam_mode": mode_name(built),
+        # ... of the offloaded params, those updated one step late
+        "cpu_adam_delayed_params": sum(
+            m["cpu_offloaded_params"] for e, m in reporting if e.delayed
+        ),
         "cpu_adam_lands_in_forward": any(e.land_during_forward for e in built),
         # forward+backward less the forward's wait for an exact update
         "cpu_adam_forward_backward_s": forward_backward_s,
@@ -1205,6 +1230,14 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         "cpu_adam_launch_slowdown": slowdown,
         "cpu_adam_launch_slowdown_measured": measured,  # else the planner's figure
     }
+
+
+def mode_name(built: list[CpuAdam]) -> str:
+    """exact, delayed, or delayed experts (the dense part exact: cpu_adam_delayed_scope)."""
+    delayed = [e.delayed for e in built if e.offloaded_numel]
+    if not any(delayed):
+        return "exact"
+    return "delayed" if all(delayed) else "delayed experts"
 
 
 def launch_slowdown(forward_backward_s: float | None, busy_s: float, delayed: bool,
