@@ -201,23 +201,22 @@ delayed and not 50 and not all)" cpu-adam-split ;;
       --iters 8 --time-limit 400 --out "$OUT/results-options-2.json" --work-dir "$WORK/b2" \
       > "$OUT/gpu2.log" 2>&1 &
     wait; tail -n 12 "$OUT/gpu2.log" ;;
-  cpu-adam-experts-4)  # every state on the host, the experts delayed and the dense part exact,
-    # beside delayed and exact mode at 100% and the baseline (twice); then its gpu test
-    python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 380 \
-      --out "$OUT/results-$1.json" --work-dir "$WORK/bench"
-    TEST_TIMEOUT=185 gpu_tests "delayed_experts" cpu-adam-delayed-experts ;;
-  cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c|cpu-adam-conv-d|cpu-adam-conv-e|cpu-adam-conv-f)  # (two GPUs, side by side) delayed mode's
+  cpu-adam-experts-ep2)  # (two GPUs) every state on the host, the experts delayed and the dense
+    # part exact, beside delayed and exact mode at 100% and the baseline (twice), all EP2 (the
+    # experts' own optimizer part); then its gpu test
+    TEST_TIMEOUT=200 gpu_tests "delayed_experts" cpu-adam-delayed-experts-h200x2
+    python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 350 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c|cpu-adam-conv-d|cpu-adam-conv-e)  # (two GPUs, side by side) delayed mode's
     # convergence: -a and -b one seed each, its no-offload run on GPU 0 and its delayed run on GPU
     # 1; -c delayed mode with weight prediction, both seeds. Each run has its GPU's share of the
     # cores (their losses matter here, not their speed). Beside them on both GPUs, in -b: the
     # engine's resume tests on DP2 (delayed mode, 50%) and an offline W&B run (wandb from the
     # wheels carried in .gpu/wb); in -c: delayed mode's tests (resume, one step late) on DP2
     # -d: delayed updates for the routed experts only (the dense part exact on the GPU), both seeds;
-    # -e: the same with weight prediction; -f: every state on the host, the experts delayed and
-    # the dense part exact (offload/optimizer=cpu_adam_delayed_experts), both seeds
+    # -e: the same with weight prediction
     case "$1" in cpu-adam-conv-a) suites=(1 3) ;; cpu-adam-conv-b) suites=(2 4) ;;
-      cpu-adam-conv-c) suites=(5 6) ;; cpu-adam-conv-d) suites=(7 8) ;;
-      cpu-adam-conv-e) suites=(9 10) ;; *) suites=(11 12) ;; esac
+      cpu-adam-conv-c) suites=(5 6) ;; cpu-adam-conv-d) suites=(7 8) ;; *) suites=(9 10) ;; esac
     for i in 0 1; do
       cpus=$(python -c "from offload_runner.offload.cpu_adam import rank_cpus, cpu_ranges
 print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)

@@ -192,13 +192,15 @@ def _split_cases(gbs: int) -> list[Case]:
 
 def _experts_cases(gbs: int) -> list[Case]:
     """Every state on the host with the routed experts' updates delayed and the dense part's
-    exact (offload/optimizer=cpu_adam_delayed_experts), beside delayed and exact mode at 100%
-    and the baseline (twice)."""
-    cases = _cpu_adam_cases(gbs)
-    experts = replace(cases[3], name=f"GBS{gbs} cpu_adam_delayed_experts 100%",
-                      overrides=(*_batch(gbs), "offload/optimizer=cpu_adam_delayed_experts",
-                                 *DELAY))  # fmt: skip
-    return [cases[0], experts, cases[3], cases[2], cases[5]]
+    exact (offload/optimizer=cpu_adam_delayed_experts) on two GPUs with expert parallelism (the
+    experts' own optimizer part), beside delayed and exact mode at 100% and the baseline
+    (twice), all EP2."""
+    ep2 = [replace(c, overrides=(*c.overrides, "parallel=ep2"))
+           for c in _cpu_adam_cases(gbs, nproc=2)]  # fmt: skip
+    experts = replace(ep2[3], name=f"DP2 GBS{gbs} cpu_adam_delayed_experts 100%",
+                      overrides=(*_batch(gbs), "parallel=ep2",
+                                 "offload/optimizer=cpu_adam_delayed_experts", *DELAY))  # fmt: skip
+    return [ep2[0], experts, ep2[3], ep2[2], ep2[5]]
 
 
 def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ...]) -> list[Case]:
@@ -379,11 +381,6 @@ CONV_MODES = {
         EXPERTS_ONLY,
         "optimizer.cpu_adam_weight_prediction=true",
     ),
-    # every state on the host: the experts delayed, the dense part and the router exact
-    "cpu_adam_delayed_experts": (
-        "offload/optimizer=cpu_adam_delayed_experts",
-        "optimizer.cpu_adam_weight_prediction=false",
-    ),
 }
 
 
@@ -466,7 +463,7 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-split-4": _split_cases(4),
     "cpu-adam-split-1": _split_cases(1),
-    "cpu-adam-experts-4": _experts_cases(4),
+    "cpu-adam-experts-ep2": _experts_cases(4),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
     # forward): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), one machine

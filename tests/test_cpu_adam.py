@@ -580,16 +580,19 @@ def test_delayed_mode_past_the_experts_is_named_with_the_fraction_that_stops_the
 
 
 def test_delayed_experts_scope_delays_the_expert_part_alone() -> None:
-    """optimizer.cpu_adam_delayed_scope=experts: the expert part's engine delayed, the dense
-    part's exact (its states on the host all the same); delayed mode delays both; exact mode
-    neither. The summary names the mix."""
+    """optimizer.cpu_adam_delayed_scope=experts (with expert parallelism: the experts' own
+    optimizer part): the expert part's engine delayed, the dense part's exact (its states on
+    the host all the same); delayed mode delays both; exact mode neither. The summary names the
+    mix."""
     from offload_runner.offload.cpu_adam import mode_name, part_delays
 
     experts = [False, True]
     for option, expected in (("cpu_adam", [False, False]), ("cpu_adam_delayed", [True, True]),
                              ("cpu_adam_delayed_experts", [False, True])):  # fmt: skip
-        run = compose_run("recipe=tiny_moe", f"offload/optimizer={option}")
+        run = compose_run("recipe=tiny_moe", "parallel=ep2", f"offload/optimizer={option}")
         assert part_delays(run, experts) == expected, option
+    with pytest.raises(RuntimeError, match="found no optimizer part of routed experts"):
+        part_delays(run, [False])  # expert parameters inside the dense part (EP=1)
     engines = [SimpleNamespace(delayed=d, offloaded_numel=n)
                for d, n in ((False, 10), (True, 30))]  # fmt: skip
     assert mode_name(engines) == "delayed experts"

@@ -375,29 +375,34 @@ def test_delayed_copies_during_the_backward_hide_in_the_last_backward() -> None:
 
 
 def test_delayed_experts_price_the_dense_part_exact_and_the_experts_hidden() -> None:
-    """cpu_adam_delayed_scope=experts on a MoE rank: the experts' params delayed (hidden under
-    forward+backward, their copies during the last backward), the dense part's exact with its
-    GPU share (its moments page-locked, a window); all of Adam's states on the host as in
-    delayed mode."""
+    """cpu_adam_delayed_scope=experts on a MoE rank with expert parallelism: the experts' params
+    delayed (hidden under forward+backward, their copies at the step boundary), the dense
+    part's exact with its GPU share (its moments page-locked, a window); all of Adam's states on
+    the host as in delayed mode."""
     from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, StepCost, exact_update_seconds
 
-    common = ("recipe=tiny_moe", "planner.forward_backward_s=100")
+    common = ("recipe=tiny_moe", "planner.forward_backward_s=100", "parallel=ep2")
     mixed = compose_run(*common, "offload/optimizer=cpu_adam_delayed_experts")
     every = compose_run(*common, "offload/optimizer=cpu_adam_delayed")
-    m, e = make_plan(mixed).ranks[0], make_plan(every).ranks[0]
+    m, e = make_plan(mixed, world=2).ranks[0], make_plan(every, world=2).ranks[0]
     params = count_parameters(mixed.model)
     assert m.cpu_adam_params == e.cpu_adam_params == e.delayed_params
-    assert m.delayed_params == pytest.approx(params.experts, abs=1)
+    assert m.delayed_params == pytest.approx(params.experts / 2, abs=1)  # EP2: half each
     dense = m.cpu_adam_params - m.delayed_params
-    assert dense == pytest.approx(params.total - params.experts, abs=1) and dense > 0
+    assert dense == pytest.approx((params.total - params.experts) / 2, abs=1) and dense > 0
     assert m.host == e.host  # the same bytes, the dense part's moments page-locked
     assert m.host_pinned - e.host_pinned == pytest.approx(dense * CPU_ADAM_PAGEABLE_BYTES, abs=8)
     assert m.step_peak > e.step_peak  # the dense part's state window
     cost = StepCost(4e9, 50.0, forward_backward_s=100.0)
     share = cost.gpu_share(mixed)
     assert 0 < share < 1 and cost.gpu_share(every) == 0
-    assert cost.seconds(every, e) == pytest.approx(0.0)  # hidden (no slowdown, copies hidden)
-    assert cost.seconds(mixed, m) == pytest.approx(exact_update_seconds(dense, 4e9, 50.0, share))
+    # data parallel: the delayed copies wait for the step boundary, 4 B/param each way at once
+    copies = e.delayed_params * 4 / 50e9
+    assert e.boundary_params == e.delayed_params and m.boundary_params == m.delayed_params
+    assert cost.seconds(every, e) == pytest.approx(copies)  # the CPU update itself hidden
+    assert cost.seconds(mixed, m) == pytest.approx(
+        exact_update_seconds(dense, 4e9, 50.0, share) + m.delayed_params * 4 / 50e9
+    )
     text = cost.explain(mixed, m)
     assert "(the dense part, exact) on the host" in text and "(the routed experts)" in text
 

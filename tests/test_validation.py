@@ -321,7 +321,7 @@ CASES = [
     Case(
         "gpu_share_needs_exact_cpu_adam",
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5"),
-        ("recipe=tiny_moe", "offload/optimizer=cpu_adam_delayed_experts",
+        ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts",
          "optimizer.cpu_adam_gpu_share=0.5"),
         "optimizer.cpu_adam_gpu_share only acts",
     ),
@@ -329,8 +329,14 @@ CASES = [
         "delayed_scope_needs_delayed_mode",
         ("recipe=tiny_moe", "offload/optimizer=cpu_adam",
          "optimizer.cpu_adam_delayed_scope=experts"),
-        ("recipe=tiny_moe", "offload/optimizer=cpu_adam_delayed_experts"),
+        ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts"),
         "optimizer.cpu_adam_delayed_scope=experts only acts",
+    ),
+    Case(
+        "delayed_experts_need_their_own_optimizer_part",
+        ("recipe=tiny_moe", "offload/optimizer=cpu_adam_delayed_experts"),
+        ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts"),
+        "optimizer.cpu_adam_delayed_scope=experts needs the routed experts",
     ),
     Case(
         "delayed_experts_need_moe",

@@ -436,6 +436,20 @@ RULES: tuple[Rule, ...] = (
         "use offload/optimizer=cpu_adam (exact), or optimizer.cpu_adam_delayed_scope=all",
     ),
     Rule(
+        "delayed_experts_need_their_own_optimizer_part",
+        lambda c, e: (
+            c.optimizer.cpu_adam_delayed_scope == DelayedScope.experts
+            and cpu_adam_delayed(c)
+            and bool(c.model.num_moe_experts)
+            and not c.model.experts_own_optimizer_part
+        ),
+        "optimizer.cpu_adam_delayed_scope=experts needs the routed experts in an optimizer part "
+        "of their own, which Megatron-Core builds only with expert parallelism "
+        "(expert_model_parallel_size={m.expert_model_parallel_size}: they join the dense part)",
+        "set model.expert_model_parallel_size=2 or more (e.g. parallel=ep2), or use "
+        "offload/optimizer=cpu_adam (exact) or cpu_adam_delayed",
+    ),
+    Rule(
         "auto_delayed_needs_auto",
         lambda c, e: c.planner.auto_delayed and not c.planner.auto_optimizer,
         "planner.auto_delayed only acts when offload/optimizer=auto chooses the optimizer offload",

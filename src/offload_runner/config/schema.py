@@ -214,6 +214,17 @@ class ModelConfig:
         )
 
     @property
+    def experts_own_optimizer_part(self) -> bool:
+        """Megatron-Core gives the routed experts an optimizer part of their own (a distributed
+        optimizer over the expert data-parallel group) only where they use the expert process
+        groups: expert parallelism, or an expert tensor-parallel size other than TP. Otherwise
+        (one GPU, EP=1) their parameters join the dense part, in its buffer order."""
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        return bool(self.num_moe_experts) and (
+            self.expert_model_parallel_size > 1 or etp != self.tensor_model_parallel_size
+        )
+
+    @property
     def expert_layout_size(self) -> int:
         """GPUs one copy of the experts spans: EP x ETP x PP (ETP defaults to TP)."""
         etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size

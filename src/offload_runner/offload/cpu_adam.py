@@ -1025,6 +1025,11 @@ def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
     experts' with ``optimizer.cpu_adam_delayed_scope=experts``."""
     if not cpu_adam_delayed(run):
         return [False] * len(experts)
+    if not (cpu_adam_delays_dense(run) or any(experts)):  # validation rejects it before here
+        raise RuntimeError(
+            "cpu_adam: optimizer.cpu_adam_delayed_scope=experts found no optimizer part of "
+            "routed experts (Megatron-Core builds one with expert parallelism only)"
+        )
     return [cpu_adam_delays_dense(run) or e for e in experts]
 
 
