@@ -1069,7 +1069,8 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
     in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
-    in_backward = [cpu_adam_copies_during_backward(run) and not _gathers_params(p) for p in parts]
+    # DDP scales every gradient, the experts' too, by 1 / data-parallel size after the backward
+    in_backward = [cpu_adam_copies_during_backward(run, _data_parallel_size())] * len(parts)
     # One worker runs every part's update in the order their step() hands them over: Megatron-
     # Core's ChainedOptimizer steps the dense part before the experts', so with delayed experts
     # the dense part's exact update (the next forward waits for it) runs first.
@@ -1147,6 +1148,16 @@ def _gathers_params(part) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size(getattr(part, "data_parallel_group", None)) > 1
+
+
+def _data_parallel_size() -> int:
+    """Data-parallel ranks (with context parallelism) of the dense part: Megatron-Core's DDP
+    scales every gradient, the experts' too, by their inverse after the backward."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
 
 
 def _current_device():
