@@ -283,8 +283,8 @@ class OptimizerConfig:
     # Delayed mode's reach: all (every offloaded param one step late) or experts (a MoE model's
     # routed experts alone; the dense layers and the router, offloaded all the same, update
     # exactly, their update landing during the next forward with exact mode's GPU share, while
-    # the experts' runs under forward+backward). The dense part's stale updates are what slowed
-    # convergence on the Qwen3-30B-A3B proxy (docs/BENCHMARKS.md, cpu-adam-conv).
+    # the experts' runs under forward+backward). Needs expert parallelism (EP >= 2): only then
+    # does Megatron-Core give the experts an optimizer part of their own.
     cpu_adam_delayed_scope: DelayedScope = DelayedScope.all
     # CPU threads of one rank's Adam (null: its share of the node's cores, less 2 in delayed mode
     # for the training thread and data loading)

@@ -93,9 +93,11 @@ Which parameters go to the CPU at a fraction < 1: whole parameter shards, in the
 buffer, which is backward-ready order (the output layer and last layers first): their gradients
 are final first, and the next forward needs them last. In delayed mode the expert part of a MoE
 model is offloaded before the dense part: routed experts see a fraction of the tokens each step,
-so one step of staleness costs them least (measured on the proxy, suite cpu-adam-conv in
-docs/BENCHMARKS.md: delayed updates of the experts alone ended within the seeds' noise, of every
-parameter outside it; ``attach`` warns when the fraction reaches past the experts).
+so one step of staleness should cost them least (``attach`` warns when the fraction reaches past
+the experts). Megatron-Core gives the experts a part of their own only with expert parallelism;
+at EP=1 they sit in the dense part, in its buffer order. On the proxy at EP=1 (suite
+cpu-adam-conv in docs/BENCHMARKS.md) delayed updates of every parameter ended outside the
+seeds' noise, and of the buffer's first 79% (the embedding and first layers exact) within it.
 ``optimizer.cpu_adam_delayed_scope=experts`` keeps every state on the host all the same: the
 expert part's engine is delayed, the dense part's exact (its update lands during the next forward,
 with the GPU share); the one worker runs the dense part's update first, as Megatron-Core's
@@ -1045,8 +1047,8 @@ def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float
     return (
         f"cpu_adam: delayed updates at optimizer.optimizer_offload_fraction={fraction:g} reach "
         f"past the routed experts ({share:.4f} of this rank's shard) into the dense layers "
-        "and the router, whose stale updates slowed convergence beyond the seeds' noise on "
-        "the Qwen3-30B-A3B proxy where the experts' alone did not (docs/BENCHMARKS.md); "
+        "and the router (delayed updates of every parameter slowed convergence beyond the "
+        "seeds' noise on the Qwen3-30B-A3B proxy, docs/BENCHMARKS.md); "
         f"optimizer.optimizer_offload_fraction={keep} keeps them exact on the GPU, "
         "optimizer.cpu_adam_delayed_scope=experts exact with their states on the host"
     )
