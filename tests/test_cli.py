@@ -128,7 +128,7 @@ def test_help_lists_groups_options_and_recipes(capsys) -> None:
     printed = capsys.readouterr().out
     assert (
         "offload/optimizer: auto, cpu_100, cpu_25, cpu_50, cpu_75, cpu_adam, cpu_adam_delayed, "
-        "disabled, states" in printed
+        "cpu_adam_delayed_experts, disabled, states" in printed
     )
     assert "offload/activation: auto, disabled, enabled" in printed
     for flag in ("--plan", "--json", "--verify", "--collect"):
