@@ -82,7 +82,7 @@ class Layout:
             m.pipeline_model_parallel_size,
             m.context_parallel_size,
         )
-        ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+        ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel
         world = world or minimal_world_size(run)
         return cls(tp, pp, cp, ep, etp, dp=world // m.model_parallel_size,
                    edp=world // m.expert_layout_size, world=world)  # fmt: skip
@@ -340,22 +340,45 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     )  # fmt: skip
 
 
+def part_fractions(sizes: list[float], experts: list[bool], fraction: float,
+                   experts_first: bool) -> list[float]:  # fmt: skip
+    """The fraction of each optimizer part that the CPU-Adam engine keeps on the host:
+    ``fraction`` of each, or, with ``experts_first`` (delayed mode), the expert parts filled
+    before the dense ones."""
+    if not experts_first:
+        return [fraction] * len(sizes)
+    budget = fraction * sum(sizes)
+    fractions = [0.0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: not experts[i]):
+        take = min(budget, sizes[i])
+        fractions[i] = take / sizes[i] if sizes[i] else 0.0
+        budget -= take
+    return fractions
+
+
+def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
+    """Which optimizer parts update one step late: all in delayed mode, or only the routed
+    experts' with ``optimizer.cpu_adam_delayed_scope=experts``."""
+    if not cpu_adam_delayed(run):
+        return [False] * len(experts)
+    if not (cpu_adam_delays_dense(run) or any(experts)):  # validation rejects it before here
+        raise RuntimeError(
+            "cpu_adam: optimizer.cpu_adam_delayed_scope=experts found no optimizer part of "
+            "routed experts (Megatron-Core builds one with expert parallelism only)"
+        )
+    return [cpu_adam_delays_dense(run) or e for e in experts]
+
+
 def offloaded_parts(run: RunConfig, parts: list[float],
                     fraction: float) -> tuple[list[float], list[float]]:  # fmt: skip
     """Per optimizer part (dense, then experts'): the params the CPU-Adam engine keeps on the
-    host, and of them those it updates one step late. Delayed mode fills the experts' part
-    before the dense one (cpu_adam.part_fractions) and, with cpu_adam_delayed_scope=experts,
-    delays that part alone; exact mode takes ``fraction`` of each."""
-    if not cpu_adam_delayed(run):
-        return [n * fraction for n in parts], [0.0] * len(parts)
-    budget, taken = fraction * sum(parts), [0.0] * len(parts)
-    for i in reversed(range(len(parts))):  # the experts' part first
-        taken[i] = min(budget, parts[i])
-        budget -= taken[i]
-    if cpu_adam_delays_dense(run):
-        return taken, taken
-    experts = taken[-1] if len(parts) > 1 else 0.0
-    return taken, [0.0] * (len(parts) - 1) + [experts]
+    host, and of them those it updates one step late, as the engine decides them
+    (``part_fractions``, ``part_delays``)."""
+    experts = [i == 1 for i in range(len(parts))]
+    fractions = part_fractions(parts, experts, fraction, cpu_adam_delayed(run))
+    offloaded = [n * f for n, f in zip(parts, fractions, strict=True)]
+    delays = part_delays(run, experts)
+    return offloaded, [n if d else 0.0 for n, d in zip(offloaded, delays, strict=True)]
 
 
 def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:

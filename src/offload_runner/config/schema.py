@@ -219,16 +219,24 @@ class ModelConfig:
         optimizer over the expert data-parallel group) only where they use the expert process
         groups: expert parallelism, or an expert tensor-parallel size other than TP. Otherwise
         (one GPU, EP=1) their parameters join the dense part, in its buffer order."""
-        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
         return bool(self.num_moe_experts) and (
-            self.expert_model_parallel_size > 1 or etp != self.tensor_model_parallel_size
+            self.expert_model_parallel_size > 1
+            or self.expert_tensor_parallel != self.tensor_model_parallel_size
         )
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The experts' tensor-parallel size (expert_tensor_parallel_size, else TP's)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def expert_layout_size(self) -> int:
         """GPUs one copy of the experts spans: EP x ETP x PP (ETP defaults to TP)."""
-        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        return self.expert_model_parallel_size * etp * self.pipeline_model_parallel_size
+        return (
+            self.expert_model_parallel_size
+            * self.expert_tensor_parallel
+            * self.pipeline_model_parallel_size
+        )
 
 
 @dataclass

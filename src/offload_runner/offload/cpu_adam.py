@@ -129,7 +129,6 @@ from dataclasses import dataclass, field
 from offload_runner.config.schema import (
     RunConfig,
     cpu_adam_copies_during_backward,
-    cpu_adam_delayed,
     cpu_adam_delays_dense,
     cpu_adam_on,
     cpu_adam_streams,
@@ -146,6 +145,8 @@ from offload_runner.plan import (
     copy_window,
     hidden_fraction,
     param_count,
+    part_delays,
+    part_fractions,
     step_cost,
 )
 
@@ -1007,34 +1008,6 @@ def _is_expert_part(part) -> bool:
     return any(g.get("is_expert_parallel", False) for g in part.optimizer.param_groups)
 
 
-def part_fractions(sizes: list[int], experts: list[bool], fraction: float,
-                   experts_first: bool) -> list[float]:  # fmt: skip
-    """The fraction of each optimizer part that goes to the CPU: ``fraction`` of each, or, with
-    ``experts_first``, the expert parts filled before the dense ones."""
-    if not experts_first:
-        return [fraction] * len(sizes)
-    budget = fraction * sum(sizes)
-    fractions = [0.0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: not experts[i]):
-        take = min(budget, sizes[i])
-        fractions[i] = take / sizes[i] if sizes[i] else 0.0
-        budget -= take
-    return fractions
-
-
-def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
-    """Which optimizer parts update one step late: all in delayed mode, or only the routed
-    experts' with ``optimizer.cpu_adam_delayed_scope=experts``."""
-    if not cpu_adam_delayed(run):
-        return [False] * len(experts)
-    if not (cpu_adam_delays_dense(run) or any(experts)):  # validation rejects it before here
-        raise RuntimeError(
-            "cpu_adam: optimizer.cpu_adam_delayed_scope=experts found no optimizer part of "
-            "routed experts (Megatron-Core builds one with expert parallelism only)"
-        )
-    return [cpu_adam_delays_dense(run) or e for e in experts]
-
-
 def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float,
                           delayed: bool) -> str | None:  # fmt: skip
     """Delayed mode reaching past a MoE rank's routed experts into its dense part and router:
@@ -1194,8 +1167,7 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     per second of CPU Adam beside it). Otherwise the run's own, less that slowdown at the
     planner's ``cpu_adam_launch_slowdown``."""
     built = engines(optimizer)
-    reporting = [(e, m) for e, m in ((e, e.metrics()) for e in built) if m]
-    found = [m for _, m in reporting]
+    found = [m for m in (e.metrics() for e in built) if m]
     if not found:
         return {}
     busy = sum(m["cpu_adam_busy_s_median"] for m in found)
@@ -1237,9 +1209,7 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         "cpu_adam_host_gb": sum(e.host_bytes for e in built) / GiB,
         "cpu_adam_mode": mode_name(built),
         # ... of the offloaded params, those updated one step late
-        "cpu_adam_delayed_params": sum(
-            m["cpu_offloaded_params"] for e, m in reporting if e.delayed
-        ),
+        "cpu_adam_delayed_params": sum(e.offloaded_numel for e in built if e.delayed),
         "cpu_adam_lands_in_forward": any(e.land_during_forward for e in built),
         # forward+backward less the forward's wait for an exact update
         "cpu_adam_forward_backward_s": forward_backward_s,
