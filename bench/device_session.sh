@@ -207,6 +207,11 @@ delayed and not 50 and not all)" cpu-adam-split ;;
     TEST_TIMEOUT=200 gpu_tests "delayed_experts" cpu-adam-delayed-experts-h200x2
     python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 350 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-ep2-conv-1|cpu-adam-ep2-conv-2|cpu-adam-ep2-conv-3)  # (two GPUs) the experts' updates
+    # delayed and the dense part's exact against the baseline over 200 iterations, all EP2: -1 and
+    # -2 one seed each (baseline, then delayed experts), -3 exact mode beside them (one seed)
+    python bench/run_benchmarks.py run --suite "$1" --iters 200 --time-limit 560 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   cpu-adam-conv-a|cpu-adam-conv-b|cpu-adam-conv-c|cpu-adam-conv-d|cpu-adam-conv-e)  # (two GPUs, side by side) delayed mode's
     # convergence: -a and -b one seed each, its no-offload run on GPU 0 and its delayed run on GPU
     # 1; -c delayed mode with weight prediction, both seeds. Each run has its GPU's share of the

@@ -392,6 +392,24 @@ def _conv(mode: str, seed: int) -> Case:
 
 CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
 
+# The routed experts' updates delayed and the dense part's exact
+# (offload/optimizer=cpu_adam_delayed_experts), which needs the experts' own optimizer part:
+# Megatron-Core builds one only with expert parallelism, so these run EP2 on two GPUs, 200
+# iterations, two seeds beside the EP2 baseline's, and exact mode (one seed) beside them; one
+# suite per device call (bench/device_session.sh cpu-adam-ep2-conv-1/-2/-3).
+CONV_EP2_MODES = {
+    "no offload": (),
+    "cpu_adam_delayed_experts": ("offload/optimizer=cpu_adam_delayed_experts",),
+    "cpu_adam": ("offload/optimizer=cpu_adam",),
+}
+
+
+def _conv_ep2(mode: str, seed: int) -> Case:
+    return Case(f"conv EP2 {mode} seed {seed}", PROXY_RECIPE,
+                (*CONV, "parallel=ep2", *CONV_EP2_MODES[mode], f"train.seed={seed}"),
+                f"conv EP2 no offload seed {seed}", nproc=2)  # fmt: skip
+
+
 # Adam's kernels against each other on the tiny recipe, deterministic, 20 iterations: torch's fused
 # AdamW on the GPU (the engine with nothing offloaded: the suite's reference), Transformer
 # Engine's FusedAdam on the GPU (no offload), torch's fused AdamW on the CPU (the engine, landing
@@ -500,6 +518,14 @@ SUITES: dict[str, list[Case]] = {
         )
     ],
     **{f"cpu-adam-conv-{i}": [case] for i, case in enumerate(CONV_CASES, 1)},
+    **{
+        f"cpu-adam-ep2-conv-{i}": [
+            _conv_ep2("no offload", seed),
+            _conv_ep2("cpu_adam_delayed_experts", seed),
+        ]
+        for i, seed in enumerate(CONV_SEEDS, 1)
+    },
+    "cpu-adam-ep2-conv-3": [_conv_ep2("cpu_adam", CONV_SEEDS[0])],
     "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     "proxy-det": [
         Case(
