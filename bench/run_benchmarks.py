@@ -811,10 +811,74 @@ def case_label(r: dict) -> str:
     return name
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def _delayed_experts_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
+    """The routed experts one step late, the dense part exact (with its GPU share) first:
+    max(baseline step, the experts' CPU Adam) + the dense part's exact update."""
+    offloaded, rate, late = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"], \
+        s.get("cpu_adam_delayed_params") or 0  # fmt: skip
+    on_gpu, gpu_rate = s.get("cpu_adam_params_on_gpu"), s.get("cpu_adam_stream_params_per_s")
+    now = offloaded - late
+    exact_s = now / (rate + gpu_rate) if on_gpu and gpu_rate else now / rate
+    bound = max(base_step, late / rate) + exact_s
+    gpu = (f" and on {on_gpu / 1e9:.2f}B of the dense part's on the GPU, their states "
+           f"through the window at {gpu_rate / 1e9:.2f} G/s" if on_gpu and gpu_rate
+           else "")  # fmt: skip
+    return bound, [
+        f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host, {late / 1e9:.2f}B "
+        f"(the routed experts) updated one step late and {now / 1e9:.2f}B (the dense part) "
+        f"exactly; Adam on the CPU at {rated}{gpu}",
+        f"bound max({_ms(base_step)}, {_ms(late / rate)}) + the exact part {_ms(exact_s)} = "
+        f"{_ms(bound)} ms, step {_ms(s['step_time_s_median'])} ms = "
+        f"{s['step_time_s_median'] / bound:.2f}x the bound",
+    ]  # fmt: skip
+
+
+def _gpu_share_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
+    """Exact mode with a GPU share: the CPU and the window at once, baseline step + offloaded /
+    (both rates); beside it the CPU's alone at its rate, and the whole update's rate (its
+    params over the longer of the CPU worker and the window's pass) against fused AdamW."""
+    offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
+    on_gpu, gpu_rate = s["cpu_adam_params_on_gpu"], s["cpu_adam_stream_params_per_s"]
+    step, both = s["step_time_s_median"], offloaded / (rate + gpu_rate)
+    cpu_alone = base_step + offloaded / rate
+    update_s = max(s["cpu_adam_wall_s_median"], s["cpu_adam_stream_s_median"])
+    whole = offloaded / update_s
+    return base_step + both, [
+        f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host; Adam on "
+        f"{s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
+        f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, their "
+        f"states through the window at {gpu_rate / 1e9:.2f} G/s ({12 * gpu_rate / 1e9:.1f} GB/s "
+        "each way)",
+        f"bound at both rates sum({_ms(base_step)}, {_ms(both)}) = {_ms(base_step + both)} ms, "
+        f"step {_ms(step)} ms = {step / (base_step + both):.2f}x that bound and "
+        f"{step / cpu_alone:.2f}x the CPU's alone at its rate, sum({_ms(base_step)}, "
+        f"{_ms(offloaded / rate)}) = {_ms(cpu_alone)} ms",
+        f"the whole update {_ms(update_s)} ms = {whole / 1e9:.2f} G params/s"
+        + (f", {whole / ref:.2f}x torch's fused AdamW alone" if ref else ""),
+    ]  # fmt: skip
+
+
+def _cpu_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
+    """Every offloaded param's Adam on the CPU: exact, baseline step + CPU Adam; delayed, the
+    larger of the two."""
+    cpu = s["cpu_offloaded_params"] / s["cpu_adam_params_per_s"]
+    delayed = s.get("cpu_adam_mode") == "delayed"
+    bound, step = (max if delayed else sum)((base_step, cpu)), s["step_time_s_median"]
+    return bound, [
+        f"- {name}: {s['cpu_offloaded_params'] / 1e9:.2f}B params on the CPU at {rated}",
+        f"bound {'max' if delayed else 'sum'}({_ms(base_step)}, {_ms(cpu)}) = {_ms(bound)} ms, "
+        f"step {_ms(step)} ms = {step / bound:.2f}x the bound",
+    ]  # fmt: skip
+
+
 def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
-    """Each CPU-Adam run against its bound: exact, baseline step + offloaded params / its CPU Adam
-    rate; delayed, the larger of the two. Its rate against torch's fused AdamW alone, and its
-    speed-up over HybridDeviceOptimizer 100% of the same batch."""
+    """Each CPU-Adam run against its bound (``_*_bound`` per mode), its rate against torch's
+    fused AdamW alone, where the rest of its time goes, and its speed-up over
+    HybridDeviceOptimizer 100% of the same batch."""
     lines = []
     for r in results:
         reference = r["environment"].get("cpu_adam_reference_params_per_s", {})
@@ -825,11 +889,8 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         base_step = base.get("step_time_s_median")
         if not base_step or base.get("cpu_adam_params_per_s"):  # no bound without a no-offload run
             continue
-        offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
-        cpu = offloaded / rate
+        rate, step = s["cpu_adam_params_per_s"], s["step_time_s_median"]
         delayed = s.get("cpu_adam_mode") in ("delayed", "delayed experts")
-        bound = max(base_step, cpu) if delayed else base_step + cpu
-        step = s["step_time_s_median"]
         ref = reference.get(str(s.get("cpu_adam_threads")))
         hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
         hdo = by_name.get(hdo_name, {}).get("summary", {}).get("step_time_s_median")
@@ -837,60 +898,29 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         rated = (f"{rate / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
                  + (f"; {rate / ref:.2f}x torch's fused AdamW alone, {ref / 1e9:.2f} G/s)"
                     if ref else ")"))  # fmt: skip
-        on_gpu, gpu_rate = s.get("cpu_adam_params_on_gpu"), s.get("cpu_adam_stream_params_per_s")
-        late = s.get("cpu_adam_delayed_params") or 0
-        if s.get("cpu_adam_mode") == "delayed experts":  # the dense part exact, then the experts
-            now = offloaded - late
-            exact_s = now / (rate + gpu_rate) if on_gpu and gpu_rate else now / rate
-            bound = max(base_step, late / rate) + exact_s
-            gpu = (f" and on {on_gpu / 1e9:.2f}B of the dense part's on the GPU, their states "
-                   f"through the window at {gpu_rate / 1e9:.2f} G/s" if on_gpu and gpu_rate
-                   else "")  # fmt: skip
-            parts = [
-                f"- {r['case']['name']}: the states of {offloaded / 1e9:.2f}B params on the host, "
-                f"{late / 1e9:.2f}B (the routed experts) updated one step late and "
-                f"{now / 1e9:.2f}B (the dense part) exactly; Adam on the CPU at {rated}{gpu}",
-                f"bound max({base_step * 1000:.0f}, {late / rate * 1000:.0f}) + the exact part "
-                f"{exact_s * 1000:.0f} = {bound * 1000:.0f} ms, step {step * 1000:.0f} ms = "
-                f"{step / bound:.2f}x the bound",
-            ]  # fmt: skip
-        elif on_gpu and gpu_rate:  # exact mode's GPU share: the CPU and the link at once
-            both = offloaded / (rate + gpu_rate)
-            parts = [
-                f"- {r['case']['name']}: the states of {offloaded / 1e9:.2f}B params on the host; "
-                f"Adam on {s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
-                f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, "
-                f"their states through the window at {gpu_rate / 1e9:.2f} G/s "
-                f"({12 * gpu_rate / 1e9:.1f} GB/s each way)",
-                f"bound at both rates sum({base_step * 1000:.0f}, {both * 1000:.0f}) = "
-                f"{(base_step + both) * 1000:.0f} ms, step {step * 1000:.0f} ms = "
-                f"{step / (base_step + both):.2f}x that bound and {step / bound:.2f}x the CPU's "
-                f"alone at its rate, sum({base_step * 1000:.0f}, {cpu * 1000:.0f}) = "
-                f"{bound * 1000:.0f} ms",
-            ]  # fmt: skip
+        if s.get("cpu_adam_mode") == "delayed experts":
+            bounded = _delayed_experts_bound
+        elif s.get("cpu_adam_params_on_gpu") and s.get("cpu_adam_stream_params_per_s"):
+            bounded = _gpu_share_bound
         else:
-            parts = [
-                f"- {r['case']['name']}: {offloaded / 1e9:.2f}B params on the CPU at {rated}",
-                f"bound {'max' if delayed else 'sum'}({base_step * 1000:.0f}, {cpu * 1000:.0f}) "
-                f"= {bound * 1000:.0f} ms, step {step * 1000:.0f} ms = {step / bound:.2f}x the "
-                "bound",
-            ]  # fmt: skip
-        parts += [
-            f"CPU worker {s['cpu_adam_wall_s_median'] * 1000:.0f} ms (Adam "
-            f"{s['cpu_adam_busy_s_median'] * 1000:.0f}, waiting for gradients "
-            f"{s['cpu_adam_wait_s_median'] * 1000:.0f})",
-        ]  # fmt: skip
-        if on_gpu:
-            parts[-1] += f", the window's pass {s['cpu_adam_stream_s_median'] * 1000:.0f} ms"
+            bounded = _cpu_bound
+        _, parts = bounded(r["case"]["name"], s, base_step, rated, ref)
+        parts.append(
+            f"CPU worker {_ms(s['cpu_adam_wall_s_median'])} ms (Adam "
+            f"{_ms(s['cpu_adam_busy_s_median'])}, waiting for gradients "
+            f"{_ms(s['cpu_adam_wait_s_median'])})"
+            + (f", the window's pass {_ms(s['cpu_adam_stream_s_median'])} ms"
+               if s.get("cpu_adam_params_on_gpu") else "")
+        )  # fmt: skip
         if s.get("cpu_adam_lands_in_forward") and not delayed:
             waited = s.get("cpu_adam_forward_wait_s_median")
             parts.append("landing during the next forward"
-                         + (f" (which waited {waited * 1000:.0f} ms for it)"
+                         + (f" (which waited {_ms(waited)} ms for it)"
                             if waited is not None else ""))  # fmt: skip
         if delayed and "cpu_adam_copies_in_backward" in s:
             parts.append(("copies during the last backward" if s["cpu_adam_copies_in_backward"]
                           else "copies at the step boundary")
-                         + f" (step() {s['cpu_adam_boundary_s_median'] * 1000:.0f} ms until "
+                         + f" (step() {_ms(s['cpu_adam_boundary_s_median'])} ms until "
                          "the update was handed over)")  # fmt: skip
         if hdo and r["case"]["name"] != hdo_name:
             parts.append(f"{hdo / step:.2f}x faster than HDO 100% + overlap")
