@@ -207,6 +207,13 @@ delayed and not 50 and not all)" cpu-adam-split ;;
     TEST_TIMEOUT=200 gpu_tests "delayed_experts" cpu-adam-delayed-experts-h200x2
     python bench/run_benchmarks.py run --suite "$1" --iters 12 --time-limit 350 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  cpu-adam-late-share-4|cpu-adam-late-share-1)  # delayed mode with its GPU share against all on
+    # the CPU; -4 after the gpu tests of the GPU share (exact and delayed)
+    if [ "$1" = cpu-adam-late-share-4 ]; then
+      TEST_TIMEOUT=300 gpu_tests "gpu_share" cpu-adam-late-share
+    fi
+    python bench/run_benchmarks.py run --suite "$1" --out "$OUT/results-$1.json" \
+      --work-dir "$WORK/bench" ;;
   cpu-adam-ep2-conv-1|cpu-adam-ep2-conv-2|cpu-adam-ep2-conv-3)  # (two GPUs) the experts' updates
     # delayed and the dense part's exact against the baseline over 200 iterations, all EP2: -1 and
     # -2 one seed each (baseline, then delayed experts), -3 exact mode beside them (one seed)

@@ -190,6 +190,17 @@ def _split_cases(gbs: int) -> list[Case]:
     return [*cases[:3], all_on_cpu, cases[5]]
 
 
+def _late_share_cases(gbs: int) -> list[Case]:
+    """Delayed mode with its GPU share balanced each step (part of each step-late update on
+    the GPU under the next forward+backward) against delayed mode all on the CPU, beside the
+    baseline (twice)."""
+    cases = _cpu_adam_cases(gbs)
+    balanced = "optimizer.cpu_adam_gpu_share=null"
+    shared = replace(cases[3], name=f"{cases[3].name}, GPU share",
+                     overrides=(*cases[3].overrides, balanced))  # fmt: skip
+    return [cases[0], cases[3], shared, cases[5]]
+
+
 def _experts_cases(gbs: int) -> list[Case]:
     """Every state on the host with the routed experts' updates delayed and the dense part's
     exact (offload/optimizer=cpu_adam_delayed_experts) on two GPUs with expert parallelism (the
@@ -481,6 +492,8 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-split-4": _split_cases(4),
     "cpu-adam-split-1": _split_cases(1),
+    "cpu-adam-late-share-4": _late_share_cases(4),
+    "cpu-adam-late-share-1": _late_share_cases(1),
     "cpu-adam-experts-ep2": _experts_cases(4),
     "cpu-adam-4": _cpu_adam_cases(4),
     # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
@@ -862,6 +875,27 @@ def _gpu_share_bound(name: str, s: dict, base_step: float, rated: str, ref: floa
     ]  # fmt: skip
 
 
+def _late_share_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
+    """Delayed mode with a GPU share: the CPU and the window at once under the next
+    forward+backward, max(baseline step, offloaded / (both rates)); beside it the CPU's alone."""
+    offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
+    on_gpu, gpu_rate = s["cpu_adam_params_on_gpu"], s["cpu_adam_stream_params_per_s"]
+    step, both = s["step_time_s_median"], offloaded / (rate + gpu_rate)
+    bound = max(base_step, both)
+    update_s = max(s["cpu_adam_wall_s_median"], s["cpu_adam_stream_s_median"])
+    whole = offloaded / update_s
+    return bound, [
+        f"- {name}: {offloaded / 1e9:.2f}B params updated one step late; Adam on "
+        f"{s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
+        f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, their "
+        f"states and gradients through the window at {gpu_rate / 1e9:.2f} G/s",
+        f"bound max({_ms(base_step)}, {_ms(both)}) = {_ms(bound)} ms, step {_ms(step)} ms = "
+        f"{step / bound:.2f}x the bound",
+        f"the whole update {_ms(update_s)} ms = {whole / 1e9:.2f} G params/s"
+        + (f", {whole / ref:.2f}x torch's fused AdamW alone" if ref else ""),
+    ]  # fmt: skip
+
+
 def _cpu_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
     """Every offloaded param's Adam on the CPU: exact, baseline step + CPU Adam; delayed, the
     larger of the two."""
@@ -901,7 +935,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         if s.get("cpu_adam_mode") == "delayed experts":
             bounded = _delayed_experts_bound
         elif s.get("cpu_adam_params_on_gpu") and s.get("cpu_adam_stream_params_per_s"):
-            bounded = _gpu_share_bound
+            bounded = _late_share_bound if delayed else _gpu_share_bound
         else:
             bounded = _cpu_bound
         _, parts = bounded(r["case"]["name"], s, base_step, rated, ref)

@@ -157,10 +157,15 @@ def test_fraction_takes_whole_shards_in_buffer_order() -> None:
     eng.close()
 
 
-def test_delayed_mode_lands_each_update_one_step_late() -> None:
+@pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
+def test_delayed_mode_lands_each_update_one_step_late(share: float) -> None:
+    """Each delayed update lands one step late and its masters follow torch's AdamW; with a
+    GPU share the last pieces of each update's order pass through the state window (on the CPU
+    here, with the same fused kernel, from the host gradients) beside the worker."""
     exact = 3
     buffers = Buffers()
-    eng, ref = engine(buffers, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
+    eng = engine(buffers, 1.0, delayed=True, exact_steps=exact, gpu_share=share)
+    ref = Reference(buffers)
     previous = [v.clone() for v in buffers.views]
     for step in range(1, STEPS + 1):
         before = [v.clone() for v in buffers.views]
@@ -180,7 +185,12 @@ def test_delayed_mode_lands_each_update_one_step_late() -> None:
     assert_matches(masters(eng, buffers), ref.params, STEPS)
     eng.flush()
     assert all(torch.equal(v, p) for v, p in zip(buffers.views, previous, strict=True))
-    assert eng.metrics()["cpu_offloaded_params"] == sum(SIZES)
+    found, last = eng.metrics(), eng.history[-1]
+    assert found["cpu_offloaded_params"] == sum(SIZES)
+    on_gpu = sum(eng._pieces[i].numel for i in last.on_gpu)
+    assert on_gpu / sum(SIZES) == pytest.approx(share, abs=1500 / sum(SIZES))
+    assert last.on_gpu == last.order[len(last.order) - len(last.on_gpu) :]  # the order's tail
+    assert last.params == sum(SIZES) - on_gpu and eng.streams_states == (share > 0)
     eng.close()
 
 
@@ -627,7 +637,8 @@ def assert_same_weights(a: torch.Tensor, b: torch.Tensor, step: int) -> None:
     assert ((a.float() - b.float()).abs() <= a.float().abs() * 2**-7).all(), f"step {step}"
 
 
-def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu() -> None:
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share: float) -> None:
     """Delayed steps copy during the last micro-batch's backward: once every parameter of a
     piece has its gradient, the last update lands in it and its (unclipped) gradients go down;
     the worker applies Megatron-Core's clip factor. The weights each forward sees are those of
@@ -638,7 +649,7 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu() -> 
     exact = 2
     buffers, twin = Buffers(), Buffers()
     eng = engine(buffers, 1.0, delayed=True, exact_steps=exact, copy_during_backward=True,
-                 clip_grad=CLIP)  # fmt: skip
+                 clip_grad=CLIP, gpu_share=share)  # fmt: skip
     at_boundary, ref = engine(twin, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
     model = Trainable(buffers)
     eng.watch_backward([model])
@@ -805,9 +816,10 @@ def test_a_gpu_share_through_the_window_is_bit_identical_too(fraction: float, sh
     eng.close()
 
 
-def test_no_gpu_share_in_delayed_mode_nor_at_zero() -> None:
+def test_no_gpu_share_with_weight_prediction_nor_at_zero() -> None:
     buffers = Buffers()
-    for kwargs in ({"delayed": True, "gpu_share": 0.5, "balance": True}, {"gpu_share": 0.0}):
+    for kwargs in ({"delayed": True, "predict": True, "gpu_share": 0.5, "balance": True},
+                   {"gpu_share": 0.0}, {"delayed": True, "gpu_share": 0.0}):  # fmt: skip
         eng = engine(buffers, 1.0, **kwargs)
         drive(eng, buffers, 1)
         assert not eng.streams_states and eng._on_cpu == len(eng._pieces)
@@ -830,11 +842,12 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
     last.wall_s = 2.0 * last.params / total
     eng._window.history.append((1.0 * on_gpu / total, on_gpu))
     eng._rebalance()
-    moved = sum(p.numel for p in eng._pieces[eng._on_cpu :]) / total
     share = on_gpu / total
-    assert moved == pytest.approx(share + 0.5 * (2 / 3 - share), abs=500 / total)
+    assert eng._share == pytest.approx(share + 0.5 * (2 / 3 - share))
+    moved = sum(p.numel for p in eng._pieces[eng._cpu_pieces(eng._share) :]) / total
+    assert moved == pytest.approx(eng._share, abs=500 / total)
     eng._rebalance()  # the same step's timing moves it once
-    assert sum(p.numel for p in eng._pieces[eng._on_cpu :]) / total == pytest.approx(moved)
+    assert eng._share == pytest.approx(share + 0.5 * (2 / 3 - share))
     # far from balance it keeps a piece on each side, so both rates stay measured
     assert eng._cpu_pieces(1.0) == 1 and eng._cpu_pieces(0.0) == len(eng._pieces) - 1
     eng.close()
@@ -844,7 +857,7 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
     ref = Reference(buffers)
     for step in range(1, 8):
         ref.step(step, drive(eng2, buffers, step))
-        eng2._on_cpu = [2, 30, 10, 5, 20, 15, 25][step - 1]  # moved between every step
+        eng2._share = [0.9, 0.1, 0.6, 0.8, 0.3, 0.5, 0.2][step - 1]  # moved between every step
         eng2._window.finish()
     assert_matches(masters(eng2, buffers), ref.params, 7)
     eng2.close()

@@ -64,6 +64,24 @@ ALL_ON_CPU = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0")
 GPU_SHARE = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=4")
 
 
+# the GPU share's tests: 20 iterations in pieces of 4 MiB
+SHARE_ITERS = ("train.train_iters=20", "optimizer.cpu_adam_chunk_mb=4")
+
+
+@cache
+def all_on_cpu(root: str) -> dict:
+    """Exact CPU Adam, all on the CPU, over the GPU share tests' iterations."""
+    return train(Path(root) / "share-cpu", *SHARE_ITERS, *ALL_ON_CPU)
+
+
+@cache
+def adam_kernels(root: str) -> float:
+    """How far torch's fused AdamW on the CPU and on the GPU part the losses there."""
+    on_gpu = train(Path(root) / "share-none", *SHARE_ITERS, "offload/optimizer=cpu_adam",
+                   "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
+    return max_delta(all_on_cpu(root)["losses"], on_gpu["losses"])
+
+
 def max_delta(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
@@ -133,14 +151,10 @@ def test_cpu_adam_gpu_share_splits_the_update_between_cpu_and_gpu(root: str) -> 
     updates the rest over states streamed through the window. The losses start as the all-CPU
     run's and stay within twice what torch's fused AdamW on the GPU parts from it by (both
     kernels' last-bit differences flip bf16 roundings, here on different elements)."""
-    iters = ("train.train_iters=20", "optimizer.cpu_adam_chunk_mb=4")
-    cpu = train(Path(root) / "share-cpu", *iters, *ALL_ON_CPU)
-    on_gpu = train(Path(root) / "share-none", *iters, "offload/optimizer=cpu_adam",
-                   "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
-    shared = train(Path(root) / "share-balanced", *iters, "offload/optimizer=cpu_adam")
-    fixed = train(Path(root) / "share-fixed", *iters, "offload/optimizer=cpu_adam",
+    cpu, kernels = all_on_cpu(root), adam_kernels(root)
+    shared = train(Path(root) / "share-balanced", *SHARE_ITERS, "offload/optimizer=cpu_adam")
+    fixed = train(Path(root) / "share-fixed", *SHARE_ITERS, "offload/optimizer=cpu_adam",
                   "optimizer.cpu_adam_gpu_share=0.5")  # fmt: skip
-    kernels = max_delta(cpu["losses"], on_gpu["losses"])
     print(f"GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced), "
           f"{fixed['cpu_adam_gpu_share']:.2f} (0.5): max |Δloss| against all on the CPU "
           f"{max_delta(shared['losses'], cpu['losses']):.2e} / "
@@ -190,6 +204,32 @@ def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:
     assert delta < RESUME_TOLERANCE
 
 
+# delayed mode with its GPU share balanced each step, in pieces of 4 MiB (the tiny model's shard
+# splits between the CPU and the window)
+DELAYED_SHARE = ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=null",
+                 "optimizer.cpu_adam_chunk_mb=4")  # fmt: skip
+
+
+def test_cpu_adam_delayed_gpu_share_runs_part_of_each_late_update_on_the_gpu(root: str) -> None:
+    """Delayed mode with a GPU share: each delayed update's last pieces (those the next
+    backward lands last) pass through the window on a side stream under the next
+    forward+backward, their gradients streamed up with the states, the rest on the CPU. Exact
+    until the warmup ends, then the all-CPU delayed run's losses within twice what the two Adam
+    kernels part them by."""
+    cpu = train(Path(root) / "late-cpu", *SHARE_ITERS, "offload/optimizer=cpu_adam_delayed")
+    kernels = adam_kernels(root)
+    shared = train(Path(root) / "late-shared", *SHARE_ITERS, *DELAYED_SHARE)
+    delta = max_delta(shared["losses"], cpu["losses"])
+    print(f"delayed, GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced): max |Δloss| "
+          f"against all on the CPU {delta:.2e}; CPU against GPU Adam {kernels:.2e}")  # fmt: skip
+    assert cpu["cpu_adam_params_on_gpu"] == 0 and cpu["cpu_adam_mode"] == "delayed"
+    assert shared["cpu_adam_params_on_cpu"] > 0 and shared["cpu_adam_params_on_gpu"] > 0
+    assert shared["cpu_adam_mode"] == "delayed" and shared["cpu_adam_copies_in_backward"]
+    assert max_delta(shared["losses"][:4], cpu["losses"][:4]) < 1e-3
+    assert delta <= 2 * max(kernels, 1e-3)
+    assert shared["final_loss"] < shared["first_loss"]
+
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() != 2, reason="needs exactly two GPUs")
 
 
@@ -231,6 +271,7 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
         pytest.param(("offload/optimizer=cpu_50",), id="hybrid-50"),
         pytest.param(("offload/optimizer=cpu_adam",), id="cpu-adam"),
         pytest.param(("offload/optimizer=cpu_adam_delayed",), id="cpu-adam-delayed"),
+        pytest.param(DELAYED_SHARE, id="cpu-adam-delayed-gpu-share"),
         # the first landing after the load extrapolates from Adam's state
         pytest.param(
             ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_weight_prediction=true"),

@@ -319,11 +319,18 @@ CASES = [
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(
-        "gpu_share_needs_exact_cpu_adam",
+        "gpu_share_needs_cpu_adam",
+        ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.cpu_adam_gpu_share=0.5"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5"),
+        "optimizer.cpu_adam_gpu_share splits",
+    ),
+    Case(
+        "gpu_share_not_with_weight_prediction",
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5",
+         "optimizer.cpu_adam_weight_prediction=true"),
         ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts",
-         "optimizer.cpu_adam_gpu_share=0.5"),
-        "optimizer.cpu_adam_gpu_share only acts",
+         "optimizer.cpu_adam_gpu_share=0.5", "optimizer.cpu_adam_weight_prediction=true"),
+        "optimizer.cpu_adam_weight_prediction extrapolates",
     ),
     Case(
         "delayed_scope_needs_delayed_mode",

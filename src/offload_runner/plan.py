@@ -38,6 +38,7 @@ from offload_runner.config.schema import (
     cpu_adam_copies_during_backward,
     cpu_adam_delayed,
     cpu_adam_delays_dense,
+    cpu_adam_late_share,
     cpu_adam_streams,
 )
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
@@ -289,7 +290,11 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
         resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
-        if cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
+        if cpu_adam_late_share(run):  # every moment pinned; forward+backward hold the window
+            pinned += sum(offloaded) * CPU_ADAM_PAGEABLE_BYTES
+            on_cpu = 0
+            resident += cpu_adam_window_bytes(offloaded, 1.0, o.cpu_adam_chunk_mb, LATE_BYTES)
+        elif cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
             exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
             pinned += sum(exact) * CPU_ADAM_PAGEABLE_BYTES
             on_cpu = int(sum(delayed) * CPU_ADAM_PAGEABLE_BYTES)
@@ -388,12 +393,13 @@ def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> i
     return sum(2 * 4 * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)
 
 
-def cpu_adam_window_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:
-    """Exact mode's GPU share: per optimizer part with params on the host, a window of up to
-    WINDOW_SLOTS pieces of masters and moments, held during the step (at most: the share is
-    balanced at run time)."""
+def cpu_adam_window_bytes(parts: list[float], fraction: float, chunk_mb: int,
+                          per_param: int = ADAM_BYTES) -> int:  # fmt: skip
+    """The CPU-Adam engine's GPU share: per optimizer part with params on the host, a window of
+    up to WINDOW_SLOTS pieces of masters and moments (``per_param`` bytes; LATE_BYTES with the
+    gradients of delayed mode's late passes), at most: the share is balanced at run time."""
     chunk = chunk_mb * 1024**2 // 4
-    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / chunk)) * ADAM_BYTES
+    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / chunk)) * per_param
                * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)  # fmt: skip
 
 
@@ -498,26 +504,36 @@ CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloade
 CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
 
 
-def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float) -> float:
-    """Exact mode's GPU share of the offloaded Adam at which the CPU and the link finish
-    together: the CPU's share x at its rate beside the streams, the link carrying
-    CPU_ADAM_COPY_BYTES each way for it and ADAM_BYTES for the GPU's share, both at once:
-    x / (rate k) = (ADAM_BYTES (1 - x) + CPU_ADAM_COPY_BYTES x) / link."""
+# Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went
+# down during the backward), and its CPU pieces' copies ran during the backward, not beside.
+LATE_BYTES = ADAM_BYTES + 4
+EXACT, LATE = (ADAM_BYTES, CPU_ADAM_COPY_BYTES), (LATE_BYTES, 0)  # (window, CPU part) B/param
+
+
+def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
+                       bytes_moved: tuple[int, int] = EXACT) -> float:  # fmt: skip
+    """The GPU share of the offloaded Adam at which the CPU and the link finish together: the
+    CPU's share x at its rate beside the streams, the link carrying C B/param for it and W for
+    the GPU's share, both at once (``bytes_moved`` = (W, C): EXACT for exact updates, LATE for
+    delayed ones): x / (rate k) = (W (1 - x) + C x) / link."""
+    window, copies = bytes_moved
     cpu = 1 / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
     link = 1 / (host_link_gb_per_s * 1e9)
-    on_cpu = ADAM_BYTES * link / (cpu + (ADAM_BYTES - CPU_ADAM_COPY_BYTES) * link)
+    on_cpu = window * link / (cpu + (window - copies) * link)
     return min(max(1.0 - on_cpu, 0.0), 1.0)
 
 
 def exact_update_seconds(params: float, cpu_params_per_s: float, host_link_gb_per_s: float,
-                         gpu_share: float) -> float:  # fmt: skip
-    """Exact mode's update of ``params`` offloaded params with ``gpu_share`` of them on the GPU:
-    the CPU's share at its rate (beside the streams where there are any) or the link, whichever
-    takes longer."""
+                         gpu_share: float,
+                         bytes_moved: tuple[int, int] = EXACT) -> float:  # fmt: skip
+    """The update of ``params`` offloaded params with ``gpu_share`` of them on the GPU (exact,
+    or with LATE ``bytes_moved`` a delayed one): the CPU's share at its rate (beside the
+    streams where there are any) or the link, whichever takes longer."""
     if gpu_share <= 0:
         return params / cpu_params_per_s
+    window, copies = bytes_moved
     cpu = (1 - gpu_share) * params / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
-    moved = ADAM_BYTES * gpu_share + CPU_ADAM_COPY_BYTES * (1 - gpu_share)
+    moved = window * gpu_share + copies * (1 - gpu_share)
     return max(cpu, moved * params / (host_link_gb_per_s * 1e9))
 
 
@@ -602,17 +618,27 @@ class StepCost:
         return self.cpu_adam_params_per_s * (1.0 if engine else HDO_RATE_SHARE)
 
     def cpu_rate(self, run: RunConfig) -> float:
-        """... its delayed updates (weight prediction adds CPU work)."""
+        """... its delayed updates (weight prediction adds CPU work), the CPU's alone."""
         slower = WEIGHT_PREDICTION_CPU_FACTOR if predicting_weights(run) else 1.0
         return self.exact_rate(run) / slower
 
+    def delayed_rate(self, run: RunConfig) -> float:
+        """... and with their GPU share (delayed mode's late passes), where there is one."""
+        share = self.gpu_share(run) if cpu_adam_late_share(run) else 0.0
+        if not share:
+            return self.cpu_rate(run)
+        return 1.0 / exact_update_seconds(1.0, self.cpu_rate(run), self.host_link_gb_per_s,
+                                          share, LATE)  # fmt: skip
+
     def gpu_share(self, run: RunConfig) -> float:
-        """Exact updates' GPU share (0: none; null in the config: the balanced one)."""
+        """The GPU share (0: none; null in the config: the balanced one), of the exact updates,
+        or of the delayed ones in delayed mode for every parameter."""
         if not cpu_adam_streams(run):
             return 0.0
         share = run.optimizer.cpu_adam_gpu_share
         if share is None:
-            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s)
+            moved = LATE if cpu_adam_late_share(run) else EXACT
+            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s, moved)
         return share
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
@@ -622,7 +648,7 @@ class StepCost:
     def exact_seconds(self, run: RunConfig, rank: RankPlan) -> float:
         """The step's wait for the exact updates (with their GPU share, where it streams)."""
         exact = rank.cpu_adam_params - rank.delayed_params
-        if cpu_adam_streams(run):
+        if cpu_adam_streams(run) and exact:
             return exact_update_seconds(exact, self.exact_rate(run), self.host_link_gb_per_s,
                                         self.gpu_share(run))  # fmt: skip
         return exact / self.exact_rate(run)
@@ -632,7 +658,7 @@ class StepCost:
         the training thread's slowdown beside it, their copies the step waits for."""
         if not rank.delayed_params:
             return 0.0
-        cpu = rank.delayed_params / self.cpu_rate(run)
+        cpu = rank.delayed_params / self.delayed_rate(run)
         copies = rank.delayed_params * copy_seconds_per_param(self.host_link_gb_per_s)
         tail = max(copies - self._copy_window(run, rank), 0.0)  # what the step waits for
         beside = min(cpu, self.forward_backward_s or 0.0)  # CPU Adam beside the training
@@ -653,7 +679,7 @@ class StepCost:
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
-        return hidden_fraction(self.forward_backward_s, self.cpu_rate(run),
+        return hidden_fraction(self.forward_backward_s, self.delayed_rate(run),
                                rank.cpu_adam_params / fraction,
                                copy_seconds_per_param(self.host_link_gb_per_s),
                                self.delayed_max_overhead, self._copy_window(run, rank),
@@ -676,7 +702,16 @@ class StepCost:
             parts.append(f"{param_count(exact)} params{dense} of Adam on the CPU at "
                          f"{self.exact_rate(run) / 1e9:.2f} G/s "
                          f"({self.exact_seconds(run, rank):.2f} s)")  # fmt: skip
-        if delayed:
+        if delayed and cpu_adam_late_share(run):
+            how = "balanced each step" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
+            parts.append(f"{param_count(delayed)} params of Adam a step late, {1 - share:.0%} of "
+                         f"them on the CPU at {self.cpu_rate(run) / 1e9:.2f} G/s "
+                         f"({CPU_ADAM_RATE_BESIDE_STREAMS:g}x beside the streams) and {share:.0%} "
+                         f"on the GPU, their states and gradients streamed at "
+                         f"{self.host_link_gb_per_s:.0f} GB/s under the next forward+backward "
+                         f"({delayed / self.delayed_rate(run):.2f} s; the share {how})"
+                         )  # fmt: skip
+        elif delayed:
             experts = " (the routed experts)" if exact else ""
             parts.append(f"{param_count(delayed)} params{experts} of Adam on the CPU at "
                          f"{self.cpu_rate(run) / 1e9:.2f} G/s "
@@ -764,7 +799,10 @@ def optimizer_ladder(engine: CpuOffloadEngine,
             name = ("cpu_adam_delayed" if delayed else "cpu_adam") + (
                 "" if f == 1.0 else f" optimizer.optimizer_offload_fraction={f}"
             )
-            steps.append((name, {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": False}))
+            late = {"optimizer.cpu_adam_gpu_share": 0.0} if delayed else {}  # as its preset
+            steps.append(
+                (name, {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": False, **late})
+            )
         else:
             steps.append(
                 (

@@ -408,12 +408,20 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
-        "gpu_share_needs_exact_cpu_adam",
-        lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not cpu_adam_streams(c),
-        "optimizer.cpu_adam_gpu_share only acts on the CPU-Adam engine's exact updates (delayed "
-        "mode hides its whole update under forward+backward, on the CPU)",
-        "drop the key (or set it to 0), or use offload/optimizer=cpu_adam (or "
-        "offload/optimizer=cpu_adam_delayed_experts: the dense part exact, with the share)",
+        "gpu_share_needs_cpu_adam",
+        lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not cpu_adam_on(c),
+        "optimizer.cpu_adam_gpu_share splits the CPU-Adam engine's update between the CPU and "
+        "the GPU, and that engine is off",
+        "drop the key, or use offload/optimizer=cpu_adam (or cpu_adam_delayed)",
+    ),
+    Rule(
+        "gpu_share_not_with_weight_prediction",
+        lambda c, e: (
+            bool(c.optimizer.cpu_adam_gpu_share) and cpu_adam_on(c) and not cpu_adam_streams(c)
+        ),
+        "optimizer.cpu_adam_weight_prediction extrapolates every delayed update on the CPU, and "
+        "optimizer.cpu_adam_gpu_share would run part of them on the GPU",
+        "set optimizer.cpu_adam_gpu_share=0, or optimizer.cpu_adam_weight_prediction=false",
     ),
     Rule(
         "delayed_scope_needs_delayed_mode",

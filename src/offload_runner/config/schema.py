@@ -308,7 +308,8 @@ class OptimizerConfig:
     # masters and moments (on the host like the rest) streamed through a GPU window of 4 pieces
     # during the step while the CPU updates the others: the CPU and the link work at once
     # (docs/BENCHMARKS.md). null: balanced each step so both finish together; 0: all on the CPU
-    # (the moments stay pageable). Delayed mode runs all of it on the CPU.
+    # (the moments stay pageable). Delayed mode (its preset sets 0): the share of each delayed
+    # update runs on the GPU under the next forward+backward, its gradients streamed up too.
     cpu_adam_gpu_share: Optional[float] = None
     # Delayed mode: the step boundary's copies (this step's gradients down, the last update's
     # masters up, 4 B/param each way) run during the last micro-batch's backward, each piece as
@@ -603,11 +604,19 @@ def cpu_adam_delays_dense(run: RunConfig) -> bool:
 
 
 def cpu_adam_streams(run: RunConfig) -> bool:
-    """... with exact updates (exact mode, or the dense part where delayed mode reaches the
-    experts alone) and a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has
-    none): it streams that share's states through a window."""
+    """... with a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has none): it
+    streams that share's states through a window, the exact updates' during the step (exact
+    mode, or the dense part where delayed mode reaches the experts alone), delayed mode's
+    under the next forward+backward with their gradients (``cpu_adam_late_share``; not with
+    weight prediction, which extrapolates on the CPU)."""
     share = run.optimizer.cpu_adam_gpu_share
-    return cpu_adam_on(run) and not cpu_adam_delays_dense(run) and (share is None or share > 0)
+    predicting = cpu_adam_delays_dense(run) and run.optimizer.cpu_adam_weight_prediction
+    return cpu_adam_on(run) and (share is None or share > 0) and not predicting
+
+
+def cpu_adam_late_share(run: RunConfig) -> bool:
+    """... in delayed mode for every parameter, with the GPU share of its delayed updates."""
+    return cpu_adam_streams(run) and cpu_adam_delays_dense(run)
 
 
 def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:

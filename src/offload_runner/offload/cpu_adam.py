@@ -131,6 +131,7 @@ from offload_runner.config.schema import (
     RunConfig,
     cpu_adam_copies_during_backward,
     cpu_adam_delays_dense,
+    cpu_adam_late_share,
     cpu_adam_on,
     cpu_adam_streams,
 )
@@ -348,6 +349,10 @@ class _Update:
     # threading.Event per piece: its gradients' copy (and any landing before it) is enqueued
     ready: list = field(default_factory=list)
     order: list = field(default_factory=list)  # the pieces' indices in the order the worker takes
+    # delayed mode's GPU share: the worker splits ``order`` (``late_share``), the pieces that
+    # pass through the window instead of the CPU (``on_gpu``)
+    late_share: bool = False
+    on_gpu: list = field(default_factory=list)
     done: list = field(default_factory=list)  # threading.Event per piece: Adam has run on it
     # threading.Event per piece, exact mode: its landing is enqueued (or the update failed)
     landed: list = field(default_factory=list)
@@ -410,11 +415,15 @@ class CpuAdam(HostAdam):
         # delayed mode, copies during the backward (see watch_backward)
         self.copy_during_backward = delayed and copy_during_backward
         self.clip_grad = clip_grad
-        # exact mode's GPU share (see _split_pieces): Adam on the GPU, the states streamed
-        self.gpu_share = 0.0 if delayed else gpu_share
-        self.balance = balance and not delayed
+        # the GPU share (see prefetch and _late_pass): Adam on the GPU, the states streamed
+        # (weight prediction extrapolates on the CPU: none there)
+        self.gpu_share = 0.0 if self.predict else gpu_share
+        self.balance = balance and not self.predict
+        self._share = self.gpu_share  # the share now (the balance moves it)
         self._window: StatesWindow | None = None
-        self._on_cpu = 0  # pieces [0, _on_cpu) run on the CPU, the rest through the window
+        self._late: concurrent.futures.ThreadPoolExecutor | None = None  # issues late passes
+        self._late_stream = None  # ... on this side stream
+        self._on_cpu = 0  # exact: pieces [0, _on_cpu) run on the CPU, the rest through the window
         self._streamed: list[Piece] = []  # this step's GPU share: _pieces[_on_cpu:]
         self._balanced_at = 0  # the step whose timing last moved the split
         self._grad_hooks: list = []
@@ -452,12 +461,19 @@ class CpuAdam(HostAdam):
 
         streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
         self._allocate_states(pin_moments=streams, what="cpu_adam")
+        self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
         if streams:  # the copy engines read and write the moments of the GPU share
             self._window = StatesWindow(
                 (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
                 min(self.chunk_numel, self.offloaded_numel),
+                host_grad=self.host_grad if self.delayed else None,
             )  # fmt: skip
-        self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+            if self.delayed:  # late passes: issued from a thread of their own, on a side stream
+                self._late = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="cpu-adam-late", initializer=_init_thread,
+                    initargs=(None, None, self.device),
+                )  # fmt: skip
+                self._late_stream = torch.cuda.Stream() if self.on_cuda else None
         if self.predict:  # what delayed mode lands: the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
         ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0  # see
@@ -477,10 +493,11 @@ class CpuAdam(HostAdam):
             if self.land_during_forward:  # forward order: the buffer is in backward order
                 self._pieces.reverse()
             self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
-            self._on_cpu = self._cpu_pieces(self.gpu_share) if self._window else len(self._pieces)
+            self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
         self.prefetch()
         step, hypers = self._next_step()
         delayed = self.delayed and step > self.exact_steps
+        order = self._update_order(delayed, list(early))
         if delayed and self._hooks:  # only exact steps land during the forward
             self._unwatch()
         if delayed and not self._announced_delay:
@@ -500,9 +517,8 @@ class CpuAdam(HostAdam):
         # is enqueued (enqueueing hundreds of copies takes the training thread a while).
         guess_next = self.predict and step >= self.exact_steps
         update = _Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
-                         on_cpu=self._on_cpu,
-                         params=sum(q.numel for q in self._pieces[: self._on_cpu]),
-                         order=self._update_order(delayed, list(early)),
+                         on_cpu=self._on_cpu, params=sum(self._pieces[i].numel for i in order),
+                         order=order, late_share=delayed and self._window is not None,
                          ready=[threading.Event() for _ in self._pieces],
                          done=[threading.Event() for _ in self._pieces],
                          landed=[threading.Event() for _ in self._pieces],
@@ -533,7 +549,7 @@ class CpuAdam(HostAdam):
                 ready.set()
             raise
         self._unlanded = False
-        if self._window is not None:  # the GPU share, on the compute stream
+        if self._window is not None and not delayed:  # the GPU share, on the compute stream
             self._window.run(self._streamed, step, hypers)
         self._gpu_step(step, hypers)
         if delayed:
@@ -567,16 +583,21 @@ class CpuAdam(HostAdam):
         backward, through optimizer_states' hook; ``step()`` does it where nothing did)."""
         if self._window is None or self._pieces is None or self._window.prefetched:
             return
+        if self.delayed and self.steps_taken + 1 > self.exact_steps:
+            return  # a late pass: the worker splits the update (_update_pieces)
         self._window.finish()  # pieces the last pass streamed may go to the CPU now
         self._rebalance()
+        self._on_cpu = self._cpu_pieces(self._share)
         self._streamed = self._pieces[self._on_cpu :]
         self._window.prefetch(self._streamed)
 
-    def _cpu_pieces(self, gpu_share: float) -> int:
-        """How many leading pieces hold about ``1 - gpu_share`` of the offloaded params (while
-        balancing, at least one on each side, so both rates stay measured)."""
+    def _cpu_pieces(self, gpu_share: float, order: list[int] | None = None) -> int:
+        """How many leading pieces (of ``order``, default their own) hold about ``1 -
+        gpu_share`` of the offloaded params (while balancing, at least one on each side, so both
+        rates stay measured)."""
         target, taken, count = (1.0 - gpu_share) * self.offloaded_numel, 0, 0
-        for piece in self._pieces:
+        for i in order if order is not None else range(len(self._pieces)):
+            piece = self._pieces[i]
             if taken + piece.numel / 2 > target:
                 break
             taken += piece.numel
@@ -601,7 +622,7 @@ class CpuAdam(HostAdam):
         cpu_rate, gpu_rate = last.params / last.wall_s, gpu_params / gpu_s
         share = gpu_params / (gpu_params + last.params)
         target = gpu_rate / (cpu_rate + gpu_rate)
-        self._on_cpu = self._cpu_pieces(share + 0.5 * (target - share))
+        self._share = share + 0.5 * (target - share)
 
     def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
         """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
@@ -618,6 +639,40 @@ class CpuAdam(HostAdam):
         backward = pieces[::-1] if self.land_during_forward else pieces  # the DDP buffer's order
         seen = set(crossed)
         return crossed + [i for i in backward if i not in seen]
+
+    def _late_pieces(self, order: list[int]) -> list[int]:
+        """Delayed mode's GPU share: the pieces at the end of ``order`` (the update's, the order
+        the next backward lands them in), holding about the share of the params: the CPU takes
+        those the next backward needs first, the window those it needs last."""
+        return order[self._cpu_pieces(self._share, order) :]
+
+    def _late_pass(self, update: _Update) -> None:
+        """Delayed mode's GPU share of ``update``, from its own thread beside the worker: the
+        pieces' states and gradients up as their gradients are down, Adam on a side stream
+        under the next forward+backward, the states back; each piece ``done`` once they are on
+        the host (the next landing reads its masters from there)."""
+        pieces = [self._pieces[i] for i in update.on_gpu]
+
+        def before_load(index: int):
+            i = update.on_gpu[index]
+            update.ready[i].wait()
+            if update.cancelled:
+                raise RuntimeError("cpu_adam: the step failed before its gradients went down")
+            return self._pieces[i].fetched
+
+        def scale_of(index: int):
+            if not update.unclipped[update.on_gpu[index]]:
+                return None
+            update.scaled.wait()
+            scale = update.grad_scale
+            return None if scale is None else scale.to(self.device, non_blocking=True)
+
+        freed = self._window.run_late(pieces, update.step, update.hyper, self._late_stream,
+                                      before_load, scale_of)  # fmt: skip
+        for i, event in zip(update.on_gpu, freed, strict=True):
+            if event is not None:
+                event.synchronize()
+            update.done[i].set()
 
     def _start_fetch(self) -> None:
         import torch
@@ -677,9 +732,20 @@ class CpuAdam(HostAdam):
         import torch
 
         began = time.perf_counter()
+        late = None
+        if update.late_share:  # the last update and its pass are done: this one's split
+            self._window.finish()
+            self._rebalance()
+            update.on_gpu = self._late_pieces(update.order)
+            update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
+            if update.on_gpu:
+                late = self._late.submit(self._late_pass, update)
         steps = torch.tensor(float(update.step))
         landings: list[concurrent.futures.Future] = []
+        on_gpu = set(update.on_gpu)
         for i in update.order:
+            if i in on_gpu:
+                continue
             piece, ready, done = self._pieces[i], update.ready[i], update.done[i]
             t0 = time.perf_counter()
             ready.wait()
@@ -716,7 +782,9 @@ class CpuAdam(HostAdam):
             done.set()
         for landing in landings:  # enqueued (and errors raised) before step() waits on them
             landing.result()
-        update.wall_s = time.perf_counter() - began
+        update.wall_s = time.perf_counter() - began  # the CPU's part (the balance compares it)
+        if late is not None:
+            late.result()
         self.history.append(update)
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
@@ -970,6 +1038,8 @@ class CpuAdam(HostAdam):
         self._grad_hooks.clear()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
         self._lander.shutdown(wait=True)
+        if self._late is not None:
+            self._late.shutdown(wait=True)
         self._arenas.release()
 
     # -- what the run reports ------------------------------------------------------------------
@@ -1052,6 +1122,9 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     # the dense part's exact update (the next forward waits for it) runs first.
     worker = cpu_worker(cpus, threads, _current_device())
     share = step_cost(run, local_world).gpu_share(run) if cpu_adam_streams(run) else 0.0
+    # the exact updates' share, and delayed mode's for every parameter (delayed experts beside
+    # an exact dense part run on the CPU alone)
+    shared = [not d or cpu_adam_delays_dense(run) for d in delayed]
     built = host_adam.install(optimizer, lambda part, i: CpuAdam(
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -1059,7 +1132,8 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         predict=o.cpu_adam_weight_prediction, threads=threads,
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
         land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
-        clip_grad=o.clip_grad, gpu_share=share, balance=o.cpu_adam_gpu_share is None,
+        clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
+        balance=shared[i] and cpu_adam_streams(run) and o.cpu_adam_gpu_share is None,
         worker=worker,
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
@@ -1073,8 +1147,10 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
              mode_name(built))  # fmt: skip
     if share:
         log.info("cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
-                 "through a %.0f MiB window during the step while the CPU updates the rest (%s)",
+                 "through a %.0f MiB window %s while the CPU updates the rest (%s)",
                  100 * share, max(e.window_bytes for e in built) / 1024**2,
+                 "with their gradients under the next forward+backward (delayed steps) or during "
+                 "the step (exact steps)" if cpu_adam_late_share(run) else "during the step",
                  "the share starts at the planner's balance and follows the measured one "
                  "each step" if o.cpu_adam_gpu_share is None
                  else "optimizer.cpu_adam_gpu_share")  # fmt: skip

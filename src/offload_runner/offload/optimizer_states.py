@@ -36,6 +36,7 @@ measured beside the window in one suite and removed: it held every state again a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 from dataclasses import dataclass
@@ -81,9 +82,13 @@ class _Pass:
     """One step's pass of some pieces' states through the window: its events and timing."""
 
     pieces: list[Piece]
-    window: object  # the GPU (or, in tests, CPU) window: up to SLOTS x 3 arrays of one piece
+    window: object  # the GPU (or, in tests, CPU) window: up to SLOTS x 3 (or 4) arrays of a piece
     loaded: list  # per piece: event, its copy in has finished (None without CUDA)
     freed: list  # per slot: event, the copy out of its last piece has read it
+    # a step-late pass (StatesWindow.run_late): per piece, before its copy in, what it waits
+    # for (its gradients on the host: a CUDA event or None); its gradients' scale (or None)
+    before_load: object = None
+    scale_of: object = None
     began: object = None  # event on the compute stream when the Adam calls start
     ended: object = None  # event after the last copy out
     queued: int = 0  # pieces whose copy in is queued
@@ -95,10 +100,14 @@ class StatesWindow:
     two side streams (module doc, steps 1-3). ``WindowedStates`` passes its whole shard through
     one; the CPU-Adam engine passes its GPU share (``cpu_adam.CpuAdam``, exact mode)."""
 
-    def __init__(self, host: tuple, device, piece_numel: int, adam=None) -> None:
+    def __init__(self, host: tuple, device, piece_numel: int, adam=None,
+                 host_grad=None) -> None:  # fmt: skip
         import torch
 
         self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays
+        # the gradients on the host (CPU-Adam's delayed mode): a step-late pass streams them up
+        # too, in a fourth array per slot
+        self.host_grad = host_grad
         self.device = device
         self.piece_numel = piece_numel
         on_cuda = device.type == "cuda"
@@ -112,22 +121,27 @@ class StatesWindow:
     @property
     def nbytes(self) -> int:
         """The most a pass holds: SLOTS pieces (fewer where it passes fewer)."""
-        return SLOTS * BYTES_PER_PARAM * self.piece_numel
+        return SLOTS * self._arrays * 4 * self.piece_numel
+
+    @property
+    def _arrays(self) -> int:
+        """fp32 arrays per slot: master, exp_avg, exp_avg_sq (and the gradient for late passes)."""
+        return BYTES_PER_PARAM // 4 + (self.host_grad is not None)
 
     @property
     def prefetched(self) -> bool:
         """This step's pass has begun (its first pieces are coming in)."""
         return self._pass is not None
 
-    def prefetch(self, pieces: list[Piece]) -> None:
+    def prefetch(self, pieces: list[Piece], late: bool = False) -> None:
         """Start the pass of ``pieces``: the window, and the first SLOTS pieces coming in (at the
-        tail of backward; ``run`` does it if nothing did)."""
+        tail of backward; ``run`` does it if nothing did; ``run_late`` brings them in itself)."""
         import torch
 
         if self._pass is not None or not pieces:
             return
         self._collect_timing()
-        shape = (min(SLOTS, len(pieces)), 3, self.piece_numel)
+        shape = (min(SLOTS, len(pieces)), self._arrays, self.piece_numel)
         if self.streams is None:
             window = torch.empty(shape, dtype=torch.float32, device=self.device)
         else:
@@ -136,31 +150,60 @@ class StatesWindow:
             with torch.cuda.stream(h2d):  # the window comes from (and returns to) h2d's pool
                 window = torch.empty(shape, dtype=torch.float32, device=self.device)
         self._pass = _Pass(pieces, window, [None] * len(pieces), [None] * len(window))
-        for _ in range(len(window)):
+        for _ in range(0 if late else len(window)):
             self._load_next()
 
     def run(self, pieces: list[Piece], step: int, hypers: list[dict]) -> None:
         """The pass of ``pieces``: on the current stream, Adam on each as soon as it is in, its
         masters rounded into its bf16 parameters, then out on ``d2h``; returns once queued."""
-        import torch
 
         self.prefetch(pieces)
         if self._pass is None:
             return
         assert self._pass.pieces is pieces, "prefetched another set of pieces"
+        self._issue(step, hypers)
+
+    def run_late(self, pieces: list[Piece], step: int, hypers: list[dict], stream, before_load,
+                 scale_of) -> list:  # fmt: skip
+        """A step-late pass (CPU-Adam's delayed mode) of ``pieces`` on ``stream`` (a side
+        stream beside the next forward+backward; None without CUDA): their gradients come up
+        from ``host_grad`` with the states, each piece's once ``before_load(index)`` returned
+        (the CUDA event its gradients' copy down recorded, or None), scaled by
+        ``scale_of(index)`` (a GPU tensor, or None); the bf16 parameters are left alone (they
+        land later). Returns, per piece, the event after its copy out (None without CUDA)."""
+        import torch
+
+        assert self.host_grad is not None and self._adam is None and self._pass is None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.prefetch(pieces, late=True)
+            if self._pass is None:
+                return []
+            self._pass.before_load, self._pass.scale_of = before_load, scale_of
+            for _ in range(len(self._pass.window)):
+                self._load_next()
+            freed = self._issue(step, hypers)
+        return freed
+
+    def _issue(self, step: int, hypers: list[dict]) -> list:
+        """The pass's Adam calls on the current stream, each as soon as its piece is in, and its
+        copies out behind them; returns, per piece, the event after its copy out."""
+        import torch
+
         # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
         steps = None if self._adam else torch.tensor(float(step), device=self.device)
         compute = torch.cuda.current_stream() if self.streams else None
+        pieces, out = self._pass.pieces, []
         if compute is not None:
             self._pass.began = _record(compute)
         for index, piece in enumerate(pieces):
             if compute is not None:
                 compute.wait_event(self._pass.loaded[index])
-            self._update(piece, self._slot(index), step, steps, hypers)
-            self._unload(index)
+            self._update(piece, self._slot(index), step, steps, hypers, index)
+            out.append(self._unload(index))
             if self._pass.queued < len(pieces):
                 self._load_next()
         self._end_pass()
+        return out
 
     def _slot(self, index: int) -> tuple:
         """The window's (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``."""
@@ -178,7 +221,13 @@ class StatesWindow:
 
         index = self._pass.queued
         self._pass.queued += 1
-        pairs = zip(self._slot(index), self._on_host(self._pass.pieces[index]), strict=True)
+        piece = self._pass.pieces[index]
+        pairs = list(zip(self._slot(index), self._on_host(piece), strict=True))
+        grads_down = None
+        if self._pass.before_load is not None:  # a late pass: the gradients come up too
+            grads_down = self._pass.before_load(index)
+            slot = self._pass.window[index % len(self._pass.window)]
+            pairs.append((slot[3, : piece.numel], self.host_grad[piece.start : piece.stop]))
         if self.streams is None:
             for gpu, host in pairs:
                 gpu.copy_(host)
@@ -187,36 +236,48 @@ class StatesWindow:
         freed = self._pass.freed[index % len(self._pass.freed)]
         if freed is not None:
             h2d.wait_event(freed)
+        if grads_down is not None:
+            h2d.wait_event(grads_down)
         with torch.cuda.stream(h2d):
             for gpu, host in pairs:
                 gpu.copy_(host, non_blocking=True)
         self._pass.loaded[index] = _record(h2d)
 
-    def _unload(self, index: int) -> None:
+    def _unload(self, index: int):
         """The pass's piece ``index``: updated masters and moments back to the host (on ``d2h``,
-        after its Adam call on the compute stream)."""
+        after its Adam call on the compute stream); returns the event after it (None without
+        CUDA)."""
         import torch
 
-        pairs = zip(self._on_host(self._pass.pieces[index]), self._slot(index), strict=True)
+        piece = self._pass.pieces[index]
+        pairs = zip(self._on_host(piece), self._slot(index), strict=True)
         if self.streams is None:
             for host, gpu in pairs:
                 host.copy_(gpu)
-            return
+            return None
         d2h = self.streams[1]
         d2h.wait_stream(torch.cuda.current_stream())
+        if piece.landed is not None:  # the last landing has read the host masters
+            d2h.wait_event(piece.landed)
         with torch.cuda.stream(d2h):
             for host, gpu in pairs:
                 host.copy_(gpu, non_blocking=True)
         self._pass.freed[index % len(self._pass.freed)] = _record(d2h)
+        return self._pass.freed[index % len(self._pass.freed)]
 
-    def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict]) -> None:
-        """Adam on one piece in the window; its masters rounded into the bf16 parameters."""
+    def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict],
+                index: int) -> None:  # fmt: skip
+        """Adam on one piece in the window; its masters rounded into the bf16 parameters (a late
+        pass: its gradients from the window, scaled, and the parameters left alone)."""
         import torch
 
         master, exp_avg, exp_avg_sq = slot
+        late = self._pass.before_load is not None
+        grads = self._pass.window[index % len(self._pass.window)][3] if late else None
+        scale = self._pass.scale_of(index) if late else None
         for a, b, gi in piece.groups:
             h, span = hypers[gi], slice(a - piece.start, b - piece.start)
-            grad = piece.grad[span]
+            grad = grads[span] if late else piece.grad[span]
             if self._adam is not None:
                 self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
             else:
@@ -224,9 +285,10 @@ class StatesWindow:
                     [master[span]], [grad], [exp_avg[span]], [exp_avg_sq[span]], [], [steps],
                     lr=h["lr"],
                     beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-                    eps=h["eps"], amsgrad=False, maximize=False,
+                    eps=h["eps"], amsgrad=False, maximize=False, grad_scale=scale,
                 )  # fmt: skip
-        piece.param.copy_(master)
+        if not late:
+            piece.param.copy_(master)
 
     def _end_pass(self) -> None:
         import torch
