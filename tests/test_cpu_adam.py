@@ -848,6 +848,11 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
     assert moved == pytest.approx(eng._share, abs=500 / total)
     eng._rebalance()  # the same step's timing moves it once
     assert eng._share == pytest.approx(share + 0.5 * (2 / 3 - share))
+    # a delayed update's late pass: its link also carries every piece's landing (4 B per 16 of
+    # the window's), so the CPU keeps more: (2 - 1/4) / 3 goes to the GPU
+    last.late_share, eng._balanced_at = True, 0
+    eng._rebalance()
+    assert eng._share == pytest.approx(share + 0.5 * ((2 - 0.25) / 3 - share))
     # far from balance it keeps a piece on each side, so both rates stay measured
     assert eng._cpu_pieces(1.0) == 1 and eng._cpu_pieces(0.0) == len(eng._pieces) - 1
     eng.close()

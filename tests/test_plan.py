@@ -410,9 +410,9 @@ def test_delayed_experts_price_the_dense_part_exact_and_the_experts_hidden() -> 
 def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_cpu() -> None:
     """Delayed mode with optimizer.cpu_adam_gpu_share: its moments page-locked and a window of
     16 B/param (states and gradients) held through forward+backward; the balanced share is
-    where the CPU beside the streams and the link carrying 16 B/param for the GPU's share
-    finish together (the CPU's own copies ran during the backward), which sets the rate the
-    update hides under forward+backward at; weight prediction keeps every update on the CPU."""
+    where the CPU beside the streams and the link carrying 16 B/param for the GPU's share and
+    every param's landing (4 B) finish together, which sets the rate the update hides under
+    forward+backward at; weight prediction keeps every update on the CPU."""
     from offload_runner.plan import (
         CPU_ADAM_PAGEABLE_BYTES,
         CPU_ADAM_RATE_BESIDE_STREAMS,
@@ -428,16 +428,17 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
     assert b.host_pinned - a.host_pinned == a.cpu_adam_params * CPU_ADAM_PAGEABLE_BYTES
     assert b.optimizer_gpu > a.optimizer_gpu and b.optimizer_step_only == a.optimizer_step_only
     cost = StepCost(4e9, 50.0, forward_backward_s=1.0)
-    k, link = 4e9 * CPU_ADAM_RATE_BESIDE_STREAMS, 50e9 / LATE_BYTES  # params/s
-    share = cost.gpu_share(shared)
-    assert share == pytest.approx(link / (k + link))
-    assert (1 - share) / k == pytest.approx(share / link)  # both finish together
-    assert cost.delayed_rate(shared) == pytest.approx(k + link) and cost.gpu_share(cpu) == 0
+    k, per_byte = 4e9 * CPU_ADAM_RATE_BESIDE_STREAMS, 1 / 50e9  # params/s, s/B
+    share = cost.gpu_share(shared)  # the link also carries every param's landing, 4 B
+    assert share == pytest.approx((1 / k - 4 * per_byte) / (1 / k + LATE_BYTES * per_byte))
+    assert (1 - share) / k == pytest.approx((LATE_BYTES * share + 4) * per_byte)  # together
+    rate = k / (1 - share)
+    assert cost.delayed_rate(shared) == pytest.approx(rate) and cost.gpu_share(cpu) == 0
     assert cost.delayed_rate(cpu) == cost.cpu_rate(cpu) == 4e9
     # the update outlasts forward+backward; the copies beyond the last of 2 backwards remain
     short = StepCost(4e9, 50.0, forward_backward_s=0.0005)
     assert short.delayed_seconds(shared, b) == pytest.approx(
-        b.delayed_params / (k + link) - 0.0005 + max(b.delayed_params * 4 / 50e9 - 0.0005 / 3, 0)
+        b.delayed_params / rate - 0.0005 + max(b.delayed_params * 4 / 50e9 - 0.0005 / 3, 0)
     )
     assert short.delayed_seconds(shared, b) < short.delayed_seconds(cpu, a)
     assert "on the GPU, their states and gradients streamed" in cost.explain(shared, b)

@@ -505,35 +505,38 @@ CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
 
 
 # Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went
-# down during the backward), and its CPU pieces' copies ran during the backward, not beside.
+# down during the backward), and every piece's landing (its masters up, 4 B/param) rides the same
+# link under the same forward+backward. Bytes per param each way, the busier way: (W) for the
+# GPU's share, (C) for the CPU's, (E) for every offloaded param.
 LATE_BYTES = ADAM_BYTES + 4
-EXACT, LATE = (ADAM_BYTES, CPU_ADAM_COPY_BYTES), (LATE_BYTES, 0)  # (window, CPU part) B/param
+EXACT = (ADAM_BYTES, CPU_ADAM_COPY_BYTES, 0)
+LATE = (LATE_BYTES, 0, CPU_ADAM_COPY_BYTES)
 
 
 def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
-                       bytes_moved: tuple[int, int] = EXACT) -> float:  # fmt: skip
-    """The GPU share of the offloaded Adam at which the CPU and the link finish together: the
-    CPU's share x at its rate beside the streams, the link carrying C B/param for it and W for
-    the GPU's share, both at once (``bytes_moved`` = (W, C): EXACT for exact updates, LATE for
-    delayed ones): x / (rate k) = (W (1 - x) + C x) / link."""
-    window, copies = bytes_moved
+                       bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
+    """The GPU share x of the offloaded Adam at which the CPU and the link finish together: the
+    CPU's share at its rate beside the streams (a = 1 / (rate k)), the link (l = 1 / link)
+    carrying ``bytes_moved`` = (W, C, E), EXACT for exact updates, LATE for delayed ones:
+    (1 - x) a = (W x + C (1 - x) + E) l, so x = (a - (C + E) l) / (a + (W - C) l)."""
+    window, copies, every = bytes_moved
     cpu = 1 / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
     link = 1 / (host_link_gb_per_s * 1e9)
-    on_cpu = window * link / (cpu + (window - copies) * link)
-    return min(max(1.0 - on_cpu, 0.0), 1.0)
+    share = (cpu - (copies + every) * link) / (cpu + (window - copies) * link)
+    return min(max(share, 0.0), 1.0)
 
 
 def exact_update_seconds(params: float, cpu_params_per_s: float, host_link_gb_per_s: float,
                          gpu_share: float,
-                         bytes_moved: tuple[int, int] = EXACT) -> float:  # fmt: skip
+                         bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
     """The update of ``params`` offloaded params with ``gpu_share`` of them on the GPU (exact,
     or with LATE ``bytes_moved`` a delayed one): the CPU's share at its rate (beside the
     streams where there are any) or the link, whichever takes longer."""
     if gpu_share <= 0:
         return params / cpu_params_per_s
-    window, copies = bytes_moved
+    window, copies, every = bytes_moved
     cpu = (1 - gpu_share) * params / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
-    moved = window * gpu_share + copies * (1 - gpu_share)
+    moved = window * gpu_share + copies * (1 - gpu_share) + every
     return max(cpu, moved * params / (host_link_gb_per_s * 1e9))
 
 

@@ -142,6 +142,7 @@ from offload_runner.offload.optimizer_states import StatesWindow
 from offload_runner.plan import (
     CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
+    LATE,
     GiB,
     copy_seconds_per_param,
     copy_window,
@@ -619,9 +620,11 @@ class CpuAdam(HostAdam):
         gpu_s, gpu_params = passes[-1]
         if not (gpu_s and last.wall_s and last.params and gpu_params):
             return
-        cpu_rate, gpu_rate = last.params / last.wall_s, gpu_params / gpu_s
+        cpu_s, gpu_s = last.wall_s / last.params, gpu_s / gpu_params  # per param
         share = gpu_params / (gpu_params + last.params)
-        target = gpu_rate / (cpu_rate + gpu_rate)
+        # a late pass's link also carries every piece's landing, LATE's E per its W bytes
+        every = LATE[2] / LATE[0] * gpu_s if last.late_share else 0.0
+        target = min(max((cpu_s - every) / (cpu_s + gpu_s), 0.0), 1.0)
         self._share = share + 0.5 * (target - share)
 
     def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
