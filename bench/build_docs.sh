@@ -123,6 +123,60 @@ PY2
   echo "runs faster than fused AdamW alone on every state; each share run's line in the suite tables"
   echo "gives both (\"the whole update\")."
   echo
+  echo "### Delayed mode's GPU share (suite \`cpu-adam-late-share\`)"
+  echo
+  echo "\`offload/optimizer=cpu_adam_delayed optimizer.cpu_adam_gpu_share=null\`: the last pieces of"
+  echo "each step-late update (those the next backward lands last) go through the state window on a"
+  echo "side stream under the next forward+backward, their masters, moments and gradients (which"
+  echo "went down during the backward) up, masters and moments back, while the CPU updates the rest;"
+  echo "the share is balanced each step against the link's whole load (the window's 16 B/param and"
+  echo "every piece's landing). Outside the engine first (\`python bench/delayed_share_probe.py\`, one"
+  echo "H200, 1e9 params beside bf16 matmuls standing in for forward+backward,"
+  echo "docs/evidence/delayed-share-probe.txt):"
+  echo
+  grep -E '^(CPU alone|GPU share)' docs/evidence/delayed-share-probe.txt | sed 's/^/- /'
+  echo
+  echo "In the engine, on the proxy, one H200 per suite (\`bash bench/device_session.sh"
+  echo "cpu-adam-late-share-1\` and \`-4\`; gpu test docs/evidence/pytest-gpu-cpu-adam-late-share.txt):"
+  echo
+  python - <<'PY'
+import json, pathlib
+def rows(path):
+    data = json.loads(pathlib.Path(path).read_text())
+    return data["environment"]["commit"], {r["case"]["name"]: r["summary"] for r in data["results"]}
+for gbs in (1, 4):
+    commit, by = rows(f"bench/results/results-cpu-adam-late-share-{gbs}.json")
+    base, cpu = by[f"GBS{gbs} no offload"], by[f"GBS{gbs} cpu_adam_delayed 100%"]
+    share = by[f"GBS{gbs} cpu_adam_delayed 100%, GPU share"]
+    repeat = by[f"GBS{gbs} no offload (repeat)"]
+    update = max(share["cpu_adam_wall_s_median"], share["cpu_adam_stream_s_median"])
+    print(f"- GBS {gbs} (commit {commit}): no offload {base['step_time_s_median'] * 1000:.0f} ms "
+          f"(repeat {repeat['step_time_s_median'] * 1000:.0f}); delayed 100% all on the CPU "
+          f"{cpu['step_time_s_median'] * 1000:.0f} ms (its update {cpu['cpu_adam_wall_s_median'] * 1000:.0f} ms, "
+          f"forward+backward {cpu['fwd_bwd_time_s_median'] * 1000:.0f}); with the GPU share "
+          f"(settled at {share['cpu_adam_gpu_share']:.2f}) {share['step_time_s_median'] * 1000:.0f} ms "
+          f"({cpu['step_time_s_median'] / share['step_time_s_median']:.2f}x the all-CPU step's speed; its update "
+          f"{update * 1000:.0f} ms, forward+backward {share['fwd_bwd_time_s_median'] * 1000:.0f}); peak "
+          f"{share['gpu_peak_allocated_gb']:.2f} GB against {cpu['gpu_peak_allocated_gb']:.2f}")
+commit, by = rows("docs/evidence/results-cpu-adam-late-share-1-ce6e28e.json")
+cpu, share = by["GBS1 cpu_adam_delayed 100%"], by["GBS1 cpu_adam_delayed 100%, GPU share"]
+print(f"- GBS 1 at commit {commit}, its share balanced on the CPU's and the window's rates alone: it "
+      f"settled at {share['cpu_adam_gpu_share']:.2f}, the update took "
+      f"{max(share['cpu_adam_wall_s_median'], share['cpu_adam_stream_s_median']) * 1000:.0f} ms against "
+      f"{cpu['cpu_adam_wall_s_median'] * 1000:.0f} all on the CPU, yet the step "
+      f"{share['step_time_s_median'] * 1000:.0f} ms against {cpu['step_time_s_median'] * 1000:.0f}: the next "
+      "backward's landings queued behind the window's copies on the link")
+PY
+  echo
+  echo "Where the update outlasts forward+backward several times (GBS 1) the share makes the step"
+  echo "faster; where it nearly hides already (GBS 4) forward+backward slowed by more than the"
+  echo "shorter update gained, and the step is slower (whether the window's link traffic or the"
+  echo "thread issuing its copies takes the time is not measured yet). So"
+  echo "delayed mode's preset keeps the share at 0, and \`optimizer.cpu_adam_gpu_share=null\` (or a"
+  echo "share) is the setting for small batches. It costs page-locked moments (16 B/param pinned"
+  echo "instead of 8) and a window of 4 pieces held through forward+backward; not with weight"
+  echo "prediction (validation says so)."
+  echo
   echo "### Delayed updates for the routed experts alone (suite \`cpu-adam-experts-ep2\`)"
   echo
   echo "\`offload/optimizer=cpu_adam_delayed_experts\` (\`optimizer.cpu_adam_delayed_scope=experts\`)"

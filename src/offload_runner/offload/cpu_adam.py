@@ -50,8 +50,17 @@ update takes about max(CPU share / CPU rate, link time) instead of all params / 
 state still lives on the host (its moments page-locked then); the step holds the window of up
 to 4 pieces. With the share unset (null) each exact step moves the split half way to where the
 CPU and the window, at the rates they just reached side by side, finish together
-(``_rebalance``), starting from the planner's balance (plan.balanced_gpu_share). Delayed mode
-keeps all of it on the CPU: there the CPU's update hides under forward and backward.
+(``_rebalance``), starting from the planner's balance (plan.balanced_gpu_share).
+
+Delayed mode's GPU share (the same key; its preset sets 0): the worker, once the last update is
+done, splits each delayed update along its order (``_late_pieces``): the CPU takes the pieces the
+next backward lands first, the window the last ones. A thread of its own (``_late_pass``) streams
+their masters, moments and gradients (down during the backward already) up through the window
+on a side stream under the next forward+backward (StatesWindow.run_late, 16 B/param up, 12
+back), runs Adam there and marks each piece done once its states are back on the host, where the
+next landing reads its masters as it reads the CPU's. The balance counts the link's whole load:
+every piece's landing rides it too. It pays where the update outlasts forward+backward several
+times (docs/BENCHMARKS.md, cpu-adam-late-share); not with weight prediction (validation).
 
 Delayed mode (after ``exact_steps`` exact steps): ``step()`` lands the previous update piece by
 piece as the worker finishes each (its masters go up while this step's gradients of the same
