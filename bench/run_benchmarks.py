@@ -855,44 +855,52 @@ def _gpu_share_bound(name: str, s: dict, base_step: float, rated: str, ref: floa
     (both rates); beside it the CPU's alone at its rate, and the whole update's rate (its
     params over the longer of the CPU worker and the window's pass) against fused AdamW."""
     offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
-    on_gpu, gpu_rate = s["cpu_adam_params_on_gpu"], s["cpu_adam_stream_params_per_s"]
+    gpu_rate = s["cpu_adam_stream_params_per_s"]
     step, both = s["step_time_s_median"], offloaded / (rate + gpu_rate)
     cpu_alone = base_step + offloaded / rate
-    update_s = max(s["cpu_adam_wall_s_median"], s["cpu_adam_stream_s_median"])
-    whole = offloaded / update_s
     return base_step + both, [
-        f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host; Adam on "
-        f"{s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
-        f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, their "
-        f"states through the window at {gpu_rate / 1e9:.2f} G/s ({12 * gpu_rate / 1e9:.1f} GB/s "
-        "each way)",
+        f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host; "
+        + _split(s, rated, "states") + f" ({12 * gpu_rate / 1e9:.1f} GB/s each way)",
         f"bound at both rates sum({_ms(base_step)}, {_ms(both)}) = {_ms(base_step + both)} ms, "
         f"step {_ms(step)} ms = {step / (base_step + both):.2f}x that bound and "
         f"{step / cpu_alone:.2f}x the CPU's alone at its rate, sum({_ms(base_step)}, "
         f"{_ms(offloaded / rate)}) = {_ms(cpu_alone)} ms",
-        f"the whole update {_ms(update_s)} ms = {whole / 1e9:.2f} G params/s"
-        + (f", {whole / ref:.2f}x torch's fused AdamW alone" if ref else ""),
+        _whole_update(s, ref),
     ]  # fmt: skip
+
+
+def _split(s: dict, rated: str, what: str) -> str:
+    """Where a GPU share run's Adam ran: the CPU's params at ``rated``, the GPU's share and the
+    rate ``what`` (its states, with or without gradients) came through the window at."""
+    return (f"Adam on {s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
+            f"{s['cpu_adam_params_on_gpu'] / 1e9:.2f}B (a GPU share of "
+            f"{s['cpu_adam_gpu_share']:.2f}) on the GPU, their {what} through the window at "
+            f"{s['cpu_adam_stream_params_per_s'] / 1e9:.2f} G/s")  # fmt: skip
+
+
+def _whole_update(s: dict, ref: float | None) -> str:
+    """A GPU share run's update as a whole (the longer of the CPU worker and the window's
+    pass) against torch's fused AdamW alone on every offloaded param."""
+    update_s = max(s["cpu_adam_wall_s_median"], s["cpu_adam_stream_s_median"])
+    whole = s["cpu_offloaded_params"] / update_s
+    return f"the whole update {_ms(update_s)} ms = {whole / 1e9:.2f} G params/s" + (
+        f", {whole / ref:.2f}x torch's fused AdamW alone" if ref else ""
+    )
 
 
 def _late_share_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
     """Delayed mode with a GPU share: the CPU and the window at once under the next
     forward+backward, max(baseline step, offloaded / (both rates)); beside it the CPU's alone."""
     offloaded, rate = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"]
-    on_gpu, gpu_rate = s["cpu_adam_params_on_gpu"], s["cpu_adam_stream_params_per_s"]
-    step, both = s["step_time_s_median"], offloaded / (rate + gpu_rate)
+    step = s["step_time_s_median"]
+    both = offloaded / (rate + s["cpu_adam_stream_params_per_s"])
     bound = max(base_step, both)
-    update_s = max(s["cpu_adam_wall_s_median"], s["cpu_adam_stream_s_median"])
-    whole = offloaded / update_s
     return bound, [
-        f"- {name}: {offloaded / 1e9:.2f}B params updated one step late; Adam on "
-        f"{s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
-        f"{on_gpu / 1e9:.2f}B (a GPU share of {s['cpu_adam_gpu_share']:.2f}) on the GPU, their "
-        f"states and gradients through the window at {gpu_rate / 1e9:.2f} G/s",
+        f"- {name}: {offloaded / 1e9:.2f}B params updated one step late; "
+        + _split(s, rated, "states and gradients"),
         f"bound max({_ms(base_step)}, {_ms(both)}) = {_ms(bound)} ms, step {_ms(step)} ms = "
         f"{step / bound:.2f}x the bound",
-        f"the whole update {_ms(update_s)} ms = {whole / 1e9:.2f} G params/s"
-        + (f", {whole / ref:.2f}x torch's fused AdamW alone" if ref else ""),
+        _whole_update(s, ref),
     ]  # fmt: skip
 
 
