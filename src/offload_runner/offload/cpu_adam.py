@@ -672,12 +672,17 @@ class CpuAdam(HostAdam):
                 raise RuntimeError("cpu_adam: the step failed before its gradients went down")
             return self._pieces[i].fetched
 
+        on_device: list = []  # the clip factor's inverse on the GPU, copied once per pass
+
         def scale_of(index: int):
             if not update.unclipped[update.on_gpu[index]]:
                 return None
             update.scaled.wait()
-            scale = update.grad_scale
-            return None if scale is None else scale.to(self.device, non_blocking=True)
+            if update.grad_scale is None:
+                return None
+            if not on_device:
+                on_device.append(update.grad_scale.to(self.device, non_blocking=True))
+            return on_device[0]
 
         freed = self._window.run_late(pieces, update.step, update.hyper, self._late_stream,
                                       before_load, scale_of)  # fmt: skip

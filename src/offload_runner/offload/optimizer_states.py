@@ -211,6 +211,11 @@ class StatesWindow:
         slot = self._pass.window[index % len(self._pass.window)]
         return slot[0, :n], slot[1, :n], slot[2, :n]
 
+    def _slot_grad(self, index: int):
+        """A late pass's gradient array in the slot of its piece ``index``."""
+        n = self._pass.pieces[index].numel
+        return self._pass.window[index % len(self._pass.window)][3, :n]
+
     def _on_host(self, piece: Piece) -> tuple:
         return tuple(array[piece.start : piece.stop] for array in self.host)
 
@@ -226,8 +231,7 @@ class StatesWindow:
         grads_down = None
         if self._pass.before_load is not None:  # a late pass: the gradients come up too
             grads_down = self._pass.before_load(index)
-            slot = self._pass.window[index % len(self._pass.window)]
-            pairs.append((slot[3, : piece.numel], self.host_grad[piece.start : piece.stop]))
+            pairs.append((self._slot_grad(index), self.host_grad[piece.start : piece.stop]))
         if self.streams is None:
             for gpu, host in pairs:
                 gpu.copy_(host)
@@ -262,8 +266,8 @@ class StatesWindow:
         with torch.cuda.stream(d2h):
             for host, gpu in pairs:
                 host.copy_(gpu, non_blocking=True)
-        self._pass.freed[index % len(self._pass.freed)] = _record(d2h)
-        return self._pass.freed[index % len(self._pass.freed)]
+        freed = self._pass.freed[index % len(self._pass.freed)] = _record(d2h)
+        return freed
 
     def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict],
                 index: int) -> None:  # fmt: skip
@@ -273,7 +277,7 @@ class StatesWindow:
 
         master, exp_avg, exp_avg_sq = slot
         late = self._pass.before_load is not None
-        grads = self._pass.window[index % len(self._pass.window)][3] if late else None
+        grads = self._slot_grad(index) if late else None
         scale = self._pass.scale_of(index) if late else None
         for a, b, gi in piece.groups:
             h, span = hypers[gi], slice(a - piece.start, b - piece.start)
