@@ -230,7 +230,7 @@ delayed and not 50 and not all)" cpu-adam-split ;;
     case "$1" in cpu-adam-conv-a) suites=(1 3) ;; cpu-adam-conv-b) suites=(2 4) ;;
       cpu-adam-conv-c) suites=(5 6) ;; cpu-adam-conv-d) suites=(7 8) ;; *) suites=(9 10) ;; esac
     for i in 0 1; do
-      cpus=$(python -c "from offload_runner.offload.cpu_adam import rank_cpus, cpu_ranges
+      cpus=$(python -c "from offload_runner.hardware import rank_cpus; from offload_runner.offload.cpu_adam import cpu_ranges
 print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       pin=(); [ -n "$cpus" ] && pin=(taskset -c "$cpus")
       echo "GPU $i: suite cpu-adam-conv-${suites[$i]}, cores ${cpus:-all}"

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from calibrate_planner import is_whole_states, plan_of  # noqa: E402
 
+from offload_runner.hardware import fused_adamw_rate  # noqa: E402
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
-from offload_runner.offload.cpu_adam import fused_adamw_rate  # noqa: E402
 from offload_runner.report import fmt, markdown_table, max_abs_delta, ratio, saved  # noqa: E402
 from offload_runner.rundir import STATUS_FILE, SUMMARY_FILE, read_json  # noqa: E402
 
@@ -479,7 +479,25 @@ def _pieces_cases(gbs: int) -> list[Case]:
     return [cases[0], *pieces, hidden, cases[5]]
 
 
+PROFILE_AT = (
+    "profiling.use_pytorch_profiler=true",
+    "profiling.profile_step_start=5",
+    "profiling.profile_step_end=5",
+)
+
+
+def _profile_cases(gbs: int) -> list[Case]:
+    """Iteration 5 of no offload and of both exact host engines under the torch profiler: what
+    forward+backward spends where the engines slow it (issue: exact offload's cost)."""
+    base = f"GBS{gbs} no offload"
+    return [Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *PROFILE_AT, *extra), base)
+            for name, extra in (("no offload", ()),
+                                ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
+                                ("states", ("offload/optimizer=states",)))]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
+    "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,
     "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
     # cpu-adam-4's delayed-mode bars alone (baseline, delayed 100%, its hidden fraction, the

@@ -338,15 +338,16 @@ def test_host_arrays_are_not_inherited_by_forked_processes() -> None:
 def test_delayed_mode_keeps_whole_cores_for_the_training_thread(
     monkeypatch: pytest.MonkeyPatch, siblings: dict[int, set[int]], expected: list[int]
 ) -> None:
+    from offload_runner import hardware
     from offload_runner.config.schema import RunConfig
     from offload_runner.offload import cpu_adam
 
-    monkeypatch.setattr(cpu_adam, "_thread_siblings", lambda c: siblings.get(c, {c}))
+    monkeypatch.setattr(hardware, "_thread_siblings", lambda c: siblings.get(c, {c}))
     run = RunConfig()
     cpus = list(range(8))
-    assert cpu_adam.worker_cpus(run, cpus) == cpus  # exact mode: the training thread waits
+    assert hardware.worker_cpus(run, cpus) == cpus  # exact mode: the training thread waits
     run.optimizer.cpu_adam_delayed_update = True
-    kept = cpu_adam.worker_cpus(run, cpus)
+    kept = hardware.worker_cpus(run, cpus)
     assert kept == expected
     assert cpu_adam.default_threads(run, kept) == len(expected)
     assert cpu_adam.cpu_ranges(kept) == ("1-3,5-7" if siblings else "2-7")
@@ -866,3 +867,66 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
         eng2._window.finish()
     assert_matches(masters(eng2, buffers), ref.params, 7)
     eng2.close()
+
+
+def test_a_balanced_gpu_share_is_fixed_after_the_balance_steps_and_checkpointed() -> None:
+    """Numerics that do not depend on timing: the balance moves the share up to BALANCE_STEPS,
+    then it stays, the param groups carry it, and an engine loaded from them splits the same
+    way from its first step (a resume gives the uninterrupted run's numbers)."""
+    from offload_runner.offload.cpu_adam import BALANCE_STEPS, GPU_SHARE
+
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, gpu_share=0.5, balance=True, chunk_bytes=4 * 500)
+    total, shares = eng.offloaded_numel, []
+    for step in range(1, BALANCE_STEPS + 4):
+        drive(eng, buffers, step)
+        last = eng.history[-1]  # the CPU twice as slow per param as the window: 2/3 to the GPU
+        last.wall_s = 2.0 * last.params / total
+        on_gpu = total - last.params
+        eng._window.history.append((1.0 * on_gpu / total, on_gpu))
+        shares.append(eng._share)
+    moving, fixed = shares[1:BALANCE_STEPS], shares[BALANCE_STEPS:]
+    assert len(set(moving)) == len(moving)  # balanced: it moved at every step up to there
+    assert len(set(fixed)) == 1 and eng._fixed
+    assert eng.param_groups[0][GPU_SHARE] == fixed[0]
+    eng.finish()
+    saved = copy.deepcopy(eng.state_dict())
+    b_buf = Buffers(seed=1)
+    b_buf.param.copy_(buffers.param)
+    b = engine(b_buf, 1.0, gpu_share=0.5, balance=True, chunk_bytes=4 * 500)
+    b.load_state_dict(saved)
+    b.restore_after_load()
+    assert b._share == fixed[0] and b._fixed
+    for step in range(BALANCE_STEPS + 4, BALANCE_STEPS + 7):
+        drive(eng, buffers, step)
+        drive(b, b_buf, step)
+        assert b._on_cpu == eng._on_cpu
+        assert torch.equal(buffers.param, b_buf.param), f"step {step}"
+    eng.close()
+    b.close()
+
+
+def test_deterministic_mode_takes_the_gpu_share_from_the_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under model.deterministic_mode nothing timed steers the split: no balance, and the
+    planner's share from its configured rates (the reference CPU rate where none is set)
+    instead of a rate measured on this machine."""
+    from offload_runner import hardware, plan
+    from offload_runner.offload.cpu_adam import balanced_share
+
+    def measured(threads: int) -> float:
+        raise AssertionError("measured a rate")
+
+    monkeypatch.setattr(plan, "measured_rate", measured)
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
+                      "model.deterministic_mode=true")  # fmt: skip
+    assert not balanced_share(run)
+    cost = plan.step_cost(run)
+    assert cost.cpu_adam_params_per_s == hardware.REFERENCE_CPU_ADAM_PARAMS_PER_S
+    assert 0 < cost.gpu_share(run) < 1
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam")
+    assert balanced_share(run)
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "model.deterministic_mode=true",
+                      "planner.cpu_adam_params_per_s=2e9")  # fmt: skip
+    assert plan.step_cost(run).cpu_adam_params_per_s == 2e9

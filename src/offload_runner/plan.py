@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
 
 from offload_runner.config.schema import (
     CpuOffloadEngine,
@@ -41,20 +40,32 @@ from offload_runner.config.schema import (
     cpu_adam_late_share,
     cpu_adam_streams,
 )
+from offload_runner.hardware import (
+    ADAM_BYTES,
+    CPU_ADAM_COPY_BYTES,
+    CPU_ADAM_PAGEABLE_BYTES,
+    CPU_ADAM_PINNED_BYTES,
+    CPU_ADAM_PREDICTION_BYTES,
+    CPU_ADAM_RATE_BESIDE_STREAMS,
+    EXACT,
+    HDO_PINNED_BYTES,
+    HDO_RATE_SHARE,
+    LATE,
+    LATE_BYTES,
+    REFERENCE_CPU_ADAM_PARAMS_PER_S,
+    WEIGHT_PREDICTION_CPU_FACTOR,
+    WINDOW_SLOTS,
+    measured_rate,
+    rank_cpus,
+    worker_cpus,
+)
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
 
 GiB = 1024**3
-ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 # Megatron-Core's precision-aware optimizer keeps, by default (store_param_remainders), only the
 # 16 bits of each fp32 master that its bf16 parameter lacks: 2 B instead of 4 (measured on the
 # proxy: 52.50 against 58.30 GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json).
 PARAM_REMAINDER_BYTES = 2
-HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
-CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
-CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
-CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
-# exact mode's GPU share streams them: cpu_adam_streams)
-WINDOW_SLOTS = 4  # pieces in a state window: one in Adam, one going out, one or two coming in
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
 # Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
 # the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
@@ -492,26 +503,6 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
 
 # --- step time: what an optimizer offload adds to each step ---------------------------------
 
-# HybridDeviceOptimizer 100% + overlap spent 2657 ms in its optimizer phase where the CPU-Adam
-# engine's Adam took 727 ms for the same 3.11B params (docs/BENCHMARKS.md, suite cpu-adam, GBS 1).
-HDO_RATE_SHARE = 0.27
-
-
-CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
-# Fused CPU AdamW's rate while the link streams states both ways, over its rate alone: the two
-# share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one H200, the median
-# of its split rows: docs/evidence/cpu-gpu-split-probe.txt).
-CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
-
-
-# Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went
-# down during the backward), and every piece's landing (its masters up, 4 B/param) rides the same
-# link under the same forward+backward. Bytes per param each way, the busier way: (W) for the
-# GPU's share, (C) for the CPU's, (E) for every offloaded param.
-LATE_BYTES = ADAM_BYTES + 4
-EXACT = (ADAM_BYTES, CPU_ADAM_COPY_BYTES, 0)
-LATE = (LATE_BYTES, 0, CPU_ADAM_COPY_BYTES)
-
 
 def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
                        bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
@@ -592,12 +583,6 @@ def copy_seconds_per_param(host_link_gb_per_s: float) -> float:
 def predicting_weights(run: RunConfig) -> bool:
     """Delayed mode landing extrapolated weights (optimizer.cpu_adam_weight_prediction)."""
     return cpu_adam_delayed(run) and run.optimizer.cpu_adam_weight_prediction
-
-
-# A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
-# prediction over its time without (`python bench/delayed_update_toy.py --cost`, in
-# docs/evidence/delayed-update-toy.txt).
-WEIGHT_PREDICTION_CPU_FACTOR = 1.84
 
 
 @dataclass(frozen=True)
@@ -694,7 +679,7 @@ class StepCost:
         share = self.gpu_share(run)
         dense = " (the dense part, exact)" if exact and delayed else ""
         if exact and share:
-            how = "balanced each step" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
+            how = "balanced, then fixed" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
             parts.append(f"the states of {param_count(exact)} params{dense} on the host, "
                          f"Adam on {1 - share:.0%} of them on the CPU at "
                          f"{self.exact_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
@@ -706,7 +691,7 @@ class StepCost:
                          f"{self.exact_rate(run) / 1e9:.2f} G/s "
                          f"({self.exact_seconds(run, rank):.2f} s)")  # fmt: skip
         if delayed and cpu_adam_late_share(run):
-            how = "balanced each step" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
+            how = "balanced, then fixed" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
             parts.append(f"{param_count(delayed)} params of Adam a step late, {1 - share:.0%} of "
                          f"them on the CPU at {self.cpu_rate(run) / 1e9:.2f} G/s "
                          f"({CPU_ADAM_RATE_BESIDE_STREAMS:g}x beside the streams) and {share:.0%} "
@@ -743,13 +728,14 @@ class StepCost:
 
 def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     """The step-time model for ``run``: the configured CPU Adam rate, else torch's fused AdamW
-    measured on this machine with the cores the engine gives one rank (once per process)."""
-    from offload_runner.offload.cpu_adam import rank_cpus, worker_cpus
-
+    measured on this machine with the cores the engine gives one rank (once per process; under
+    model.deterministic_mode REFERENCE_CPU_ADAM_PARAMS_PER_S, so nothing timed steers a run)."""
     p = run.planner
-    rate = p.cpu_adam_params_per_s or _measured_rate(
-        len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
-    )
+    rate = p.cpu_adam_params_per_s
+    if not rate:
+        rate = REFERENCE_CPU_ADAM_PARAMS_PER_S if run.model.deterministic_mode else measured_rate(
+            len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
+        )  # fmt: skip
     return StepCost(
         rate,
         p.host_link_gb_per_s,
@@ -766,13 +752,6 @@ def cost_note(run: RunConfig, plan: Plan) -> str | None:
     cost = step_cost(run, plan.gpus_per_node)
     worst = max(plan.ranks, key=lambda r: cost.seconds(run, r))
     return f"predicted +{cost.seconds(run, worst):.2f} s per step: {cost.explain(run, worst)}"
-
-
-@cache
-def _measured_rate(threads: int) -> float:
-    from offload_runner.offload.cpu_adam import fused_adamw_rate
-
-    return fused_adamw_rate(threads, numel=16 * 1024**2, repeats=3)
 
 
 # --- auto: the offload that fits at the least predicted cost ------------------------------------

@@ -307,7 +307,8 @@ class OptimizerConfig:
     # Exact mode: this share of the offloaded params has its Adam on the GPU instead, its
     # masters and moments (on the host like the rest) streamed through a GPU window of 4 pieces
     # during the step while the CPU updates the others: the CPU and the link work at once
-    # (docs/BENCHMARKS.md). null: balanced each step so both finish together; 0: all on the CPU
+    # (docs/BENCHMARKS.md). null: balanced over the first steps so both finish together, then fixed
+    # and checkpointed (from the config alone under model.deterministic_mode); 0: all on the CPU
     # (the moments stay pageable). Delayed mode (its preset sets 0): the share of each delayed
     # update runs on the GPU under the next forward+backward, its gradients streamed up too.
     cpu_adam_gpu_share: Optional[float] = None

@@ -12,26 +12,10 @@ switch it on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from offload_runner.config.schema import RunConfig
+from offload_runner.offload.base import OffloadSummary, optimizer_parts
 
-
-@dataclass(frozen=True)
-class OffloadSummary:
-    """One row of the offload summary table."""
-
-    mechanism: str
-    group: str  # the Hydra group that selects it
-    enabled: bool
-    moves: str  # what goes to the CPU, and when
-    note: str = ""
-
-
-def optimizer_parts(optimizer) -> list:
-    """The optimizers inside what ``get_megatron_optimizer`` returned: the parts of a
-    ChainedOptimizer (e.g. dense and expert parameters), or the optimizer itself."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+__all__ = ["OffloadSummary", "optimizer_parts"]
 
 
 def summarize(run: RunConfig) -> list[OffloadSummary]:

@@ -9,7 +9,7 @@ switching it on is a matter of the model config (see build.megatron_config).
 from __future__ import annotations
 
 from offload_runner.config.schema import RunConfig
-from offload_runner.offload import OffloadSummary
+from offload_runner.offload.base import OffloadSummary
 
 # The keys that switch this mechanism off (a --verify baseline).
 DISABLED = {

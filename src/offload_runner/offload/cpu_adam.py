@@ -144,14 +144,19 @@ from offload_runner.config.schema import (
     cpu_adam_on,
     cpu_adam_streams,
 )
-from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, host_adam
-from offload_runner.offload.host_adam import HostAdam, Piece, hyper
-from offload_runner.offload.optimizer_states import StatesWindow
-from offload_runner.plan import (
+from offload_runner.hardware import (
     CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
     LATE,
+    rank_cpus,
+    worker_cpus,
+)
+from offload_runner.model_size import count_parameters
+from offload_runner.offload import host_adam
+from offload_runner.offload.base import OffloadSummary
+from offload_runner.offload.host_adam import HostAdam, Piece, hyper
+from offload_runner.offload.optimizer_states import StatesWindow
+from offload_runner.plan import (
     GiB,
     copy_seconds_per_param,
     copy_window,
@@ -166,8 +171,9 @@ log = logging.getLogger("offload_runner")
 
 HOST_BYTES_PER_PARAM = CPU_ADAM_PINNED_BYTES + CPU_ADAM_PAGEABLE_BYTES  # the planner's figures
 LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last update
+GPU_SHARE = "cpu_adam_gpu_share"  # param-group key: the fixed GPU share, for a resume
+BALANCE_STEPS = 6  # a balanced GPU share moves at the steps up to this one, then stays fixed
 GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
-RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
 HISTORY = 500  # CPU updates kept for the metrics
 
 
@@ -212,107 +218,6 @@ def describe(run: RunConfig) -> OffloadSummary:
         f"~{param_count(params)} params on the host, updated in {o.cpu_adam_chunk_mb} MiB pieces",
         mode,
     )
-
-
-def rank_cpus(local_rank: int, local_world: int) -> list[int]:
-    """This rank's share of the cores it may run on: the cores of its GPU's NUMA node where the
-    machine has several (split among the ranks on that node), else an equal slice of all."""
-    cpus = sorted(os.sched_getaffinity(0))
-    nodes = _numa_nodes()
-    if len(nodes) > 1:
-        node = _gpu_numa_node(local_rank)
-        if node in nodes:
-            peers = [r for r in range(local_world) if _gpu_numa_node(r) == node] or [local_rank]
-            cpus = [c for c in nodes[node] if c in set(cpus)] or cpus
-            return _slice(cpus, peers.index(local_rank) if local_rank in peers else 0, len(peers))
-    return _slice(cpus, local_rank, local_world)
-
-
-def _slice(cpus: list[int], index: int, parts: int) -> list[int]:
-    share = max(1, len(cpus) // max(parts, 1))
-    return cpus[index * share : (index + 1) * share] or cpus
-
-
-def _numa_nodes() -> dict[int, list[int]]:
-    from pathlib import Path
-
-    nodes = {}
-    for path in Path("/sys/devices/system/node").glob("node[0-9]*"):
-        try:
-            nodes[int(path.name[4:])] = _parse_cpulist((path / "cpulist").read_text())
-        except (OSError, ValueError):
-            continue
-    return nodes
-
-
-def _parse_cpulist(text: str) -> list[int]:
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            cpus += range(int(lo), int(hi or lo) + 1)
-    return cpus
-
-
-def _gpu_numa_node(local_rank: int) -> int | None:
-    try:
-        import torch
-
-        bus = torch.cuda.get_device_properties(local_rank).pci_bus_id.lower()
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            return int(f.read())
-    except Exception:  # noqa: BLE001 - no CUDA, no sysfs entry: no NUMA preference
-        return None
-
-
-def worker_cpus(run: RunConfig, cpus: list[int]) -> list[int]:
-    """The cores the CPU-Adam team runs on. Exact mode: all of the rank's (the training thread
-    waits for the update). Delayed mode: the team runs during forward and backward, whose kernel
-    launches come from one Python thread (on the MoE proxy the GPU waits for them over half of
-    forward+backward), so whole physical cores (every SMT sibling) are kept out of the team for
-    that thread and data loading: at least RESERVED_CORES_DELAYED logical CPUs."""
-    if not run.optimizer.cpu_adam_delayed_update or len(cpus) <= RESERVED_CORES_DELAYED:
-        return cpus
-    reserved: set[int] = set()
-    for cpu in cpus:
-        if len(reserved) >= RESERVED_CORES_DELAYED:
-            break
-        reserved |= _thread_siblings(cpu) & set(cpus) | {cpu}
-    return [c for c in cpus if c not in reserved] or cpus
-
-
-def _thread_siblings(cpu: int) -> set[int]:
-    try:
-        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-            return set(_parse_cpulist(f.read()))
-    except (OSError, ValueError):
-        return {cpu}
-
-
-def fused_adamw_rate(threads: int, numel: int = 512 * 1024**2, repeats: int = 5) -> float:
-    """torch.optim.AdamW(fused=True) alone on the CPU: params/s at ``threads`` threads (median of
-    ``repeats`` steps on ``numel`` fp32 params, far past the caches). The bench's reference for
-    the engine's rate, and the planner's when planner.cpu_adam_params_per_s is unset."""
-    import statistics
-    import time
-
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        param = torch.nn.Parameter(torch.randn(numel) * 0.02)
-        param.grad = torch.randn(numel) * 1e-3
-        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1, fused=True)
-        times = []
-        for i in range(repeats + 2):
-            began = time.perf_counter()
-            opt.step()
-            if i >= 2:
-                times.append(time.perf_counter() - began)
-        return numel / statistics.median(times)
-    finally:
-        torch.set_num_threads(before)
 
 
 def default_threads(run: RunConfig, cpus: list[int]) -> int:
@@ -430,6 +335,7 @@ class CpuAdam(HostAdam):
         self.gpu_share = 0.0 if self.predict else gpu_share
         self.balance = balance and not self.predict
         self._share = self.gpu_share  # the share now (the balance moves it)
+        self._fixed = not self.balance  # the share moves no more (BALANCE_STEPS, or loaded)
         self._window: StatesWindow | None = None
         self._late: concurrent.futures.ThreadPoolExecutor | None = None  # issues late passes
         self._late_stream = None  # ... on this side stream
@@ -576,6 +482,8 @@ class CpuAdam(HostAdam):
         self._end_step(step)
         for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
             group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
+        for group in self.param_groups if self._window is not None and self._fixed else ():
+            group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
         return None
 
     # -- exact mode's GPU share ---------------------------------------------------------------
@@ -620,21 +528,26 @@ class CpuAdam(HostAdam):
         """Move the split so that the CPU's share and the GPU's take as long: at the last exact
         step, both running at once, the CPU updated ``params`` in its wall time and the window
         passed its share in its own; the new GPU share is half way from the current one to where
-        those two rates would finish together (``optimizer.cpu_adam_gpu_share=null``)."""
-        passes = self._window.timing() if self.balance else []
+        those two rates would finish together (``optimizer.cpu_adam_gpu_share=null``). After
+        step BALANCE_STEPS the share stays where it is, so the numerics stop depending on timing
+        (and a resume, which loads it, splits as the saved run did)."""
+        passes = self._window.timing() if not self._fixed else []
         last = self.history[-1] if self.history else None
         if not (passes and last) or last.step < 2 or last.step <= self._balanced_at:
             return  # the first step's timing includes its allocations
         self._balanced_at = last.step
         gpu_s, gpu_params = passes[-1]
-        if not (gpu_s and last.wall_s and last.params and gpu_params):
-            return
-        cpu_s, gpu_s = last.wall_s / last.params, gpu_s / gpu_params  # per param
-        share = gpu_params / (gpu_params + last.params)
-        # a late pass's link also carries every piece's landing, LATE's E per its W bytes
-        every = LATE[2] / LATE[0] * gpu_s if last.late_share else 0.0
-        target = min(max((cpu_s - every) / (cpu_s + gpu_s), 0.0), 1.0)
-        self._share = share + 0.5 * (target - share)
+        if gpu_s and last.wall_s and last.params and gpu_params:
+            cpu_s, gpu_s = last.wall_s / last.params, gpu_s / gpu_params  # per param
+            share = gpu_params / (gpu_params + last.params)
+            # a late pass's link also carries every piece's landing, LATE's E per its W bytes
+            every = LATE[2] / LATE[0] * gpu_s if last.late_share else 0.0
+            target = min(max((cpu_s - every) / (cpu_s + gpu_s), 0.0), 1.0)
+            self._share = share + 0.5 * (target - share)
+        if last.step >= BALANCE_STEPS:  # from here on the split depends on nothing timed
+            self._fixed = True
+            log.info("cpu_adam: the GPU share is fixed at %.3f from step %d on (checkpointed)",
+                     self._share, last.step + 1)  # fmt: skip
 
     def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
         """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
@@ -1035,6 +948,13 @@ class CpuAdam(HostAdam):
         self._unlanded = False
         self._wait_for_landings()
 
+    def restore_after_load(self) -> None:
+        """... and a GPU share the saved run had fixed: the resumed run splits as it did."""
+        super().restore_after_load()
+        saved = self.param_groups[0].get(GPU_SHARE) if self.param_groups else None
+        if saved is not None and self._window is not None:
+            self._share, self._fixed = float(saved), True
+
     def _land_loaded_masters(self) -> None:
         """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
         the uninterrupted run would."""
@@ -1150,7 +1070,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2,
         land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
         clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
-        balance=shared[i] and cpu_adam_streams(run) and o.cpu_adam_gpu_share is None,
+        balance=shared[i] and balanced_share(run),
         worker=worker,
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
@@ -1168,9 +1088,10 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                  100 * share, max(e.window_bytes for e in built) / 1024**2,
                  "with their gradients under the next forward+backward (delayed steps) or during "
                  "the step (exact steps)" if cpu_adam_late_share(run) else "during the step",
-                 "the share starts at the planner's balance and follows the measured one "
-                 "each step" if o.cpu_adam_gpu_share is None
-                 else "optimizer.cpu_adam_gpu_share")  # fmt: skip
+                 f"the share starts at the planner's balance and follows the measured one "
+                 f"up to step {BALANCE_STEPS}, then stays" if balanced_share(run)
+                 else "the planner's balance, fixed: model.deterministic_mode"
+                 if o.cpu_adam_gpu_share is None else "optimizer.cpu_adam_gpu_share")  # fmt: skip
     if o.cpu_adam_land_during_forward and not all(in_forward):
         log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
                  "after the step land within step() (the all-gather needs them whole); "
@@ -1182,6 +1103,14 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                  "pipeline or context parallelism); optimizer.cpu_adam_copy_during_backward "
                  "acts on one GPU")  # fmt: skip
     return built
+
+
+def balanced_share(run: RunConfig) -> bool:
+    """The GPU share follows the measured rates for BALANCE_STEPS steps: unset
+    (optimizer.cpu_adam_gpu_share=null), and not under model.deterministic_mode, where the
+    planner's balance from the config's rates stays fixed from the first step."""
+    share = run.optimizer.cpu_adam_gpu_share
+    return cpu_adam_streams(run) and share is None and not run.model.deterministic_mode
 
 
 def arming(no_sync, built: list[CpuAdam]):

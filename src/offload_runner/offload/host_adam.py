@@ -356,7 +356,7 @@ def hyper(group: dict) -> dict:
 def inner_parts(optimizer) -> list:
     """The DistributedOptimizers inside what ``get_megatron_optimizer`` returned that hold an
     inner optimizer (the ones an engine goes into)."""
-    from offload_runner.offload import optimizer_parts
+    from offload_runner.offload.base import optimizer_parts
 
     return [p for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None]
 

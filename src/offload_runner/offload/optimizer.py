@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, optimizer_parts
+from offload_runner.offload.base import OffloadSummary, optimizer_parts
 
 DISABLED = {
     "optimizer.optimizer_cpu_offload": False,

@@ -42,10 +42,11 @@ import statistics
 from dataclasses import dataclass
 
 from offload_runner.config.schema import RunConfig
+from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import OffloadSummary, host_adam
+from offload_runner.offload import host_adam
+from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_adam import HostAdam, Piece
-from offload_runner.plan import ADAM_BYTES, WINDOW_SLOTS
 
 log = logging.getLogger("offload_runner")
 

@@ -12,7 +12,7 @@ The V1 path is still selected for double buffering, which only it implements.
 from __future__ import annotations
 
 from offload_runner.config.schema import RunConfig
-from offload_runner.offload import OffloadSummary
+from offload_runner.offload.base import OffloadSummary
 
 TE_V1_ENV = "NVTE_CPU_OFFLOAD_V1"
 

@@ -1,0 +1,168 @@
+"""What the planner and the offload engines both need to know of the hardware: the bytes each
+engine keeps per parameter, the rates CPU Adam and the host link reach (measured, with the suite
+that measured them), and which host cores a rank's CPU Adam runs on. No engine and no planner
+code here: both import this module, it imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+from offload_runner.config.schema import RunConfig
+
+# --- bytes per parameter ------------------------------------------------------------------------
+
+ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
+CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
+CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
+CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
+# exact mode's GPU share streams them: cpu_adam_streams)
+WINDOW_SLOTS = 4  # pieces in a state window: one in Adam, one going out, one or two coming in
+
+# --- rates --------------------------------------------------------------------------------------
+
+# HybridDeviceOptimizer 100% + overlap spent 2657 ms in its optimizer phase where the CPU-Adam
+# engine's Adam took 727 ms for the same 3.11B params (docs/BENCHMARKS.md, suite cpu-adam, GBS 1).
+HDO_RATE_SHARE = 0.27
+
+
+CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
+# Fused CPU AdamW's rate while the link streams states both ways, over its rate alone: the two
+# share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one H200, the median
+# of its split rows: docs/evidence/cpu-gpu-split-probe.txt).
+CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
+
+
+# Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went
+# down during the backward), and every piece's landing (its masters up, 4 B/param) rides the same
+# link under the same forward+backward. Bytes per param each way, the busier way: (W) for the
+# GPU's share, (C) for the CPU's, (E) for every offloaded param.
+LATE_BYTES = ADAM_BYTES + 4
+EXACT = (ADAM_BYTES, CPU_ADAM_COPY_BYTES, 0)
+LATE = (LATE_BYTES, 0, CPU_ADAM_COPY_BYTES)
+
+# A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
+# prediction over its time without (`python bench/delayed_update_toy.py --cost`, in
+# docs/evidence/delayed-update-toy.txt).
+WEIGHT_PREDICTION_CPU_FACTOR = 1.84
+
+
+@cache
+def measured_rate(threads: int) -> float:
+    """fused_adamw_rate on a small shard, once per process: the planner's CPU Adam rate where
+    planner.cpu_adam_params_per_s is unset."""
+    return fused_adamw_rate(threads, numel=16 * 1024**2, repeats=3)
+
+
+# fused AdamW at 16 threads on the GPU machines' hosts (2026-11: 4.05 G/s on one H100 host,
+# docs/evidence; 5.6-6.1 on H200 hosts): the planner's rate where a run must not depend on a
+# timing (model.deterministic_mode) and planner.cpu_adam_params_per_s is unset
+REFERENCE_CPU_ADAM_PARAMS_PER_S = 4.0e9
+
+
+# --- host cores ---------------------------------------------------------------------------------
+
+RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs
+
+
+def rank_cpus(local_rank: int, local_world: int) -> list[int]:
+    """This rank's share of the cores it may run on: the cores of its GPU's NUMA node where the
+    machine has several (split among the ranks on that node), else an equal slice of all."""
+    cpus = sorted(os.sched_getaffinity(0))
+    nodes = _numa_nodes()
+    if len(nodes) > 1:
+        node = _gpu_numa_node(local_rank)
+        if node in nodes:
+            peers = [r for r in range(local_world) if _gpu_numa_node(r) == node] or [local_rank]
+            cpus = [c for c in nodes[node] if c in set(cpus)] or cpus
+            return _slice(cpus, peers.index(local_rank) if local_rank in peers else 0, len(peers))
+    return _slice(cpus, local_rank, local_world)
+
+
+def _slice(cpus: list[int], index: int, parts: int) -> list[int]:
+    share = max(1, len(cpus) // max(parts, 1))
+    return cpus[index * share : (index + 1) * share] or cpus
+
+
+def _numa_nodes() -> dict[int, list[int]]:
+    from pathlib import Path
+
+    nodes = {}
+    for path in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        try:
+            nodes[int(path.name[4:])] = _parse_cpulist((path / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
+def _gpu_numa_node(local_rank: int) -> int | None:
+    try:
+        import torch
+
+        bus = torch.cuda.get_device_properties(local_rank).pci_bus_id.lower()
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            return int(f.read())
+    except Exception:  # noqa: BLE001 - no CUDA, no sysfs entry: no NUMA preference
+        return None
+
+
+def worker_cpus(run: RunConfig, cpus: list[int]) -> list[int]:
+    """The cores the CPU-Adam team runs on. Exact mode: all of the rank's (the training thread
+    waits for the update). Delayed mode: the team runs during forward and backward, whose kernel
+    launches come from one Python thread (on the MoE proxy the GPU waits for them over half of
+    forward+backward), so whole physical cores (every SMT sibling) are kept out of the team for
+    that thread and data loading: at least RESERVED_CORES_DELAYED logical CPUs."""
+    if not run.optimizer.cpu_adam_delayed_update or len(cpus) <= RESERVED_CORES_DELAYED:
+        return cpus
+    reserved: set[int] = set()
+    for cpu in cpus:
+        if len(reserved) >= RESERVED_CORES_DELAYED:
+            break
+        reserved |= _thread_siblings(cpu) & set(cpus) | {cpu}
+    return [c for c in cpus if c not in reserved] or cpus
+
+
+def _thread_siblings(cpu: int) -> set[int]:
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return set(_parse_cpulist(f.read()))
+    except (OSError, ValueError):
+        return {cpu}
+
+
+def fused_adamw_rate(threads: int, numel: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """torch.optim.AdamW(fused=True) alone on the CPU: params/s at ``threads`` threads (median of
+    ``repeats`` steps on ``numel`` fp32 params, far past the caches). The bench's reference for
+    the engine's rate, and the planner's when planner.cpu_adam_params_per_s is unset."""
+    import statistics
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.nn.Parameter(torch.randn(numel) * 0.02)
+        param.grad = torch.randn(numel) * 1e-3
+        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.1, fused=True)
+        times = []
+        for i in range(repeats + 2):
+            began = time.perf_counter()
+            opt.step()
+            if i >= 2:
+                times.append(time.perf_counter() - began)
+        return numel / statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
