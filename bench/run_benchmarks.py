@@ -496,7 +496,21 @@ def _profile_cases(gbs: int) -> list[Case]:
                                 ("states", ("offload/optimizer=states",)))]  # fmt: skip
 
 
+DETERMINISTIC = (*_batch(4), "model.deterministic_mode=true")
+
+
+def _determinism_cases() -> list[Case]:
+    """Two identical runs each of no offload and of both exact host engines, deterministic mode:
+    each pair's per-iteration losses must be identical."""
+    return [Case(f"{name}{again}", PROXY_RECIPE, (*DETERMINISTIC, *extra), "no offload")
+            for name, extra in (("no offload", ()),
+                                ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
+                                ("states", ("offload/optimizer=states",)))
+            for again in ("", " (repeat)")]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
+    "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,
     "cpu-adam-landing": _landing_cases(4) + _landing_cases(1),
