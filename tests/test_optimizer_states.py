@@ -98,3 +98,78 @@ def test_windowed_checkpoint_continues_the_run_and_moves_to_cpu_adam() -> None:
         assert isinstance(eng, CpuAdam) or eng.state_dict()["state"].keys() == saved["state"].keys()
         eng.close()
     a.close()
+
+
+class Bf16MomentsReference(Reference):
+    """torch's fused AdamW in fp32 on moments stored in bf16: upcast before each step, rounded
+    to nearest even after it (Transformer Engine's FusedAdam with exp_avg_dtype=bf16)."""
+
+    def __init__(self, buffers: Buffers) -> None:
+        super().__init__(buffers)
+        self.moments = [(torch.zeros(p.numel(), dtype=torch.bfloat16),
+                         torch.zeros(p.numel(), dtype=torch.bfloat16))
+                        for p in self.params]  # fmt: skip
+
+    def step(self, step: int, grads: torch.Tensor) -> None:
+        start = 0
+        for p, (m, v), n, group in zip(self.params, self.moments, ENGINE_SIZES, self._groups(),
+                                       strict=True):  # fmt: skip
+            m32, v32 = m.float(), v.float()
+            torch._fused_adamw_([p.data.view(-1)], [grads[start : start + n].clone()], [m32],
+                                [v32], [], [torch.tensor(float(step))], lr=lr_at(step),
+                                beta1=BETAS[0], beta2=BETAS[1], weight_decay=group, eps=EPS,
+                                amsgrad=False, maximize=False)  # fmt: skip
+            m.copy_(m32)
+            v.copy_(v32)
+            start += n
+
+    def _groups(self) -> list[float]:
+        decay = {id(p) for p in self.opt.param_groups[0]["params"]}
+        return [0.1 if id(p) in decay else 0.0 for p in self.params]
+
+
+BF16 = (torch.bfloat16, torch.bfloat16)
+
+
+def test_bf16_moments_on_the_host_are_fp32_math_and_bf16_storage() -> None:
+    """optimizer.exp_avg_dtype=bf16 exp_avg_sq_dtype=bf16 in both host engines (the CPU's Adam,
+    and the window's, here on the CPU too): the moments stored in bf16 and each step the
+    reference's (fp32 Adam on the upcast moments, rounded back), the masters likewise, but for
+    the fused kernel's one-ulp tail elements; 8 B per param on the host instead of 12."""
+    for build in (lambda b: engine(b, 1.0, moment_dtypes=BF16),
+                  lambda b: WindowedStates(b.groups(lr_at(1)), lr=1e-3, weight_decay=0.1,
+                                           betas=BETAS, eps=EPS, moment_dtypes=BF16,
+                                           window_bytes=SLOTS * 16 * PIECE)):  # fmt: skip
+        buffers = Buffers()
+        eng, ref = build(buffers), Bf16MomentsReference(buffers)
+        for step in range(1, 8):
+            ref.step(step, drive(eng, buffers, step))
+            assert_matches(masters(eng, buffers), ref.params, step)
+            for i, view in enumerate(buffers.views):
+                for key, mine in zip(("exp_avg", "exp_avg_sq"), ref.moments[i], strict=True):
+                    got = eng.state[view][key]
+                    assert got.dtype == torch.bfloat16
+                    assert (got != mine).sum() <= max(1, got.numel() // 1000), (step, key)
+        assert eng.state_bytes_per_param == 8
+        assert eng.host_exp_avg.dtype == eng.host_exp_avg_sq.dtype == torch.bfloat16
+        if isinstance(eng, WindowedStates):
+            assert len(eng._pieces) > SLOTS  # the bf16 moments passed through the window
+        eng.close()
+
+
+def test_state_offload_fraction_keeps_the_rest_of_the_states_on_the_gpu() -> None:
+    """optimizer.optimizer_state_offload_fraction: that share of the shard's states on the host
+    (whole parameters, in the buffer's order), the rest updated where they are; the run is
+    still torch's AdamW."""
+    buffers = Buffers()
+    eng = WindowedStates(buffers.groups(lr_at(1)), lr=1e-3, weight_decay=0.1, betas=BETAS,
+                         eps=EPS, window_bytes=SLOTS * BYTES_PER_PARAM * PIECE,
+                         fraction=0.5)  # fmt: skip
+    ref = Reference(buffers)
+    total = sum(ENGINE_SIZES)
+    assert 0.3 * total < eng.offloaded_numel < 0.7 * total and eng.kept
+    for step in range(1, 6):
+        ref.step(step, drive(eng, buffers, step))
+        assert_matches(masters(eng, buffers), ref.params, step)
+    assert eng.host_bytes < BYTES_PER_PARAM * 0.8 * total
+    eng.close()

@@ -379,7 +379,8 @@ def test_delayed_experts_price_the_dense_part_exact_and_the_experts_hidden() -> 
     delayed (hidden under forward+backward, their copies at the step boundary), the dense
     part's exact with its GPU share (its moments page-locked, a window); all of Adam's states on
     the host as in delayed mode."""
-    from offload_runner.plan import CPU_ADAM_PAGEABLE_BYTES, StepCost, exact_update_seconds
+    from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES
+    from offload_runner.plan import StepCost, exact_update_seconds
 
     common = ("recipe=tiny_moe", "planner.forward_backward_s=100", "parallel=ep2")
     mixed = compose_run(*common, "offload/optimizer=cpu_adam_delayed_experts")
@@ -413,12 +414,12 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
     where the CPU beside the streams and the link carrying 16 B/param for the GPU's share and
     every param's landing (4 B) finish together, which sets the rate the update hides under
     forward+backward at; weight prediction keeps every update on the CPU."""
-    from offload_runner.plan import (
+    from offload_runner.hardware import (
         CPU_ADAM_PAGEABLE_BYTES,
         CPU_ADAM_RATE_BESIDE_STREAMS,
         LATE_BYTES,
-        StepCost,
     )
+    from offload_runner.plan import StepCost
 
     common = ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "planner.forward_backward_s=1")
     cpu = compose_run(*common)
@@ -547,3 +548,26 @@ def test_plan_verdicts_of_the_full_model_on_four_gpus(case: int, capsys) -> None
     offloaded = any(o.startswith("offload/") for o in c.overrides)
     assert main(argv) == (EXIT_OK if offloaded else EXIT_FAILED)
     assert ("fits: peak" if offloaded else "does not fit") in capsys.readouterr().out
+
+
+def test_state_offload_fraction_and_bf16_moments_in_the_plan() -> None:
+    """Host bytes of state offload: 12 per offloaded param, 8 with bf16 moments; the fraction
+    keeps the rest on the GPU (8 B each with bf16 moments: fp32 master, bf16 moments); the link
+    carries what is on the host. Megatron-Core's dev spelling plans the same."""
+    base = ("recipe=tiny", "offload/optimizer=states")
+    bf16 = ("optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16")
+    whole = make_plan(compose_run(*base)).ranks[0]
+    small = make_plan(compose_run(*base, *bf16)).ranks[0]
+    half = make_plan(compose_run(*base, *bf16, "optimizer.optimizer_state_offload_fraction=0.5"))
+    half = half.ranks[0]
+    shard = whole.states_moved / 12
+    assert whole.optimizer_gpu == 0 and small.optimizer_gpu == 0
+    assert small.states_moved == pytest.approx(8 * shard, rel=1e-6)
+    assert whole.host_pinned - small.host_pinned == pytest.approx(4 * shard, rel=1e-6)
+    assert half.states_moved == pytest.approx(4 * shard, rel=1e-3)
+    assert half.optimizer_gpu == pytest.approx(4 * shard, rel=1e-3)
+    assert small.host_pinned - half.host_pinned == pytest.approx(4 * shard, rel=1e-3)
+    dev = make_plan(compose_run("recipe=tiny", "optimizer.chunked_optimizer_state_offload=true"))
+    assert dev.ranks[0] == whole
+    chunked = compose_run(*base, "optimizer.optimizer_state_offload_chunk_size_mb=1")
+    assert make_plan(chunked).ranks[0].optimizer_step_only == 4 * 1024**2

@@ -406,11 +406,48 @@ CASES = [
         "offload/optimizer=states runs AdamW",
     ),
     Case(
-        "states_need_fp32_states",
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=bf16"),
-        ("recipe=tiny", "offload/optimizer=states"),
-        "offload/optimizer=states keeps fp32 masters and moments on the host",
-    ),
+        "states_need_fp32_masters",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.main_params_dtype=bf16"),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=bf16",
+         "optimizer.exp_avg_sq_dtype=bf16"),
+        "optimizer state offload keeps fp32 master weights and fp32 or bf16 moments",
+    ),  # fmt: skip
+    Case(
+        "states_fraction_range",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.optimizer_state_offload_fraction=0"),
+        ("recipe=tiny", "offload/optimizer=states",
+         "optimizer.optimizer_state_offload_fraction=0.25"),
+        "optimizer_state_offload_fraction must be in (0, 1]",
+    ),  # fmt: skip
+    Case(
+        "states_fraction_needs_state_offload",
+        ("recipe=tiny", "optimizer.optimizer_state_offload_fraction=0.5"),
+        ("recipe=tiny", "optimizer.chunked_optimizer_state_offload=true",
+         "optimizer.optimizer_state_offload_fraction=0.5"),
+        "optimizer.optimizer_state_offload_fraction acts on optimizer state offload",
+    ),  # fmt: skip
+    Case(
+        "states_chunk_size_non_negative",
+        ("recipe=tiny", "offload/optimizer=states",
+         "optimizer.optimizer_state_offload_chunk_size_mb=-1"),
+        ("recipe=tiny", "offload/optimizer=states",
+         "optimizer.optimizer_state_offload_chunk_size_mb=16"),
+        "optimizer_state_offload_chunk_size_mb must be >= 0",
+    ),  # fmt: skip
+    Case(
+        "states_not_with_megatron_fsdp",
+        ("recipe=tiny", "optimizer.chunked_optimizer_state_offload=true",
+         "ddp.use_megatron_fsdp=true"),
+        ("recipe=tiny", "ddp.use_megatron_fsdp=true"),
+        "Optimizer state offload is not supported with Megatron-FSDP.",
+    ),  # fmt: skip
+    Case(
+        "cpu_adam_dtypes",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=fp16"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16",
+         "optimizer.exp_avg_sq_dtype=bf16"),
+        "the CPU-Adam engine keeps fp32 master weights and fp32 or bf16 moments",
+    ),  # fmt: skip
     Case(
         "heads_divisible_by_tp",
         ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
@@ -531,7 +568,7 @@ CASES = [
     ),
     Case(
         "optimizer_dtypes_with_cpu_offload",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16"),
+        ("recipe=tiny", "offload/optimizer=cpu_100", "optimizer.exp_avg_dtype=bf16"),
         (
             "recipe=tiny",
             "optimizer.use_precision_aware_optimizer=true",

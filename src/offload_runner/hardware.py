@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from offload_runner.config.schema import RunConfig
+from offload_runner.config.schema import WINDOW_PIECES, RunConfig
 
 # --- bytes per parameter ------------------------------------------------------------------------
 
@@ -19,7 +19,34 @@ CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad sta
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
 CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
 # exact mode's GPU share streams them: cpu_adam_streams)
-WINDOW_SLOTS = 4  # pieces in a state window: one in Adam, one going out, one or two coming in
+WINDOW_SLOTS = WINDOW_PIECES  # pieces in a state window
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def moment_bytes(run: RunConfig) -> int:
+    """exp_avg + exp_avg_sq per param, in their configured dtypes (8 in fp32, 4 in bf16)."""
+    o = run.optimizer
+    return DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
+
+
+def low_moments(run: RunConfig) -> int:
+    """How many of the two moments are stored in bf16 (a state window holds an fp32 copy of each
+    for the math beside the bf16 one it moves)."""
+    o = run.optimizer
+    return (o.exp_avg_dtype.value != "fp32") + (o.exp_avg_sq_dtype.value != "fp32")
+
+
+def window_bytes_per_param(run: RunConfig) -> int:
+    """GPU bytes a state window takes per param of its pieces: fp32 master and moments, and the
+    bf16 copies of the moments stored in bf16."""
+    return ADAM_BYTES + 2 * low_moments(run)
+
+
+def host_state_bytes(run: RunConfig) -> int:
+    """What a host engine keeps, and state offload moves each way, per offloaded param: the
+    fp32 master and the two moments (12 B, 8 with bf16 moments)."""
+    return 4 + moment_bytes(run)
+
 
 # --- rates --------------------------------------------------------------------------------------
 

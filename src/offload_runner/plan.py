@@ -38,12 +38,14 @@ from offload_runner.config.schema import (
     cpu_adam_delayed,
     cpu_adam_delays_dense,
     cpu_adam_late_share,
+    cpu_adam_on,
     cpu_adam_streams,
+    states_offloaded,
+    states_window_mb,
 )
 from offload_runner.hardware import (
     ADAM_BYTES,
     CPU_ADAM_COPY_BYTES,
-    CPU_ADAM_PAGEABLE_BYTES,
     CPU_ADAM_PINNED_BYTES,
     CPU_ADAM_PREDICTION_BYTES,
     CPU_ADAM_RATE_BESIDE_STREAMS,
@@ -55,8 +57,11 @@ from offload_runner.hardware import (
     REFERENCE_CPU_ADAM_PARAMS_PER_S,
     WEIGHT_PREDICTION_CPU_FACTOR,
     WINDOW_SLOTS,
+    host_state_bytes,
     measured_rate,
+    moment_bytes,
     rank_cpus,
+    window_bytes_per_param,
     worker_cpus,
 )
 from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
@@ -262,6 +267,8 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     model. On the GPU precision-aware path they take their configured dtypes, and an fp32 master
     is kept as its 16-bit remainder only."""
     o = run.optimizer
+    if states_offloaded(run) or cpu_adam_on(run):  # offload-runner's host engines
+        return host_state_bytes(run) if run.model.bf16 else moment_bytes(run)
     gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
     moments = (
         DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
@@ -299,21 +306,27 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         pinned = shard * hdo * CPU_ADAM_PINNED_BYTES
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
-        on_cpu = int(shard * hdo * CPU_ADAM_PAGEABLE_BYTES)
+        on_cpu = int(shard * hdo * moment_bytes(run))
         resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
         if cpu_adam_late_share(run):  # every moment pinned; forward+backward hold the window
-            pinned += sum(offloaded) * CPU_ADAM_PAGEABLE_BYTES
+            pinned += sum(offloaded) * moment_bytes(run)
             on_cpu = 0
             resident += cpu_adam_window_bytes(offloaded, 1.0, o.cpu_adam_chunk_mb, LATE_BYTES)
         elif cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
             exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
-            pinned += sum(exact) * CPU_ADAM_PAGEABLE_BYTES
-            on_cpu = int(sum(delayed) * CPU_ADAM_PAGEABLE_BYTES)
+            pinned += sum(exact) * moment_bytes(run)
+            on_cpu = int(sum(delayed) * moment_bytes(run))
             step_only = cpu_adam_window_bytes(exact, 1.0, o.cpu_adam_chunk_mb)
     else:
         pinned = shard * hdo * HDO_PINNED_BYTES
-    if o.offload_optimizer_states:  # the step holds the window the states pass through
-        resident, step_only = 0, min(adam, o.offload_states_window_mb * 1024**2)
+    states = 0  # bytes of state on the host (state offload), each way over the link each step
+    if states_offloaded(run):  # the step holds the window the states pass through
+        share = o.optimizer_state_offload_fraction
+        states = int(shard * share * host_state_bytes(run))
+        # the window: its MiB of fp32 arrays, and the bf16 moments' copies beside them
+        window = states_window_mb(run) * 1024**2 * window_bytes_per_param(run) // ADAM_BYTES
+        whole = int(shard * share * window_bytes_per_param(run))  # a window as large as it
+        resident, step_only = adam - states, min(whole, window)
 
     tokens = t.micro_batch_size * m.seq_length / layout.cp
     layers = m.num_layers // layout.pp
@@ -346,13 +359,13 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
         host_pinned=int(pinned)
-        + (adam if o.offload_optimizer_states else 0)
+        + states
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
         cpu_adam_params=int(shard * hdo),
         delayed_params=int(sum(delayed)),
         boundary_params=int(sum(delayed)) if copies_at_boundary else 0,
-        states_moved=adam if o.offload_optimizer_states else 0,
+        states_moved=states,
     )  # fmt: skip
 
 

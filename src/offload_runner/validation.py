@@ -29,6 +29,7 @@ from offload_runner.config.schema import (
     cpu_adam_delayed,
     cpu_adam_on,
     cpu_adam_streams,
+    states_offloaded,
 )
 
 
@@ -89,13 +90,22 @@ def _cpu_adam_selected(c: RunConfig) -> bool:
 
 def _precision_aware(c: RunConfig) -> bool:
     """Megatron-Core builds its precision-aware DistributedOptimizer (TE's FusedAdam inside)."""
-    return c.optimizer.use_precision_aware_optimizer or c.optimizer.offload_optimizer_states
+    return c.optimizer.use_precision_aware_optimizer or states_offloaded(c)
 
 
 def _low_precision_adam(c: RunConfig) -> bool:
     o = c.optimizer
     dtypes = (o.main_params_dtype, o.exp_avg_dtype, o.exp_avg_sq_dtype)
     return any(d.value != "fp32" for d in dtypes)
+
+
+def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
+    """offload-runner's host engines keep fp32 masters and fp32 or bf16 moments (Megatron-Core's
+    own state offload allows the same)."""
+    o = c.optimizer
+    return o.main_params_dtype.value != "fp32" or "fp16" in (
+        o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value,
+    )  # fmt: skip
 
 
 def _profiling_on(c: RunConfig) -> bool:
@@ -485,24 +495,34 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "optimizer_dtypes_with_cpu_offload",
-        lambda c, e: c.optimizer.optimizer_cpu_offload and _low_precision_adam(c),
+        lambda c, e: (
+            c.optimizer.optimizer_cpu_offload
+            and not _cpu_adam_selected(c)
+            and _low_precision_adam(c)
+        ),  # fmt: skip
         "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host; "
         "main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype other than fp32 are not supported",
-        "drop the optimizer.*_dtype keys, or offload/optimizer=disabled to keep bf16 states on "
-        "the GPU (itself a memory saver)",
+        "use offload/optimizer=cpu_adam (bf16 moments on the host), or drop the optimizer.*_dtype "
+        "keys",
+    ),
+    Rule(
+        "cpu_adam_dtypes",
+        lambda c, e: cpu_adam_on(c) and _host_engine_dtypes_unsupported(c),
+        "the CPU-Adam engine keeps fp32 master weights and fp32 or bf16 moments on the host "
+        "(main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype={o.exp_avg_dtype.value}, "
+        "exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
+        "set optimizer.main_params_dtype=fp32 and exp_avg_dtype / exp_avg_sq_dtype to fp32 or bf16",
     ),
     # --- optimizer-state offload (offload-runner) ----------------------------------------------
     Rule(
         "states_xor_cpu_offload",
-        lambda c, e: c.optimizer.offload_optimizer_states and c.optimizer.optimizer_cpu_offload,
+        lambda c, e: states_offloaded(c) and c.optimizer.optimizer_cpu_offload,
         "offload_optimizer_states can not be used with optimizer_cpu_offload.",
         "pick one: offload/optimizer=states, or offload/optimizer=cpu_adam (or cpu_25 ... cpu_100)",
     ),
     Rule(
         "states_need_distributed_optimizer",
-        lambda c, e: (
-            c.optimizer.offload_optimizer_states and not c.optimizer.use_distributed_optimizer
-        ),
+        lambda c, e: states_offloaded(c) and not c.optimizer.use_distributed_optimizer,
         "offload_optimizer_states requires the distributed optimizer",
         "set optimizer.use_distributed_optimizer=true",
     ),
@@ -514,39 +534,62 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "states_need_bf16",
-        lambda c, e: c.optimizer.offload_optimizer_states and not c.model.bf16,
+        lambda c, e: states_offloaded(c) and not c.model.bf16,
         "offload/optimizer=states streams the fp32 masters of bf16 parameters, and model.bf16="
         "false has none: nothing would leave the GPU",
         "set model.bf16=true",
     ),
     Rule(
         "states_need_fp32_grads",
-        lambda c, e: c.optimizer.offload_optimizer_states and not c.ddp.grad_reduce_in_fp32,
+        lambda c, e: states_offloaded(c) and not c.ddp.grad_reduce_in_fp32,
         "offload/optimizer=states runs Adam on fp32 gradients in the DDP buffer "
         "(ddp.grad_reduce_in_fp32=false was set)",
         "remove ddp.grad_reduce_in_fp32=false",
     ),
     Rule(
         "states_need_adamw",
-        lambda c, e: (
-            c.optimizer.offload_optimizer_states and not c.optimizer.decoupled_weight_decay
-        ),
+        lambda c, e: states_offloaded(c) and not c.optimizer.decoupled_weight_decay,
         "offload/optimizer=states runs AdamW (decoupled weight decay) on the window",
         "set optimizer.decoupled_weight_decay=true",
     ),
     Rule(
-        "states_need_fp32_states",
-        lambda c, e: c.optimizer.offload_optimizer_states and _low_precision_adam(c),
-        "offload/optimizer=states keeps fp32 masters and moments on the host; "
-        "main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype other than fp32 are not supported",
-        "drop the optimizer.*_dtype keys, or offload/optimizer=disabled to keep bf16 states on "
-        "the GPU (itself a memory saver)",
+        "states_need_fp32_masters",
+        lambda c, e: states_offloaded(c) and _host_engine_dtypes_unsupported(c),
+        "optimizer state offload keeps fp32 master weights and fp32 or bf16 moments "
+        "(main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype={o.exp_avg_dtype.value}, "
+        "exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
+        "set optimizer.main_params_dtype=fp32 and exp_avg_dtype / exp_avg_sq_dtype to fp32 or bf16",
+    ),
+    Rule(
+        "states_fraction_range",
+        lambda c, e: not 0.0 < c.optimizer.optimizer_state_offload_fraction <= 1.0,
+        "optimizer_state_offload_fraction must be in (0, 1]: the share of each rank's optimizer "
+        "shard whose states live on the host (got {o.optimizer_state_offload_fraction})",
+        "e.g. optimizer.optimizer_state_offload_fraction=0.5",
+    ),
+    Rule(
+        "states_fraction_needs_state_offload",
+        lambda c, e: (
+            c.optimizer.optimizer_state_offload_fraction != 1.0 and not states_offloaded(c)
+        ),  # fmt: skip
+        "optimizer.optimizer_state_offload_fraction acts on optimizer state offload, which is off",
+        "add offload/optimizer=states (or optimizer.chunked_optimizer_state_offload=true)",
+    ),
+    Rule(
+        "states_chunk_size_non_negative",
+        lambda c, e: c.optimizer.optimizer_state_offload_chunk_size_mb < 0,
+        "optimizer_state_offload_chunk_size_mb must be >= 0 (0: the default window)",
+        "e.g. optimizer.optimizer_state_offload_chunk_size_mb=128",
+    ),
+    Rule(
+        "states_not_with_megatron_fsdp",
+        lambda c, e: states_offloaded(c) and (c.ddp.use_megatron_fsdp or c.ddp.use_custom_fsdp),
+        "Optimizer state offload is not supported with Megatron-FSDP.",
+        "set ddp.use_megatron_fsdp=false, or offload/optimizer=disabled",
     ),
     Rule(
         "states_need_adam",
-        lambda c, e: (
-            c.optimizer.offload_optimizer_states and c.optimizer.optimizer != OptimizerType.adam
-        ),
+        lambda c, e: states_offloaded(c) and c.optimizer.optimizer != OptimizerType.adam,
         "offload_optimizer_states requires optimizer.optimizer=adam",
         "set optimizer.optimizer=adam",
     ),
@@ -962,6 +1005,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
             optimizer,
             use_precision_aware_optimizer=False,
             offload_optimizer_states=False,
+            chunked_optimizer_state_offload=False,
             **dict.fromkeys(dtypes, OptimizerDtype.fp32),
         )
     builders: list[tuple[str, Callable[[], object]]] = [

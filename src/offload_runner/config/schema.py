@@ -71,6 +71,10 @@ class OptimizerType(str, Enum):
     sgd = "sgd"
 
 
+# Pieces in a state window: one in Adam, one going out, one or two coming in.
+WINDOW_PIECES = 4
+
+
 class OptimizerDtype(str, Enum):
     """Precision-aware optimizer dtypes (Megatron-Core's torch.dtype fields, by name)."""
 
@@ -324,6 +328,14 @@ class OptimizerConfig:
     # ... streamed through a GPU window of this many MiB during the step (4 pieces: one updated,
     # one going out, the next coming in)
     offload_states_window_mb: int = 512
+    # Megatron-Core's own state-offload keys (its dev branch, PR 6244; in no release up to 0.19),
+    # run by the engine above: chunked_optimizer_state_offload=true is offload_optimizer_states
+    # (its deprecated alias there), a chunk of N MiB is a window of 4 such pieces (0: the whole
+    # state at once there; the default window here), and the fraction keeps the rest of the
+    # states (1 - fraction of the shard) on the GPU, updated there.
+    chunked_optimizer_state_offload: bool = False
+    optimizer_state_offload_chunk_size_mb: int = 0
+    optimizer_state_offload_fraction: float = 1.0
 
 
 @dataclass
@@ -586,6 +598,26 @@ class RunConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+
+
+def states_offloaded(run: RunConfig) -> bool:
+    """offload/optimizer=states, or Megatron-Core's dev-branch spelling of it."""
+    o = run.optimizer
+    return o.offload_optimizer_states or o.chunked_optimizer_state_offload
+
+
+def states_window_mb(run: RunConfig) -> int:
+    """The state window: offload_states_window_mb, or 4 chunks of Megatron-Core's
+    optimizer_state_offload_chunk_size_mb where that is set."""
+    o = run.optimizer
+    chunk = o.optimizer_state_offload_chunk_size_mb
+    return chunk * WINDOW_PIECES if chunk > 0 else o.offload_states_window_mb
+
+
+def low_precision_moments(run: RunConfig) -> bool:
+    """Adam's moments kept in bf16 (optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
+    o = run.optimizer
+    return o.exp_avg_dtype != OptimizerDtype.fp32 or o.exp_avg_sq_dtype != OptimizerDtype.fp32
 
 
 def cpu_adam_on(run: RunConfig) -> bool:

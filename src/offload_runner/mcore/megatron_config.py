@@ -87,9 +87,16 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
         # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
         values["optimizer_cpu_offload"] = False
-    if optimizer.offload_optimizer_states:
+    if optimizer.offload_optimizer_states or optimizer.chunked_optimizer_state_offload:
         # ... and offload/optimizer_states.py puts its windowed engine in the same place.
         values["use_precision_aware_optimizer"] = True
+    # A Megatron-Core with its own state offload (these keys) leaves it to that engine.
+    values.update(
+        offload_optimizer_states=False,
+        chunked_optimizer_state_offload=False,
+        optimizer_state_offload_fraction=1.0,
+        optimizer_state_offload_chunk_size_mb=0,
+    )
     return _known_kwargs(MCoreOptimizerConfig, values)
 
 

@@ -4,7 +4,7 @@ schedule."""
 
 from __future__ import annotations
 
-from offload_runner.config.schema import LRDecayStyle, RunConfig, cpu_adam_on
+from offload_runner.config.schema import LRDecayStyle, RunConfig, cpu_adam_on, states_offloaded
 
 
 def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_world: int = 1):
@@ -19,7 +19,7 @@ def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_worl
     optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
     if cpu_adam_on(run):
         cpu_adam.attach(run, optimizer, local_rank, local_world)
-    if run.optimizer.offload_optimizer_states:
+    if states_offloaded(run):
         optimizer_states.install(run, optimizer)
     return optimizer
 

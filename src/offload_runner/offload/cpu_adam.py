@@ -152,9 +152,9 @@ from offload_runner.hardware import (
     worker_cpus,
 )
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import host_adam
+from offload_runner.offload import host_adam, optimizer_states
 from offload_runner.offload.base import OffloadSummary
-from offload_runner.offload.host_adam import HostAdam, Piece, hyper
+from offload_runner.offload.host_adam import HostAdam, Piece, adamw, hyper, torch_adamw
 from offload_runner.offload.optimizer_states import StatesWindow
 from offload_runner.plan import (
     GiB,
@@ -313,10 +313,11 @@ class CpuAdam(HostAdam):
         gpu_share: float = 0.0,
         balance: bool = False,
         worker: concurrent.futures.ThreadPoolExecutor | None = None,
+        moment_dtypes: tuple = (),
     ) -> None:
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
                          betas=betas, eps=eps, chunk_bytes=chunk_bytes,
-                         order_key=order_key)  # fmt: skip
+                         order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
         self.delayed = delayed
         self.exact_steps = exact_steps
         self.predict = delayed and predict
@@ -732,14 +733,13 @@ class CpuAdam(HostAdam):
     def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
         """torch's fused AdamW on elements [a, b) of the host arrays (the gradients divided by
         ``grad_scale`` first, where given)."""
-        import torch
-
-        torch._fused_adamw_(
-            [self.host_master[a:b]], [self.host_grad[a:b]], [self.host_exp_avg[a:b]],
-            [self.host_exp_avg_sq[a:b]], [], [steps], lr=h["lr"], beta1=h["beta1"],
-            beta2=h["beta2"], weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
-            maximize=False, grad_scale=grad_scale,
-        )  # fmt: skip
+        adamw(
+            [self.host_master[a:b]],
+            [self.host_grad[a:b]],
+            [self.host_exp_avg[a:b]],
+            [self.host_exp_avg_sq[a:b]],
+            torch_adamw(steps, h, grad_scale),
+        )
 
     def _guess_from_states(self) -> None:
         """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
@@ -1071,7 +1071,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         land_during_forward=in_forward[i], copy_during_backward=in_backward[i],
         clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
         balance=shared[i] and balanced_share(run),
-        worker=worker,
+        worker=worker, moment_dtypes=optimizer_states.moment_dtypes(run),
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:

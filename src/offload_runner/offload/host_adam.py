@@ -70,12 +70,15 @@ class HostAdam(HybridDeviceOptimizer):
         eps: float,
         chunk_bytes: int,
         order_key=None,
+        moment_dtypes: tuple = (),
     ) -> None:
         import torch
 
         # torch.optim.Optimizer only: none of HybridDeviceOptimizer's own machinery is used.
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
         torch.optim.Optimizer.__init__(self, params, defaults)
+        # exp_avg's and exp_avg_sq's storage (fp32 unless bf16 was asked for); the math is fp32
+        self.moment_dtypes = tuple(moment_dtypes) or (torch.float32, torch.float32)
         self.chunk_numel = max(1, chunk_bytes // 4)
         self._arenas = HostArenas()
         self._pieces: list[Piece] | None = None
@@ -116,14 +119,15 @@ class HostAdam(HybridDeviceOptimizer):
 
         self.host_master = self._host_array(torch.float32, self.on_cuda, what)
         pin_moments = pin_moments and self.on_cuda
-        self.host_exp_avg = self._host_array(torch.float32, pin_moments, what).zero_()
-        self.host_exp_avg_sq = self._host_array(torch.float32, pin_moments, what).zero_()
+        first, second = self.moment_dtypes
+        self.host_exp_avg = self._host_array(first, pin_moments, what).zero_()
+        self.host_exp_avg_sq = self._host_array(second, pin_moments, what).zero_()
         self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
                                    self.host_exp_avg_sq)  # fmt: skip
         m, on = sum(p.numel() for _, p in self.kept), self.device
         self.gpu_master = torch.empty(m, dtype=torch.float32, device=on)
-        self.gpu_exp_avg = torch.zeros(m, dtype=torch.float32, device=on)
-        self.gpu_exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=on)
+        self.gpu_exp_avg = torch.zeros(m, dtype=first, device=on)
+        self.gpu_exp_avg_sq = torch.zeros(m, dtype=second, device=on)
         self._lay_out(self.kept, self.gpu_master, self.gpu_exp_avg, self.gpu_exp_avg_sq)
 
     def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
@@ -144,6 +148,11 @@ class HostAdam(HybridDeviceOptimizer):
     def shard_numel(self) -> int:
         """Every parameter element of this engine's shard, on the host or not."""
         return self.offloaded_numel + sum(p.numel() for _, p in self.kept)
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """The fp32 master and the moments in their dtypes, per offloaded param."""
+        return 4 + sum(d.itemsize for d in self.moment_dtypes)
 
     @property
     def host_bytes(self) -> int:
@@ -210,14 +219,14 @@ class HostAdam(HybridDeviceOptimizer):
             if grad is not None:
                 by_group.setdefault(gi, []).append((p, self.state[p], grad))
         for gi, items in by_group.items():
-            h = hypers[gi]
             masters = [s["master_param"] for _, s, _ in items]
-            torch._fused_adamw_(
-                masters, [g for _, _, g in items], [s["exp_avg"] for _, s, _ in items],
-                [s["exp_avg_sq"] for _, s, _ in items], [], [steps] * len(items), lr=h["lr"],
-                beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-                eps=h["eps"], amsgrad=False, maximize=False,
-            )  # fmt: skip
+            adamw(
+                masters,
+                [g for _, _, g in items],
+                [s["exp_avg"] for _, s, _ in items],
+                [s["exp_avg_sq"] for _, s, _ in items],
+                torch_adamw(steps, hypers[gi]),
+            )
             torch._foreach_copy_([p.view(-1) for p, _, _ in items], masters)
 
     # -- around the step ---------------------------------------------------------------------
@@ -303,6 +312,45 @@ class HostAdam(HybridDeviceOptimizer):
     def close(self) -> None:
         self.finish()
         self._arenas.release()
+
+
+UPCAST_BLOCK = 1 << 20  # elements upcast at a time on the CPU (stays in the caches)
+
+
+def torch_adamw(steps, h: dict, grad_scale=None):
+    """torch's fused AdamW on lists of fp32 tensors, with ``h``'s hyperparameters."""
+    import torch
+
+    def run(masters, grads, exp_avgs, exp_avg_sqs) -> None:
+        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [steps] * len(masters),
+                            lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                            weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
+                            maximize=False, grad_scale=grad_scale)  # fmt: skip
+
+    return run
+
+
+def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_adam) -> None:
+    """AdamW through ``fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)`` (a kernel on fp32
+    lists) for fp32 masters whose gradients or moments may be bf16: those are upcast to fp32 in
+    blocks, updated, and the moments rounded back (to nearest even), as Transformer Engine's
+    FusedAdam does with bf16 moments: fp32 math, bf16 storage."""
+    import torch
+
+    fp32 = torch.float32
+    if all(t.dtype == fp32 for t in (*grads, *exp_avgs, *exp_avg_sqs)):
+        fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)
+        return
+    for master, grad, m, v in zip(masters, grads, exp_avgs, exp_avg_sqs, strict=True):
+        block = UPCAST_BLOCK if master.device.type == "cpu" else max(master.numel(), 1)
+        for a in range(0, master.numel(), block):
+            b = min(a + block, master.numel())
+            m32, v32 = m[a:b].to(fp32), v[a:b].to(fp32)  # a copy where stored in bf16
+            fp32_adam([master[a:b]], [grad[a:b].to(fp32)], [m32], [v32])
+            if m.dtype != fp32:
+                m[a:b].copy_(m32)
+            if v.dtype != fp32:
+                v[a:b].copy_(v32)
 
 
 def _typed(arena, dtype, numel: int):

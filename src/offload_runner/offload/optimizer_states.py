@@ -41,8 +41,8 @@ import logging
 import statistics
 from dataclasses import dataclass
 
-from offload_runner.config.schema import RunConfig
-from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS
+from offload_runner.config.schema import RunConfig, states_offloaded, states_window_mb
+from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS, host_state_bytes
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam
 from offload_runner.offload.base import OffloadSummary
@@ -60,17 +60,20 @@ DISABLED = {"optimizer.offload_optimizer_states": False}
 
 def describe(run: RunConfig) -> OffloadSummary:
     o = run.optimizer
-    if not o.offload_optimizer_states:
+    if not states_offloaded(run):
         return OffloadSummary("optimizer states", "offload/optimizer=states", False, "-")
-    params = count_parameters(run.model).total
+    share = o.optimizer_state_offload_fraction
+    params = count_parameters(run.model).total * share
+    per_param = host_state_bytes(run)
     return OffloadSummary(
         "optimizer states",
         "offload/optimizer=states",
         True,
-        f"fp32 master + exp_avg + exp_avg_sq ({BYTES_PER_PARAM} B/param, ~"
-        f"{params * BYTES_PER_PARAM / 1e9:.1f} GB for the whole model before DP sharding) live on "
+        f"{share:.0%} of the fp32 masters + {o.exp_avg_dtype.value} exp_avg + "
+        f"{o.exp_avg_sq_dtype.value} exp_avg_sq ({per_param} B/param, ~"
+        f"{params * per_param / 1e9:.1f} GB for the whole model before DP sharding) live on "
         "the host; Adam runs on the GPU",
-        f"streamed through a {o.offload_states_window_mb} MiB GPU window during the step, both "
+        f"streamed through a {states_window_mb(run)} MiB GPU window during the step, both "
         "directions at once",
     )
 
@@ -90,6 +93,7 @@ class _Pass:
     # for (its gradients on the host: a CUDA event or None); its gradients' scale (or None)
     before_load: object = None
     scale_of: object = None
+    low: object = None  # bf16 slots the moments stored in bf16 travel in (upcast for Adam)
     began: object = None  # event on the compute stream when the Adam calls start
     ended: object = None  # event after the last copy out
     queued: int = 0  # pieces whose copy in is queued
@@ -114,6 +118,9 @@ class StatesWindow:
         on_cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if on_cuda else None  # h2d, d2h
         self._adam = adam  # Transformer Engine's multi-tensor Adam (_te_adam), else torch's
+        # the host arrays kept in bf16 (moments): they travel at 2 B and are upcast for Adam
+        self._low = [i for i, array in enumerate(host) if array.dtype != torch.float32]
+        self._low_dtype = host[self._low[0]].dtype if self._low else None
         self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
         self._timed: _Pass | None = None  # the last pass, its events not read yet
         self.history: list[tuple[float, int]] = []  # per pass: seconds (Adam to last copy out),
@@ -122,7 +129,7 @@ class StatesWindow:
     @property
     def nbytes(self) -> int:
         """The most a pass holds: SLOTS pieces (fewer where it passes fewer)."""
-        return SLOTS * self._arrays * 4 * self.piece_numel
+        return SLOTS * (self._arrays * 4 + len(self._low) * 2) * self.piece_numel
 
     @property
     def _arrays(self) -> int:
@@ -143,14 +150,16 @@ class StatesWindow:
             return
         self._collect_timing()
         shape = (min(SLOTS, len(pieces)), self._arrays, self.piece_numel)
-        if self.streams is None:
+        low_shape = (shape[0], len(self._low), shape[2])
+        streams = self.streams
+        if streams is not None:
+            streams[0].wait_stream(streams[1])  # the last copies out have written the host
+        # the window comes from (and returns to) h2d's pool
+        with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
             window = torch.empty(shape, dtype=torch.float32, device=self.device)
-        else:
-            h2d, d2h = self.streams
-            h2d.wait_stream(d2h)  # the last step's copies out have written the host arrays
-            with torch.cuda.stream(h2d):  # the window comes from (and returns to) h2d's pool
-                window = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._pass = _Pass(pieces, window, [None] * len(pieces), [None] * len(window))
+            low = torch.empty(low_shape, dtype=self._low_dtype, device=self.device) if (
+                self._low) else None  # fmt: skip
+        self._pass = _Pass(pieces, window, [None] * len(pieces), [None] * len(window), low=low)
         for _ in range(0 if late else len(window)):
             self._load_next()
 
@@ -212,6 +221,15 @@ class StatesWindow:
         slot = self._pass.window[index % len(self._pass.window)]
         return slot[0, :n], slot[1, :n], slot[2, :n]
 
+    def _staged(self, index: int) -> tuple:
+        """What travels for piece ``index``: its fp32 slot arrays, a bf16 one for each moment
+        stored in bf16."""
+        n = self._pass.pieces[index].numel
+        arrays = list(self._slot(index))
+        for k, i in enumerate(self._low):
+            arrays[i] = self._pass.low[index % len(self._pass.window)][k, :n]
+        return tuple(arrays)
+
     def _slot_grad(self, index: int):
         """A late pass's gradient array in the slot of its piece ``index``."""
         n = self._pass.pieces[index].numel
@@ -228,7 +246,7 @@ class StatesWindow:
         index = self._pass.queued
         self._pass.queued += 1
         piece = self._pass.pieces[index]
-        pairs = list(zip(self._slot(index), self._on_host(piece), strict=True))
+        pairs = list(zip(self._staged(index), self._on_host(piece), strict=True))
         grads_down = None
         if self._pass.before_load is not None:  # a late pass: the gradients come up too
             grads_down = self._pass.before_load(index)
@@ -255,7 +273,7 @@ class StatesWindow:
         import torch
 
         piece = self._pass.pieces[index]
-        pairs = zip(self._on_host(piece), self._slot(index), strict=True)
+        pairs = zip(self._on_host(piece), self._staged(index), strict=True)
         if self.streams is None:
             for host, gpu in pairs:
                 host.copy_(gpu)
@@ -277,6 +295,9 @@ class StatesWindow:
         import torch
 
         master, exp_avg, exp_avg_sq = slot
+        staged = self._staged(index)
+        for i in self._low:  # moments stored in bf16: fp32 for the math
+            slot[i].copy_(staged[i])
         late = self._pass.before_load is not None
         grads = self._slot_grad(index) if late else None
         scale = self._pass.scale_of(index) if late else None
@@ -292,6 +313,8 @@ class StatesWindow:
                     beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
                     eps=h["eps"], amsgrad=False, maximize=False, grad_scale=scale,
                 )  # fmt: skip
+        for i in self._low:  # ... rounded back to nearest even, as TE's FusedAdam rounds them
+            staged[i].copy_(slot[i])
         if not late:
             piece.param.copy_(master)
 
@@ -304,7 +327,9 @@ class StatesWindow:
         done.ended = _record(self.streams[1])
         for stream in (torch.cuda.current_stream(), *self.streams):
             done.window.record_stream(stream)  # not reused before the copies out have read it
-        done.window = None
+            if done.low is not None:
+                done.low.record_stream(stream)
+        done.window = done.low = None
         self._timed = done
 
     def _collect_timing(self) -> None:
@@ -342,11 +367,17 @@ class WindowedStates(HostAdam):
         eps: float,
         window_bytes: int = 512 * 1024**2,
         order_key=None,
+        fraction: float = 1.0,
+        moment_dtypes: tuple = (),
     ) -> None:
-        # a piece of n params takes 12 n bytes of the window: chunk_bytes counts 4 B per param
-        super().__init__(params, fraction=1.0, lr=lr, weight_decay=weight_decay, betas=betas,
-                         eps=eps, chunk_bytes=window_bytes // (SLOTS * 3),
-                         order_key=order_key)  # fmt: skip
+        import torch
+
+        # a piece of n params takes 12 n bytes of the window (fp32 master and moments), 2 n more
+        # per moment stored in bf16 (it travels as such): chunk_bytes counts 4 B per param
+        low = sum(d != torch.float32 for d in moment_dtypes)
+        super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay, betas=betas,
+                         eps=eps, chunk_bytes=window_bytes * 4 // (SLOTS * (12 + 2 * low)),
+                         order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
         self._allocate_states(pin_moments=True, what="offload/optimizer=states")
         self._window = StatesWindow(
             (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
@@ -389,8 +420,9 @@ class WindowedStates(HostAdam):
         if not steady:
             return {}
         seconds = statistics.median(s for s, _ in steady)
-        moved = BYTES_PER_PARAM * self.offloaded_numel
+        moved = self.state_bytes_per_param * self.offloaded_numel
         return {"states_offloaded_params": self.offloaded_numel,
+                "states_moved_gb": moved / 1e9,
                 "states_stream_s_median": seconds,
                 "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
                 "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
@@ -424,13 +456,22 @@ def _te_adam(device):
     return adam
 
 
+def moment_dtypes(run: RunConfig) -> tuple:
+    """exp_avg's and exp_avg_sq's torch dtypes (optimizer.exp_avg_dtype, exp_avg_sq_dtype)."""
+    import torch
+
+    named = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    o = run.optimizer
+    return named[o.exp_avg_dtype.value], named[o.exp_avg_sq_dtype.value]
+
+
 def windowed_engines(optimizer) -> list[WindowedStates]:
     return host_adam.engines(optimizer, WindowedStates)
 
 
 def metrics(optimizer) -> dict:
     """summary.json fields of the windowed engines of a rank: params, the pass's time and the
-    link rate it reached (12 B/param each way), the window, host memory."""
+    link rate it reached (12 B/param each way, 8 with bf16 moments), the window, host memory."""
     built = windowed_engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
@@ -440,7 +481,9 @@ def metrics(optimizer) -> dict:
     return {
         "states_offloaded_params": params,
         "states_stream_s_median": seconds,
-        "states_link_gb_per_s": BYTES_PER_PARAM * params / seconds / 1e9 if seconds else None,
+        "states_link_gb_per_s": sum(m["states_moved_gb"] for m in found) / seconds
+        if seconds
+        else None,
         "states_window_gb": max(m["states_window_gb"] for m in found),
         "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
     }
@@ -467,13 +510,16 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     built = host_adam.install(optimizer, lambda part, _: WindowedStates(
         part.optimizer.param_groups, lr=o.lr, weight_decay=o.weight_decay,
         betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-        window_bytes=o.offload_states_window_mb * 1024**2,
+        window_bytes=states_window_mb(run) * 1024**2,
+        fraction=o.optimizer_state_offload_fraction, moment_dtypes=moment_dtypes(run),
     ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
-    log.info("optimizer states: %.3fB params of this rank's shard on the host (%.1f GB page-locked)"
-             ", streamed through a %.0f MiB GPU window", numel / 1e9,
-             sum(e.host_bytes for e in built) / 1e9,
-             max((e.window_bytes for e in built), default=0) / 1024**2)  # fmt: skip
+    shard = sum(e.shard_numel for e in built)
+    log.info("optimizer states: %.3fB of %.3fB params of this rank's shard on the host (%.1f GB "
+             "page-locked, moments in %s), streamed through a %.0f MiB GPU window; the rest "
+             "stays on the GPU", numel / 1e9, shard / 1e9, sum(e.host_bytes for e in built) / 1e9,
+             run.optimizer.exp_avg_dtype.value, max((e.window_bytes for e in built), default=0)
+             / 1024**2)  # fmt: skip
     return built
 
 
