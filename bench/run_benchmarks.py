@@ -509,7 +509,45 @@ def _determinism_cases() -> list[Case]:
             for again in ("", " (repeat)")]  # fmt: skip
 
 
+BF16_MOMENTS = ("optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16")
+
+
+def _bf16_moment_cases() -> list[Case]:
+    """Adam's moments in bf16 (fp32 math) through both host engines beside Transformer Engine's
+    FusedAdam with bf16 moments and no offload, deterministic, 20 iterations: the losses agree,
+    and state offload moves 8 B/param instead of 12 (its fp32-moment run beside it)."""
+    base = "TE FusedAdam bf16 moments, no offload"
+    common = (*DETERMINISTIC, "scheduler.lr_warmup_iters=2")
+    return [Case(name, PROXY_RECIPE, (*common, *extra), base)
+            for name, extra in (
+                (base, ("optimizer.use_precision_aware_optimizer=true", *BF16_MOMENTS)),
+                ("states, bf16 moments", ("offload/optimizer=states", *BF16_MOMENTS)),
+                ("cpu_adam, bf16 moments", ("offload/optimizer=cpu_adam", *BF16_MOMENTS)),
+                ("states, fp32 moments", ("offload/optimizer=states",)))]  # fmt: skip
+
+
+# Qwen3-30B-A3B's first 28 layers (16.8B params) on one GPU of 139 GB with ~125 GB of host RAM:
+# no offload runs out of GPU memory; state offload with bf16 moments and gradients keeps 75% of
+# the states on the host (the planner's fit for that box).
+CAPACITY = (
+    "parallel=single",
+    "model.num_layers=28",
+    *_batch(4),
+    "scheduler.lr_warmup_iters=2",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=125",
+)
+CAPACITY_CASES = [
+    Case("28 layers, no offload", "qwen3_30b_a3b", CAPACITY, "28 layers, no offload"),
+    Case("28 layers, states 75% bf16 moments and gradients", "qwen3_30b_a3b",
+         (*CAPACITY, "offload/optimizer=states", *BF16_MOMENTS, "ddp.grad_reduce_in_fp32=false",
+          "optimizer.optimizer_state_offload_fraction=0.75"), "28 layers, no offload"),
+]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
+    "bf16-moments": _bf16_moment_cases(),
+    "capacity-28": CAPACITY_CASES,
     "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,

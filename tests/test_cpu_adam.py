@@ -930,3 +930,27 @@ def test_deterministic_mode_takes_the_gpu_share_from_the_config(
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "model.deterministic_mode=true",
                       "planner.cpu_adam_params_per_s=2e9")  # fmt: skip
     assert plan.step_cost(run).cpu_adam_params_per_s == 2e9
+
+
+def test_bf16_gradients_go_down_as_bf16_and_update_in_fp32() -> None:
+    """ddp.grad_reduce_in_fp32=false: the DDP buffer's bf16 gradients go down as they are (2 B
+    per param) and Adam upcasts them; the update is the reference's on the same bf16-rounded
+    gradients."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, grad_dtype=torch.bfloat16)
+    ref = Reference(buffers)
+    assert eng.host_grad.dtype == torch.bfloat16
+    bf16_grad = torch.zeros(sum(SIZES), dtype=torch.bfloat16)
+    for step in range(1, 6):
+        grads = gradients(step).to(torch.bfloat16)
+        bf16_grad.copy_(grads)
+        start = 0
+        for view, n in zip(buffers.views, SIZES, strict=True):
+            view.decoupled_grad = bf16_grad[start : start + n]
+            start += n
+        for group in eng.param_groups:
+            group["lr"] = lr_at(step)
+        eng.step()
+        ref.step(step, grads.float())
+        assert_matches(masters(eng, buffers), ref.params, step)
+    eng.close()

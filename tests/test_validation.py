@@ -284,12 +284,6 @@ CASES = [
         "the CPU-Adam engine rounds its fp32 masters into bf16 parameters",
     ),
     Case(
-        "cpu_adam_needs_fp32_grads",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "ddp.grad_reduce_in_fp32=false"),
-        ("recipe=tiny", "offload/optimizer=cpu_100", "ddp.grad_reduce_in_fp32=false"),
-        "the CPU-Adam engine reads fp32 gradients from the DDP buffer",
-    ),
-    Case(
         "cpu_adam_overlap_flag_unused",
         (
             "recipe=tiny",
@@ -392,12 +386,6 @@ CASES = [
         ("recipe=tiny", "offload/optimizer=states", "model.bf16=false"),
         ("recipe=tiny", "model.bf16=false"),
         "offload/optimizer=states streams the fp32 masters of bf16 parameters",
-    ),
-    Case(
-        "states_need_fp32_grads",
-        ("recipe=tiny", "offload/optimizer=states", "ddp.grad_reduce_in_fp32=false"),
-        ("recipe=tiny", "ddp.grad_reduce_in_fp32=false"),
-        "offload/optimizer=states runs Adam on fp32 gradients",
     ),
     Case(
         "states_need_adamw",

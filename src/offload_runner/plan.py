@@ -304,7 +304,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     # Adam) and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the
     # grads (8) and keeps the moments pageable (8).
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
-        pinned = shard * hdo * CPU_ADAM_PINNED_BYTES
+        staging = 4 if run.ddp.grad_reduce_in_fp32 else 2  # the gradients' host copy
+        pinned = shard * hdo * (CPU_ADAM_PINNED_BYTES - 4 + staging)
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * moment_bytes(run))
         resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)

@@ -375,13 +375,6 @@ RULES: tuple[Rule, ...] = (
         "set model.bf16=true, or use offload/optimizer=cpu_100 (HybridDeviceOptimizer)",
     ),
     Rule(
-        "cpu_adam_needs_fp32_grads",
-        lambda c, e: cpu_adam_on(c) and not c.ddp.grad_reduce_in_fp32,
-        "the CPU-Adam engine reads fp32 gradients from the DDP buffer "
-        "(ddp.grad_reduce_in_fp32=false makes them bf16)",
-        "set ddp.grad_reduce_in_fp32=true",
-    ),
-    Rule(
         "cpu_adam_overlap_flag_unused",
         lambda c, e: cpu_adam_on(c) and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
         "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's: the CPU-Adam engine "
@@ -538,13 +531,6 @@ RULES: tuple[Rule, ...] = (
         "offload/optimizer=states streams the fp32 masters of bf16 parameters, and model.bf16="
         "false has none: nothing would leave the GPU",
         "set model.bf16=true",
-    ),
-    Rule(
-        "states_need_fp32_grads",
-        lambda c, e: states_offloaded(c) and not c.ddp.grad_reduce_in_fp32,
-        "offload/optimizer=states runs Adam on fp32 gradients in the DDP buffer "
-        "(ddp.grad_reduce_in_fp32=false was set)",
-        "remove ddp.grad_reduce_in_fp32=false",
     ),
     Rule(
         "states_need_adamw",

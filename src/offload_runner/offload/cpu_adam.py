@@ -314,7 +314,12 @@ class CpuAdam(HostAdam):
         balance: bool = False,
         worker: concurrent.futures.ThreadPoolExecutor | None = None,
         moment_dtypes: tuple = (),
+        grad_dtype=None,
     ) -> None:
+        import torch
+
+        # the DDP buffer's: bf16 with ddp.grad_reduce_in_fp32=false (2 B/param down, upcast here)
+        self.grad_dtype = grad_dtype or torch.float32
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
                          betas=betas, eps=eps, chunk_bytes=chunk_bytes,
                          order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
@@ -378,7 +383,7 @@ class CpuAdam(HostAdam):
 
         streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
         self._allocate_states(pin_moments=streams, what="cpu_adam")
-        self.host_grad = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+        self.host_grad = self._host_array(self.grad_dtype, self.on_cuda, "cpu_adam")
         if streams:  # the copy engines read and write the moments of the GPU share
             self._window = StatesWindow(
                 (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
@@ -1072,6 +1077,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
         balance=shared[i] and balanced_share(run),
         worker=worker, moment_dtypes=optimizer_states.moment_dtypes(run),
+        grad_dtype=_grad_dtype(run),
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:
@@ -1156,6 +1162,13 @@ def _data_parallel_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def _grad_dtype(run: RunConfig):
+    """The DDP gradient buffer's dtype: fp32 with ddp.grad_reduce_in_fp32, else bf16."""
+    import torch
+
+    return torch.float32 if run.ddp.grad_reduce_in_fp32 else torch.bfloat16
 
 
 def _current_device():

@@ -303,7 +303,7 @@ class StatesWindow:
         scale = self._pass.scale_of(index) if late else None
         for a, b, gi in piece.groups:
             h, span = hypers[gi], slice(a - piece.start, b - piece.start)
-            grad = grads[span] if late else piece.grad[span]
+            grad = (grads[span] if late else piece.grad[span]).float()  # a bf16 buffer's: fp32
             if self._adam is not None:
                 self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
             else:
