@@ -5,6 +5,35 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 {
   python bench/run_benchmarks.py report bench/results/*.json
+  echo "## Where exact offload's forward+backward time goes (suite \`profile-8\`)"
+  echo
+  echo "Iteration 5 of the proxy at GBS 8 under the torch profiler (\`profiling.use_pytorch_profiler=true\`,"
+  echo "summarized by bench/profile_summary.py into docs/evidence/profile-8/):"
+  echo
+  for f in docs/evidence/profile-8/sum-*.txt; do
+    echo "- \`$(basename "$f" .txt | sed 's/^sum-//')\`: $(sed -n 2p "$f"); cudaLaunchKernel $(grep -m1 cudaLaunchKernel "$f" | awk '{print $1 " ms over " $2 " calls"}')"
+  done
+  echo
+  echo "The proxy at micro-batch 1 is bound by the thread that launches its kernels (the GPU is busy"
+  echo "about a quarter of the window without offload), so anything that takes that thread's core"
+  echo "shows in forward+backward. State offload leaves it alone (its forward+backward is the"
+  echo "baseline's within the suite's noise). Exact CPU Adam lands its update during the next forward"
+  echo "by design, and its OpenMP team runs on every core of the rank while it does: the same kernel"
+  echo "launches cost the training thread more (the cudaLaunchKernel totals above), and the forward"
+  echo "waits on the GPU for landings queued behind the GPU share's window copies on the same link."
+  echo
+  echo "## Capacity: 28 layers of Qwen3-30B-A3B on one H200 (suite \`capacity-28\`)"
+  echo
+  echo "\`--plan\` of the two commands (docs/evidence/plan-28-none.txt, plan-28-states.txt):"
+  echo
+  echo '```'
+  grep -E "^(fits|does not fit)" docs/evidence/plan-28-none.txt docs/evidence/plan-28-states.txt | sed 's|docs/evidence/||'
+  echo '```'
+  echo
+  echo "The suite's table above has the runs (no offload: out of memory; state offload of 75% of the"
+  echo "states with bf16 moments and a bf16 gradient buffer: trained, the loss falling), and the planner"
+  echo "table below sets their GPU peak and pinned host memory against \`--plan\`."
+  echo
   echo "## Memory planner against the measured peaks"
   echo
   echo "Every run above, planned from its own command line by \`--plan\` arithmetic"

@@ -526,6 +526,19 @@ def _bf16_moment_cases() -> list[Case]:
                 ("states, fp32 moments", ("offload/optimizer=states",)))]  # fmt: skip
 
 
+def _bf16_kernel_cases() -> list[Case]:
+    """TE FusedAdam with bf16 moments on full fp32 masters (optimizer.store_param_remainders=
+    false: the multi_tensor_adam kernel the state window calls, not the param-remainder one)
+    beside state offload with bf16 moments: the same math, so the same losses bit for bit."""
+    cases = _bf16_moment_cases()
+    te = replace(
+        cases[0],
+        name="TE FusedAdam bf16 moments, fp32 masters, no offload",
+        overrides=(*cases[0].overrides, "optimizer.store_param_remainders=false"),
+    )
+    return [te, replace(cases[1], baseline=te.name)]
+
+
 # Qwen3-30B-A3B's first 28 layers (16.8B params) on one GPU of 139 GB with ~125 GB of host RAM:
 # no offload runs out of GPU memory; state offload with bf16 moments and gradients keeps 75% of
 # the states on the host (the planner's fit for that box).
@@ -547,6 +560,11 @@ CAPACITY_CASES = [
 
 SUITES: dict[str, list[Case]] = {
     "bf16-moments": _bf16_moment_cases(),
+    "cost-32": [
+        replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))
+        for c in _profile_cases(32)
+    ],
+    "bf16-moments-kernel": _bf16_kernel_cases(),
     "capacity-28": CAPACITY_CASES,
     "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
@@ -1125,6 +1143,60 @@ def _scale_lines(results: list[dict]) -> list[str]:
         rows)]  # fmt: skip
 
 
+# The headline: per offload mode and batch, its latest suite's row against that suite's
+# baseline (suite, case); the suite tables below hold everything else.
+HEADLINE = [
+    ("capacity-28", "28 layers, no offload"),
+    ("capacity-28", "28 layers, states 75% bf16 moments and gradients"),
+    ("cpu-adam-split-1", "GBS1 cpu_adam 100%"),
+    ("cpu-adam-split-4", "GBS4 cpu_adam 100%"),
+    ("cpu-adam-split-4", "GBS4 HDO 100% + overlap"),
+    ("cpu-adam-4", "GBS4 cpu_adam_delayed 100%"),
+    ("profile-8", "GBS8 cpu_adam 100%"),
+    ("profile-8", "GBS8 states"),
+    ("cost-32", "GBS32 cpu_adam 100%"),
+    ("cost-32", "GBS32 states"),
+    ("bf16-moments", "states, bf16 moments"),
+    ("bf16-moments", "cpu_adam, bf16 moments"),
+]
+
+
+def _headline(files: list[Path]) -> list[str]:
+    """The HEADLINE rows found among ``files``: what each offload mode costs, as measured."""
+    found = {(d["suite"], r["case"]["name"]): (r, d) for _, d in
+             ((p, json.loads(p.read_text())) for p in files) for r in d["results"]}  # fmt: skip
+    rows = []
+    for key in HEADLINE:
+        if key not in found:
+            continue
+        r, d = found[key]
+        s = r["summary"]
+        base = next((b["summary"] for b in d["results"]
+                     if b["case"]["name"] == r["case"]["baseline"]), {})  # fmt: skip
+        step = s.get("step_time_s_median")
+        fb, base_fb = s.get("fwd_bwd_time_s_median"), base.get("fwd_bwd_time_s_median")
+        rows.append([
+            r["case"]["name"], f"`{key[0]}`", d["environment"]["gpu"].replace("NVIDIA ", ""),
+            r["status"], fmt(step * 1000 if step else None, ".0f"),
+            fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
+            fmt(ratio(fb, base_fb), ".2f", "x"), fmt(s.get("gpu_peak_allocated_gb")),
+            fmt(s.get("host_used_gb_max_per_node", [None])[0]),
+        ])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "## Headline",
+        "",
+        "What each offload mode costs, from its latest suite (ratios against that suite's own",
+        "no-offload run, on the same machine; the proxy at micro-batch 1 is launch-bound, so a",
+        "suite's baseline wanders with the host: compare within a suite).",
+        "",
+        *markdown_table(["run", "suite", "GPU", "status", "step ms", "step vs baseline",
+                         "fwd+bwd vs baseline", "GPU peak GB", "host RAM GB"], rows),
+        "",
+    ]  # fmt: skip
+
+
 def render(files: list[Path]) -> str:
     lines = [
         "# Benchmarks",
@@ -1141,6 +1213,7 @@ def render(files: list[Path]) -> str:
         "    python bench/run_benchmarks.py run --suite SUITE --out results-SUITE.json   # GPU",
         "    python bench/run_benchmarks.py report bench/results/*.json > docs/BENCHMARKS.md",
         "",
+        *_headline(files),
     ]
     for suite, group in _families(files).items():
         results = [{**r, "environment": d["environment"]} for _, d in group for r in d["results"]]
