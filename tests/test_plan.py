@@ -12,6 +12,7 @@ import pytest
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from offload_runner.model_size import count_parameters
 from offload_runner.plan import (
+    HOST_PROCESS_BYTES,
     WORKSPACE_BYTES,
     Layout,
     choose_offload,
@@ -159,9 +160,9 @@ def test_cpu_adam_engine_host_memory() -> None:
     hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
     params = count_parameters(compose_run("recipe=tiny").model).total
     assert engine.host_pinned == pytest.approx(8 * params, rel=1e-6)
-    assert engine.host == pytest.approx(16 * params, rel=1e-6)
+    assert engine.host - HOST_PROCESS_BYTES == pytest.approx(16 * params, rel=1e-6)
     assert engine.optimizer_step_only == 0
-    assert hdo.host == pytest.approx(18 * params, rel=1e-6)
+    assert hdo.host - HOST_PROCESS_BYTES == pytest.approx(18 * params, rel=1e-6)
     assert hdo.optimizer_gpu == 0
     assert engine.optimizer_gpu == pytest.approx(2 * 4 * params, rel=1e-6)
     proxy = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=cpu_adam")
@@ -169,7 +170,8 @@ def test_cpu_adam_engine_host_memory() -> None:
     # with the GPU share (the default): the moments pinned too, and the step holds a window of
     # up to 4 pieces of masters and moments per part (one piece: the tiny model's whole shard)
     shared = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
-    assert shared.host_pinned == pytest.approx(16 * params, rel=1e-6) == shared.host
+    assert shared.host_pinned == pytest.approx(16 * params, rel=1e-6)
+    assert shared.host == shared.host_pinned + HOST_PROCESS_BYTES
     assert shared.optimizer_step_only == pytest.approx(12 * params, rel=1e-6)
     assert make_plan(proxy).ranks[0].optimizer_step_only == 2 * 4 * 3 * 64 * 1024**2
 
@@ -193,11 +195,36 @@ def test_auto_refuses_when_nothing_fits() -> None:
 
 
 def test_auto_skips_options_that_exhaust_host_ram() -> None:
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-                      "offload/optimizer=auto", "planner.gpu_memory_gb=48",
-                      "planner.host_memory_gb=16")  # fmt: skip
+    """16 GB of host RAM: nothing in fp32 fits beside the GPU's 48 GB, so auto gives up
+    precision (bf16 moments) and says so; 8 GB: nothing fits at all."""
+    common = (
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "planner.gpu_memory_gb=48",
+        "planner.cpu_adam_params_per_s=4e9",
+    )
+    choice = choose_offload(compose_run(*common, "planner.host_memory_gb=16"))
+    assert "bf16 moments: nothing in the configured precision fits" in choice.description
+    assert choice.overrides["optimizer.exp_avg_dtype"].value == "bf16"
+    assert choice.plan.max_node_host_gb + choice.plan.margin_gb <= 16
     with pytest.raises(ValueError, match="host RAM"):
-        choose_offload(run)
+        choose_offload(compose_run(*common, "planner.host_memory_gb=8"))
+
+
+def test_auto_finds_what_trains_28_layers_on_one_h200_box() -> None:
+    """Qwen3-30B-A3B's first 28 layers on 139 GB of GPU and 125 GB of host RAM (suite
+    capacity-28 trained a setting like it): state offload of part of the states with bf16
+    moments and gradients, the process and the margin counted on the host."""
+    run = compose_run("recipe=qwen3_30b_a3b", "parallel=single", "model.num_layers=28",
+                      "train.global_batch_size=4", "train.micro_batch_size=1",
+                      "offload/optimizer=auto", "planner.gpu_memory_gb=139",
+                      "planner.host_memory_gb=125")  # fmt: skip
+    choice = choose_offload(run)
+    assert choice.overrides["optimizer.offload_optimizer_states"] is True
+    assert choice.overrides["ddp.grad_reduce_in_fp32"] is False
+    assert 0.5 <= choice.overrides["optimizer.optimizer_state_offload_fraction"] < 1.0
+    assert choice.plan.limiting is None
 
 
 def test_plan_json_has_gpu_and_host_per_rank(capsys) -> None:
@@ -571,3 +598,28 @@ def test_state_offload_fraction_and_bf16_moments_in_the_plan() -> None:
     assert dev.ranks[0] == whole
     chunked = compose_run(*base, "optimizer.optimizer_state_offload_chunk_size_mb=1")
     assert make_plan(chunked).ranks[0].optimizer_step_only == 4 * 1024**2
+
+
+def test_plan_largest_finds_the_most_layers_that_fit(capsys) -> None:
+    """--plan --largest: a bisection over model.num_layers; the answer fits and one step more
+    does not (auto's choice at each size where auto is on)."""
+    from offload_runner.plan import largest_slice
+
+    common = (
+        "recipe=qwen3_30b_a3b",
+        "parallel=single",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "planner.gpu_memory_gb=139",
+        "planner.host_memory_gb=125",
+    )
+    found = largest_slice(compose_run(*common, "offload/optimizer=auto"))
+    assert 28 <= found.layers < 48 and found.choice is not None
+    over = compose_run(*common, "offload/optimizer=auto", f"model.num_layers={found.layers + 1}")
+    with pytest.raises(ValueError):
+        choose_offload(over)
+    plain = largest_slice(compose_run(*common))  # no offload: far fewer layers
+    assert 0 < plain.layers < found.layers and plain.choice is None
+    assert main(["--recipe", "qwen3_30b_a3b", *common[1:], "--plan", "--largest"]) == EXIT_OK
+    assert f"model.num_layers={plain.layers}," in capsys.readouterr().out
+    assert main(["--recipe", "tiny", "--largest"]) == EXIT_USAGE

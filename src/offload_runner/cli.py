@@ -51,7 +51,7 @@ from offload_runner.config.compose import (
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
-from offload_runner.plan import choose_offload, cost_note, make_plan
+from offload_runner.plan import choose_offload, cost_note, largest_slice, make_plan, param_count
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, validate, value_violations
 
@@ -63,6 +63,7 @@ class Mode(str, Enum):
     dry_run = "dry_run"
     plan = "plan"
     plan_json = "plan_json"
+    plan_largest = "plan_largest"
     verify = "verify"
 
 
@@ -97,7 +98,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     hydra_args: list[str] = []
     hydra_flags: list[str] = []  # Hydra's own flags go first: argparse takes overrides after them
     args = list(argv)
-    json_output = False
+    json_output = largest = False
     while args:
         arg = args.pop(0)
         if arg in MODE_FLAGS:
@@ -107,6 +108,8 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             options.mode = MODE_FLAGS[arg]
         elif arg == "--json":
             json_output = True
+        elif arg == "--largest":
+            largest = True
         elif arg == "--list-recipes":
             options.list_recipes = True
         elif arg == "--version":
@@ -142,10 +145,12 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             _check_override_key(arg)
             hydra_args.append(arg)
     hydra_args = hydra_flags + hydra_args
-    if json_output:
-        if options.mode != Mode.plan:
-            raise UsageError("--json goes with --plan", "python run_recipe.py ... --plan --json")
-        options.mode = Mode.plan_json
+    if json_output or largest:
+        flag = "--json" if json_output else "--largest"
+        if options.mode != Mode.plan or (json_output and largest):
+            raise UsageError(f"{flag} goes with --plan (alone)",
+                             f"python run_recipe.py ... --plan {flag}")  # fmt: skip
+        options.mode = Mode.plan_json if json_output else Mode.plan_largest
     return options, hydra_args
 
 
@@ -272,6 +277,8 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         console.print_violations(ranges)
         return EXIT_USAGE
     world = _planned_world(run)
+    if mode == Mode.plan_largest:
+        return _print_largest(run, world)
     auto = None
     if run.planner.auto_optimizer or run.planner.auto_activation:
         try:
@@ -337,6 +344,22 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     from offload_runner.launch import launch
 
     return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir), _time_stamped(cfg))
+
+
+def _print_largest(run: RunConfig, world: int | None) -> int:
+    """--plan --largest: the most layers of the recipe's model that fit here, and how."""
+    found = largest_slice(run, world)
+    if not found.layers:
+        console.fail(f"not even {run.model.pipeline_model_parallel_size} layer(s) of "
+                     f"{run.name} fit here", "add GPUs, offload more (offload/optimizer=auto), "
+                     "or set planner.gpu_memory_gb / planner.host_memory_gb")  # fmt: skip
+        return EXIT_FAILED
+    whole = " (the whole model)" if found.layers == run.model.num_layers else ""
+    how = found.choice.description if found.choice else "as configured"
+    console.console.print(f"[bold]largest:[/] model.num_layers={found.layers}{whole}, "
+                          f"{param_count(found.params)} params: {escape(how)}")  # fmt: skip
+    console.print_plan(found.plan, run.name)
+    return EXIT_OK
 
 
 def _time_stamped(cfg: DictConfig) -> bool:

@@ -130,6 +130,7 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
         ("[bold]GPU peak[/]", "gpu_peak"),
         ("host: pinned", "host_pinned"),
         ("host: CPU optimizer", "host_pageable"),
+        ("host: the rank's process", "host_process"),
     )
     for label, attribute in rows:
         table.add_row(label, *(f"{getattr(r, attribute) / GiB:.2f}" for r in worst.values()))

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from offload_runner.config.schema import (
     CpuOffloadEngine,
+    OptimizerDtype,
     RunConfig,
     cpu_adam_copies_during_backward,
     cpu_adam_delayed,
@@ -71,6 +72,10 @@ GiB = 1024**3
 # 16 bits of each fp32 master that its bf16 parameter lacks: 2 B instead of 4 (measured on the
 # proxy: 52.50 against 58.30 GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json).
 PARAM_REMAINDER_BYTES = 2
+# A rank's process beside what it pins or allocates for offload: the node's RAM in use at the
+# peak over the planned host bytes, in suites capacity-28 (one H200), profile-8 and cost-32 (one
+# H100): 5.7-6.0 GB with the OS's ~2 GB before the run; the planner's margin_gb keeps the OS's.
+HOST_PROCESS_BYTES = int(3.7 * GiB)
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
 # Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
 # the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
@@ -218,6 +223,7 @@ class RankPlan:
     workspace: int
     host_pinned: int
     host_pageable: int
+    host_process: int = 0  # the rank's own process: Python, torch, CUDA context, data
     cpu_adam_params: int = 0  # params this rank updates on the CPU each step
     delayed_params: int = 0  # ... one step late (delayed mode: all, or the routed experts')
     boundary_params: int = 0  # ... whose copies wait for the step boundary (delayed mode)
@@ -243,7 +249,7 @@ class RankPlan:
 
     @property
     def host(self) -> int:
-        return self.host_pinned + self.host_pageable
+        return self.host_pinned + self.host_pageable + self.host_process
 
     def as_dict(self) -> dict:
         counts = ("rank", "node", "stage", "cpu_adam_params", "delayed_params", "boundary_params",
@@ -280,7 +286,8 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     if not gpu_aware:
         return moments + 4
     master = DTYPE_BYTES[o.main_params_dtype.value]
-    return moments + (PARAM_REMAINDER_BYTES if master == 4 else master)
+    remainders = master == 4 and getattr(o, "store_param_remainders", True) is not False
+    return moments + (PARAM_REMAINDER_BYTES if remainders else master)
 
 
 def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
@@ -363,6 +370,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         + states
         + int(offloaded_layers * per_layer),
         host_pageable=on_cpu,
+        host_process=HOST_PROCESS_BYTES,
         cpu_adam_params=int(shard * hdo),
         delayed_params=int(sum(delayed)),
         boundary_params=int(sum(delayed)) if copies_at_boundary else 0,
@@ -458,7 +466,7 @@ class Plan:
     def limiting(self) -> str | None:
         """Which resource runs out first (None: both fit)."""
         gpu_use = (self.worst.gpu_peak / GiB + self.margin_gb) / self.gpu_capacity_gb
-        host_use = self.max_node_host_gb / self.host_capacity_gb
+        host_use = (self.max_node_host_gb + self.margin_gb) / self.host_capacity_gb
         if gpu_use <= 1 and host_use <= 1:
             return None
         return "gpu" if gpu_use >= host_use else "host"
@@ -828,6 +836,44 @@ class AutoChoice:
 STATES_STEP = ("states", {"optimizer.optimizer_cpu_offload": False,
                           "optimizer.optimizer_offload_fraction": 0.0,
                           "optimizer.offload_optimizer_states": True})  # fmt: skip
+# State offload's fractions auto tries (the rest of the states stays on the GPU).
+STATE_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+BF16_MOMENTS = {"optimizer.exp_avg_dtype": OptimizerDtype.bf16,
+                "optimizer.exp_avg_sq_dtype": OptimizerDtype.bf16}  # fmt: skip
+# What auto gives up, in this order, when nothing in the configured precision fits: Adam's
+# moments in bf16 (fp32 math), then the gradient buffer in bf16 too; the host engines only.
+PRECISION_TIERS = (
+    ("", {}),
+    ("bf16 moments", BF16_MOMENTS),
+    ("bf16 moments and gradients", {**BF16_MOMENTS, "ddp.grad_reduce_in_fp32": False}),
+)
+
+
+def states_ladder() -> list[tuple[str, dict]]:
+    """State offload at each of STATE_FRACTIONS."""
+    name, overrides = STATES_STEP
+    return [(name + ("" if f == 1.0 else f" optimizer.optimizer_state_offload_fraction={f}"),
+             {**overrides, "optimizer.optimizer_state_offload_fraction": f})
+            for f in STATE_FRACTIONS]  # fmt: skip
+
+
+def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
+    """offload/optimizer=auto's optimizer settings: (name, overrides, precision tier). Tier 0
+    keeps the configured precision; the next tiers (PRECISION_TIERS) are the host engines'
+    settings again with less precise state, tried only where tier 0 has nothing that fits."""
+    p = run.planner
+    ladder = optimizer_ladder(p.auto_engine, p.auto_delayed)
+    found = [(name, o, 0) for name, o in (*ladder, *states_ladder())]
+    host_engines = [
+        item
+        for item in (*ladder[1:], *states_ladder())
+        if p.auto_engine == CpuOffloadEngine.cpu_adam or "states" in item[0]
+    ]
+    for tier, (what, extra) in enumerate(PRECISION_TIERS[1:], start=1):
+        if _with(run, extra) == run:  # configured so already
+            continue
+        found += [(f"{name}, {what}", {**o, **extra}, tier) for name, o in host_engines]
+    return found
 
 
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
@@ -836,19 +882,18 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     them free: they overlap compute). offload/optimizer=auto weighs CPU Adam fractions
     (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
     p = run.planner
-    optimizer_steps = (
-        (*optimizer_ladder(p.auto_engine, p.auto_delayed), STATES_STEP)
-        if p.auto_optimizer
-        else (("as configured", {}),)
-    )
+    optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
     max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
     layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
     last, fitting = None, []
-    for opt_name, opt_overrides in optimizer_steps:
+    for opt_name, opt_overrides, tier in optimizer_steps:
+        if fitting and tier > fitting[0][5]:
+            break  # a more precise setting fits
         for layers in layer_counts:
             overrides = dict(opt_overrides)
             if p.auto_optimizer:
                 overrides.setdefault("optimizer.offload_optimizer_states", False)
+                overrides.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
             if layers is not None:
                 overrides.update({"model.cpu_offloading": layers > 0,
                                   "model.cpu_offloading_num_layers": layers,
@@ -857,7 +902,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             plan = make_plan(candidate, world)
             last = plan
             if plan.limiting is None:
-                fitting.append((opt_name, layers, overrides, candidate, plan))
+                fitting.append((opt_name, layers, overrides, candidate, plan, tier))
                 break  # more layers of this optimizer setting only cost more
     if not fitting:
         assert last is not None
@@ -870,11 +915,11 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     cost = step_cost(run, fitting[0][4].gpus_per_node) if p.auto_optimizer else None
 
     def seconds(item) -> float:
-        _, _, _, candidate, plan = item
+        _, _, _, candidate, plan, _ = item
         return max(cost.seconds(candidate, r) for r in plan.ranks) if cost else 0.0
 
     best = min(fitting, key=seconds)  # ties: the earlier, smaller offload
-    opt_name, layers, overrides, candidate, plan = best
+    opt_name, layers, overrides, candidate, plan, tier = best
     parts = []
     if p.auto_optimizer:
         parts.append(f"offload/optimizer={opt_name}")
@@ -884,6 +929,8 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
            f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
            f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
+    if tier:
+        why += f"; {PRECISION_TIERS[tier][0]}: nothing in the configured precision fits"
     if cost:
         worst = max(plan.ranks, key=lambda r: cost.seconds(candidate, r))
         why += (f"; predicted +{seconds(best):.2f} s per step: "
@@ -892,3 +939,47 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         if others:
             why += f"; also fits: {', '.join(others)}"
     return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+
+
+# --- the largest slice of a recipe that fits ------------------------------------------------------
+
+
+@dataclass
+class Largest:
+    layers: int  # model.num_layers of the largest slice that fits (0: none)
+    params: int
+    plan: Plan | None
+    choice: AutoChoice | None  # auto's setting there, where auto is on
+
+
+def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
+    """The most layers of ``run``'s model (up to its own num_layers, in steps of the pipeline
+    size) that fit here: as configured, or with auto's choice at each size. Fitting only gets
+    harder with more layers, so a bisection finds it."""
+    step = run.model.pipeline_model_parallel_size * (run.model.virtual_pipeline_model_parallel_size
+                                                     or 1)  # fmt: skip
+    auto = run.planner.auto_optimizer or run.planner.auto_activation
+
+    def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:
+        sliced = _with(run, {"model.num_layers": layers})
+        if auto:
+            try:
+                choice = choose_offload(sliced, world)
+            except ValueError:
+                return None, None
+            return choice.plan, choice
+        plan = make_plan(sliced, world)
+        return (plan if plan.limiting is None else None), None
+
+    lo, hi = 0, run.model.num_layers // step  # in steps; lo fits (0: trivially), hi unknown
+    best: tuple[Plan | None, AutoChoice | None] = (None, None)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = at(mid * step)
+        if found[0] is not None:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    layers = lo * step
+    params = count_parameters(_with(run, {"model.num_layers": layers}).model).total if layers else 0
+    return Largest(layers, params, best[0], best[1])

@@ -520,7 +520,7 @@ class PlannerConfig:
 
     gpu_memory_gb: Optional[float] = None  # null: the visible GPU's size (80 when none is visible)
     host_memory_gb: Optional[float] = None  # null: this machine's RAM
-    margin_gb: float = 2.0  # GPU memory auto keeps free
+    margin_gb: float = 2.0  # GPU memory, and host RAM per node, that a plan keeps free
     auto_optimizer: bool = False  # offload/optimizer=auto
     # ... with which CPU offload engine: cpu_adam (measured 2-3x faster) or hybrid (HDO)
     auto_engine: CpuOffloadEngine = CpuOffloadEngine.cpu_adam
