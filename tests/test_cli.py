@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import PROJECT_ROOT as ROOT
 from conftest import run_cli
 
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Mode, main, split_argv
@@ -135,6 +136,25 @@ def test_help_lists_groups_options_and_recipes(capsys) -> None:
         assert flag in printed
     assert "recipe: llama3_8b, qwen3_30b_a3b, qwen3_30b_a3b_proxy, tiny" in printed
     assert "--dry-run" in printed
+
+
+def test_help_and_list_recipes_start_fast_and_quiet() -> None:
+    """A newcomer's first commands: no library warning before our words, and neither torch nor
+    Megatron-Core imported (they take seconds); the page is Hydra's own template."""
+    import subprocess
+    import sys
+
+    from offload_runner.cli import help_text
+
+    for flag in ("--help", "--list-recipes"):
+        done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "run_recipe.py"),
+                               flag], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0
+        imported = [line.split("|")[-1].strip() for line in done.stderr.splitlines()
+                    if line.startswith("import time:")]  # fmt: skip
+        assert not {"torch", "megatron.core"} & set(imported), flag
+        assert "Warning" not in done.stderr and "warn" not in done.stdout.lower()
+    assert "== Config groups (group=option) ==" in help_text()
 
 
 def test_hydra_cfg_job_and_info_defaults(capsys) -> None:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib.metadata import PackageNotFoundError, version
+
+# Megatron-Core warns at import, once per module, that Transformer Engine and Apex are missing (on
+# a CPU machine, always). Where TE matters (training, TE-only options) validation says so in one
+# line with its fix; the import warnings would only come first.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 
 def package_version(name: str = "offload-runner") -> str:

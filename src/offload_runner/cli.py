@@ -436,12 +436,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         from offload_runner.sweep import collect_and_report
 
         return collect_and_report(options.collect)
-    register_all(options.extra_recipes)
-    if options.list_recipes:
+    if options.list_recipes:  # neither needs the schema (Megatron-Core's fields): fast
         paths = recipe_paths(options.extra_recipes)
         console.print_recipes({name: recipe_description(p) for name, p in paths.items()})
         return EXIT_OK
+    if hydra_args in (["--help"], ["-h"]):
+        print(help_text())
+        return EXIT_OK
+    register_all(options.extra_recipes)
     return _run_hydra(options, hydra_args)
+
+
+def help_text() -> str:
+    """Hydra's --help page from conf/config.yaml's hydra.help template, its groups listed from
+    conf/ as Hydra lists them, without composing (the schema imports Megatron-Core: seconds)."""
+    help_cfg = OmegaConf.load(CONF_DIR / "config.yaml").hydra.help
+    groups = "\n".join(f"{group}: {', '.join(options)}"
+                       for group, options in sorted(config_groups().items()))  # fmt: skip
+    return (help_cfg.template.replace("${hydra.help.header}", help_cfg.header)
+            .replace("${hydra.help.footer}", help_cfg.footer)
+            .replace("$APP_CONFIG_GROUPS", groups + "\n"))  # fmt: skip
 
 
 def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
