@@ -48,8 +48,31 @@ def test_bridge_command_dry_run_saves_the_resolved_config(tmp_path: Path, capsys
     overrides = yaml.safe_load((out / "overrides.yaml").read_text())
     assert "optimizer.optimizer_offload_fraction=0.5" in overrides
     printed = capsys.readouterr().out
-    assert "offload summary" in printed and "optimizer (hybrid)" in printed
-    assert "checked" in printed
+    assert "offloaded" in printed and "optimizer (hybrid)" in printed
+    assert "checked" in printed and "plan: " in printed
+
+
+def test_dry_run_is_a_summary_at_80_columns_and_the_tree_is_behind_full(tmp_path: Path) -> None:
+    """What is offloaded, what the command line changed, whether it fits, the checks: a screen,
+    not the resolved tree (485 lines before), which --full adds."""
+    args = ("--recipe", "qwen3_30b_a3b_proxy", "offload/optimizer=states",
+            "offload/activation=enabled", "--dry-run")  # fmt: skip
+    env_cols = {"COLUMNS": "80"}
+    short = run_cli(*args, f"output_dir={tmp_path}/a", env=env_cols)
+    assert short.returncode == EXIT_OK
+    lines = short.stdout.splitlines()
+    assert len(lines) <= 80 and all(len(line) <= 80 for line in lines)
+    for said in (
+        "changed on the command line:",
+        "optimizer states (offload/optimizer=states)",
+        "plan: ",
+        "checked",
+        "add --full",
+    ):
+        assert said in short.stdout
+    full = run_cli(*args, "--full", f"output_dir={tmp_path}/b", env=env_cols)
+    assert full.returncode == EXIT_OK and len(full.stdout.splitlines()) > 200
+    assert run_cli("--recipe", "tiny", "--full").returncode == EXIT_USAGE
 
 
 def test_hydra_native_command(tmp_path: Path, capsys) -> None:
@@ -390,3 +413,42 @@ def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, c
             f"output_dir={tmp_path}/run"]  # fmt: skip
     assert main(args) == EXIT_FAILED  # the machine lacks it: not a usage error
     assert "Transformer Engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("train.micro_batch_size=1.5",), "could not be converted to Integer"),
+        (("optimizer.lr=abc",), "could not be converted to Float"),
+        (("offload/optimizer=nosuch",), "offload/optimizer has no option 'nosuch'"),
+        (("stray",), "can not read the override 'stray'"),
+        (("model.num_layers=",), "model.num_layers="),
+        (("model.offload_modules=[nosuch]",), "expected one of"),
+        (("offload/optimizer=states", "offload/optimizer=cpu_50"), "is given twice"),
+        (("-m", "offload/optimizer=cpu_25,cpu_999"), "has no option 'cpu_999'"),
+        (("checkpoint.load=/does/not/exist",), "does not exist"),
+    ],
+    ids=[
+        "int",
+        "float",
+        "group-option",
+        "stray-word",
+        "empty",
+        "enum",
+        "group-twice",
+        "sweep",
+        "missing-checkpoint",
+    ],
+)
+def test_bad_input_is_one_line_and_a_fix_and_writes_nothing(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    """What Hydra would refuse in its own form (and what it would silently accept: a group given
+    twice, a resume from nowhere) is refused in ours before anything starts: exit 2, the error
+    and a fix line, no traceback, no Hydra hint, no output folder."""
+    done = run_cli("--recipe", "tiny", *args, "--dry-run", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
+    err = done.stderr
+    assert said in err and "fix:" in err
+    assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
+    assert not any(tmp_path.iterdir())

@@ -16,6 +16,16 @@ def iteration_dir(root: Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def has_checkpoint(path: str | Path | None) -> bool:
+    """``path`` holds a checkpoint to load (a save folder or an iteration folder)."""
+    if not path:
+        return False
+    path = Path(path)
+    return (path / LATEST).is_file() or (path / "metadata.json").is_file() or (
+        path.is_dir() and any(path.iterdir())
+    )  # fmt: skip
+
+
 def resolve_load_dir(path: str | Path) -> Path:
     """A save folder (its latest iteration) or an iteration folder."""
     path = Path(path)

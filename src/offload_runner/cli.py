@@ -48,6 +48,7 @@ from offload_runner.config.compose import (
     to_run_config,
     unknown_keys,
 )
+from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
@@ -56,6 +57,7 @@ from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, validate, value_violations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
 class Mode(str, Enum):
@@ -64,6 +66,7 @@ class Mode(str, Enum):
     plan = "plan"
     plan_json = "plan_json"
     plan_largest = "plan_largest"
+    dry_run_full = "dry_run_full"  # --dry-run --full: the whole resolved config too
     verify = "verify"
 
 
@@ -74,6 +77,7 @@ class CliOptions:
     version: bool = False
     collect: Path | None = None
     extra_recipes: list[Path] = field(default_factory=list)  # recipe files named by path
+    overrides: list[str] = field(default_factory=list)  # the command line's key=value, group=opt
 
 
 MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.verify}
@@ -98,7 +102,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     hydra_args: list[str] = []
     hydra_flags: list[str] = []  # Hydra's own flags go first: argparse takes overrides after them
     args = list(argv)
-    json_output = largest = False
+    json_output = largest = full = False
     while args:
         arg = args.pop(0)
         if arg in MODE_FLAGS:
@@ -110,6 +114,8 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             json_output = True
         elif arg == "--largest":
             largest = True
+        elif arg == "--full":
+            full = True
         elif arg == "--list-recipes":
             options.list_recipes = True
         elif arg == "--version":
@@ -144,7 +150,13 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
+    options.overrides = list(hydra_args)
     hydra_args = hydra_flags + hydra_args
+    if full:
+        if options.mode != Mode.dry_run:
+            raise UsageError("--full goes with --dry-run",
+                             "python run_recipe.py ... --dry-run --full")  # fmt: skip
+        options.mode = Mode.dry_run_full
     if json_output or largest:
         flag = "--json" if json_output else "--largest"
         if options.mode != Mode.plan or (json_output and largest):
@@ -249,7 +261,8 @@ class _Outcome:
 
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
-    if mode in (Mode.dry_run, Mode.plan, Mode.plan_json) and os.environ.get("RANK", "0") != "0":
+    quiet = (Mode.dry_run, Mode.dry_run_full, Mode.plan, Mode.plan_json, Mode.plan_largest)
+    if mode in quiet and os.environ.get("RANK", "0") != "0":
         return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
     unknown = unknown_keys(cfg)
     if unknown:  # from a recipe file, or added with + on the command line
@@ -275,6 +288,10 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     ranges = value_violations(run)
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
+        return EXIT_USAGE
+    missing = _missing_checkpoint(run)
+    if missing:
+        console.fail(*missing)
         return EXIT_USAGE
     world = _planned_world(run)
     if mode == Mode.plan_largest:
@@ -318,14 +335,8 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         return EXIT_OK if plan.limiting is None else EXIT_FAILED
 
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    if mode == Mode.dry_run:
-        console.print_config_tree(resolved, title=f"recipe {run.name}")
-        console.print_offload_summary(summarize(run))
-        console.print_checks(violations)
-        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
-                                 unique=_time_stamped(cfg))  # fmt: skip
-        console.console.print(f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]")
-        return EXIT_OK
+    if mode in (Mode.dry_run, Mode.dry_run_full):
+        return _dry_run(run, cfg, resolved, violations, world, full=mode == Mode.dry_run_full)
     if mode == Mode.verify and not any_enabled(run):
         console.fail(
             "--verify compares a run with offload against one without, and nothing is offloaded",
@@ -344,6 +355,50 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     from offload_runner.launch import launch
 
     return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir), _time_stamped(cfg))
+
+
+def _dry_run(run: RunConfig, cfg: DictConfig, resolved: dict, violations, world: int | None,
+             full: bool) -> int:  # fmt: skip
+    """--dry-run: what is offloaded, what the command line changed, whether it fits, the checks;
+    the whole resolved config with --full. Saves the config in the run directory."""
+    if full:
+        console.print_config_tree(resolved, title=f"recipe {run.name}")
+    console.console.print(
+        f"[bold]recipe[/] {run.name}; changed on the command line: "
+        f"{' '.join(_task_overrides()) or 'nothing'}",
+        highlight=False,
+    )
+    console.print_offload_summary(summarize(run))
+    plan = make_plan(run, world)
+    verdict = "fits" if plan.limiting is None else f"does not fit ({plan.limiting} runs out first)"
+    console.console.print(
+        f"[bold]plan[/]: {verdict}: GPU peak {plan.worst.gpu_peak / 2**30:.1f} of "
+        f"{plan.gpu_capacity_gb:.0f} GB, host {plan.max_node_host_gb:.1f} of "
+        f"{plan.host_capacity_gb:.0f} GB per node (--plan for the table)",
+        highlight=False,
+    )
+    console.print_checks(violations)
+    run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
+                             unique=_time_stamped(cfg))  # fmt: skip
+    console.console.print(
+        f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]"
+        + ("" if full else " (the whole of it: add --full)")
+    )
+    return EXIT_OK
+
+
+def _missing_checkpoint(run: RunConfig) -> tuple[str, str] | None:
+    """checkpoint.load names a folder that is not there: a resume that would silently start from
+    scratch. Allowed where it is checkpoint.save too (resume if there, else start: a job that
+    restarts itself)."""
+    load = run.checkpoint.load
+    if not load or Path(load).exists() or load == run.checkpoint.save:
+        return None
+    return (
+        f"checkpoint.load={load} does not exist: the run would start from scratch",
+        "point it at a saved run's checkpoint folder, set checkpoint.save to the same folder "
+        "to resume it when there and start it when not, or drop checkpoint.load",
+    )
 
 
 def _print_largest(run: RunConfig, world: int | None) -> int:
@@ -423,6 +478,15 @@ def version_line() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; Ctrl-C anywhere ends it with one line and exit 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        console.err_console.print("interrupted")
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options, hydra_args = split_argv(argv)
@@ -444,6 +508,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(help_text())
         return EXIT_OK
     register_all(options.extra_recipes)
+    try:
+        check_overrides(options.overrides, options.extra_recipes)
+    except OverrideError as err:
+        console.fail(str(err), err.fix)
+        return EXIT_USAGE
     return _run_hydra(options, hydra_args)
 
 

@@ -40,21 +40,19 @@ def print_config_tree(container: Mapping[str, Any], title: str = "config") -> No
 
 
 def print_offload_summary(rows: Iterable[OffloadSummary]) -> None:
-    table = Table(title="offload summary", title_justify="left")
-    table.add_column("mechanism", no_wrap=True)
-    table.add_column("selected by", no_wrap=True)
-    table.add_column("on", no_wrap=True)
-    table.add_column("what moves to the CPU")
-    table.add_column("note")
-    for row in rows:
-        table.add_row(
-            row.mechanism,
-            row.group,
-            "[green]yes[/]" if row.enabled else "no",
-            escape(row.moves),
-            escape(row.note),
-        )
-    console.print(table)
+    """What is offloaded: one paragraph per mechanism that is on (readable at 80 columns), the
+    ones that are off in one line."""
+    rows = list(rows)
+    console.print("[bold]offloaded[/]")
+    for row in (r for r in rows if r.enabled):
+        note = f" {row.note}." if row.note else ""
+        console.print(f"  [green]{escape(row.mechanism)}[/] ({escape(row.group)}): "
+                      f"{escape(row.moves)}.{escape(note)}", highlight=False)  # fmt: skip
+    off = [r.mechanism for r in rows if not r.enabled]
+    if len(off) == len(rows):
+        console.print("  nothing")
+    if off:
+        console.print(f"  off: {', '.join(off)}", highlight=False)
 
 
 def print_checks(violations: list[Violation]) -> None:
@@ -65,9 +63,9 @@ def print_checks(violations: list[Violation]) -> None:
         "TransformerConfig / OptimizerConfig / DDP config checks: no errors"
         + (f", {len(warned)} warning(s)" if warned else "")
     )
-    for v in warned:
-        console.print(f"[yellow]warning:[/] {escape(v.message)}", highlight=False, soft_wrap=True)
-        console.print(f"  [bold]fix:[/] {escape(v.fix)}", highlight=False, soft_wrap=True)
+    for v in warned:  # wrapped to the terminal: a summary, not a log line
+        console.print(f"[yellow]warning:[/] {escape(v.message)}", highlight=False)
+        console.print(f"  [bold]fix:[/] {escape(v.fix)}", highlight=False)
 
 
 def print_violations(violations: list[Violation]) -> None:
