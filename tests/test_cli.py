@@ -452,3 +452,20 @@ def test_bad_input_is_one_line_and_a_fix_and_writes_nothing(
     assert said in err and "fix:" in err
     assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_training_is_refused_before_it_starts_when_host_ram_is_short() -> None:
+    """DeepSpeed users meet page-locked allocations that fail half way: here the plan's host
+    side (with each rank's process and the margin) is held against the node's RAM first."""
+    from offload_runner.cli import host_ram_short
+    from tests.conftest import compose_run
+
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=states",
+                      "planner.host_memory_gb=30")  # fmt: skip
+    message, fix = host_ram_short(run, 1)
+    assert "needs" in message and "the node has 30 GB" in message
+    assert "optimizer.exp_avg_dtype=bf16" in fix
+    bf16 = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=states",
+                       "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16",
+                       "planner.host_memory_gb=30")  # fmt: skip
+    assert host_ram_short(bf16, 1) is None

@@ -345,6 +345,10 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         return EXIT_USAGE
     if not _gpu_visible():
         return EXIT_FAILED
+    short = host_ram_short(run, world)
+    if short:  # page-locked allocations would fail half way in (or the node would swap)
+        console.fail(*short)
+        return EXIT_USAGE
     console.print_offload_summary(summarize(run))
     if mode == Mode.verify:
         from offload_runner.verify import verify
@@ -385,6 +389,21 @@ def _dry_run(run: RunConfig, cfg: DictConfig, resolved: dict, violations, world:
         + ("" if full else " (the whole of it: add --full)")
     )
     return EXIT_OK
+
+
+def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
+    """The plan needs more host RAM per node than the node has (planner.host_memory_gb, by
+    default this machine's): the error and its fix, else None."""
+    plan = make_plan(run, world)
+    need, have = plan.max_node_host_gb + plan.margin_gb, plan.host_capacity_gb
+    if need <= have:
+        return None
+    return (f"this run needs {need:.1f} GB of host RAM per node ({plan.margin_gb:g} GB of it "
+            f"margin), the node has {have:.0f} GB: its page-locked allocations would fail",
+            "offload less or store less (offload/optimizer=auto picks what fits; bf16 moments: "
+            "optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16; a smaller "
+            "optimizer.optimizer_state_offload_fraction), or set planner.host_memory_gb to the "
+            "RAM of the nodes it runs on")  # fmt: skip
 
 
 def _missing_checkpoint(run: RunConfig) -> tuple[str, str] | None:
