@@ -242,8 +242,8 @@ PY3
   echo "### Exact mode: landing during the next forward (suite \`cpu-adam-landing\`)"
   echo
   echo "\`step()\` hands the update to the CPU and returns; the pieces run in forward order and each"
-  echo "module's forward waits for its own parameters (\`optimizer.cpu_adam_land_during_forward\`, on"
-  echo "where no data-parallel all-gather follows the step). Against landing within the step, one"
+  echo "module's forward waits for its own parameters (always, where no data-parallel all-gather"
+  echo "follows the step: the key that turned it off went after this suite). Against landing within the step, one"
   echo "H200, one call (\`bash bench/device_session.sh cpu-adam-landing\`):"
   echo
   python - <<'PY'

@@ -101,7 +101,7 @@ def test_activation_offload_tracks_baseline(root: str) -> None:
 
 def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
     run = train(Path(root) / "states", "offload/optimizer=states",
-                "optimizer.offload_states_window_mb=4")  # fmt: skip
+                "optimizer.optimizer_state_offload_chunk_size_mb=1")  # fmt: skip
     base = baseline(root)
     assert run["losses"] == base["losses"]
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
@@ -135,9 +135,6 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
     assert on_gpu.get("cpu_offloaded_params", 0) == 0
     assert run["losses"] == hdo["losses"]
     assert run["cpu_adam_lands_in_forward"]  # one GPU: the next forward waits module by module
-    within_step = train(Path(root) / "cpu-adam-within-step", *iters, *ALL_ON_CPU,
-                        "optimizer.cpu_adam_land_during_forward=false")  # fmt: skip
-    assert within_step["losses"] == run["losses"]
     assert run["losses"][:2] == on_gpu["losses"][:2]  # the first update: the same bf16 weights
     assert max_delta(run["losses"][:3], base["losses"][:3]) < 1e-3
     assert delta <= max_delta(hdo["losses"], base["losses"])

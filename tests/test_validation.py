@@ -376,12 +376,6 @@ CASES = [
         "offload_optimizer_states requires optimizer.optimizer=adam",
     ),
     Case(
-        "states_window_positive",
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_window_mb=0"),
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.offload_states_window_mb=64"),
-        "offload_states_window_mb must be at least 1",
-    ),
-    Case(
         "states_need_bf16",
         ("recipe=tiny", "offload/optimizer=states", "model.bf16=false"),
         ("recipe=tiny", "model.bf16=false"),

@@ -520,12 +520,6 @@ RULES: tuple[Rule, ...] = (
         "set optimizer.use_distributed_optimizer=true",
     ),
     Rule(
-        "states_window_positive",
-        lambda c, e: c.optimizer.offload_states_window_mb < 1,
-        "offload_states_window_mb must be at least 1 (MiB of GPU window the states pass through)",
-        "e.g. optimizer.offload_states_window_mb=512",
-    ),
-    Rule(
         "states_need_bf16",
         lambda c, e: states_offloaded(c) and not c.model.bf16,
         "offload/optimizer=states streams the fp32 masters of bf16 parameters, and model.bf16="
@@ -1021,7 +1015,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
 # Fields whose range has a row of its own in RULES, with a message of its own, are left out:
 # optimizer.optimizer_offload_fraction, cpu_adam_threads, cpu_adam_chunk_mb, cpu_adam_exact_steps,
-# offload_states_window_mb.
+# optimizer_state_offload_chunk_size_mb.
 RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("model", "num_layers"): (1, None),
     ("model", "hidden_size"): (1, None),

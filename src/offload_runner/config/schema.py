@@ -73,6 +73,7 @@ class OptimizerType(str, Enum):
 
 # Pieces in a state window: one in Adam, one going out, one or two coming in.
 WINDOW_PIECES = 4
+DEFAULT_WINDOW_MB = 512
 
 
 class OptimizerDtype(str, Enum):
@@ -303,11 +304,6 @@ class OptimizerConfig:
     cpu_adam_threads: Optional[int] = None
     # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
     cpu_adam_chunk_mb: int = 64
-    # Exact updates land during the next forward: step() returns once the update is handed to
-    # the CPU, which runs it in forward order, and each module's forward waits for its own
-    # parameters alone (where no data-parallel parameter all-gather follows the step; else
-    # step() waits for the whole update). false: step() always waits.
-    cpu_adam_land_during_forward: bool = True
     # Exact mode: this share of the offloaded params has its Adam on the GPU instead, its
     # masters and moments (on the host like the rest) streamed through a GPU window of 4 pieces
     # during the step while the CPU updates the others: the CPU and the link work at once
@@ -323,16 +319,14 @@ class OptimizerConfig:
     # elsewhere, and with false, at step()).
     cpu_adam_copy_during_backward: bool = True
 
-    # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU ...
+    # offload-runner: states + fp32 master weights live on the CPU, Adam runs on the GPU; they
+    # stream through a GPU window of 4 pieces during the step (one updated, one going out, the
+    # next coming in). Megatron-Core's own state-offload keys (its dev branch, PR 6244; in no
+    # release up to 0.19) drive the same engine: chunked_optimizer_state_offload=true is
+    # offload_optimizer_states (its deprecated alias there), pieces of the chunk size's MiB (0,
+    # the whole state at once there: the default window here, 512 MiB), and the fraction keeps
+    # the rest of the states (1 - fraction of the shard) on the GPU, updated there.
     offload_optimizer_states: bool = False
-    # ... streamed through a GPU window of this many MiB during the step (4 pieces: one updated,
-    # one going out, the next coming in)
-    offload_states_window_mb: int = 512
-    # Megatron-Core's own state-offload keys (its dev branch, PR 6244; in no release up to 0.19),
-    # run by the engine above: chunked_optimizer_state_offload=true is offload_optimizer_states
-    # (its deprecated alias there), a chunk of N MiB is a window of 4 such pieces (0: the whole
-    # state at once there; the default window here), and the fraction keeps the rest of the
-    # states (1 - fraction of the shard) on the GPU, updated there.
     chunked_optimizer_state_offload: bool = False
     optimizer_state_offload_chunk_size_mb: int = 0
     optimizer_state_offload_fraction: float = 1.0
@@ -607,11 +601,11 @@ def states_offloaded(run: RunConfig) -> bool:
 
 
 def states_window_mb(run: RunConfig) -> int:
-    """The state window: offload_states_window_mb, or 4 chunks of Megatron-Core's
-    optimizer_state_offload_chunk_size_mb where that is set."""
+    """The state window: 4 pieces of optimizer_state_offload_chunk_size_mb (0: DEFAULT_WINDOW_MB;
+    suite states measured 128, 512 and 2048 MiB windows, their optimizer phase the same)."""
     o = run.optimizer
     chunk = o.optimizer_state_offload_chunk_size_mb
-    return chunk * WINDOW_PIECES if chunk > 0 else o.offload_states_window_mb
+    return chunk * WINDOW_PIECES if chunk > 0 else DEFAULT_WINDOW_MB
 
 
 def low_precision_moments(run: RunConfig) -> bool:

@@ -27,7 +27,7 @@ One step, exact mode (Megatron-Core calls ``step()`` after the norm and clipping
    as on the CPU, but the CPU spends its memory bandwidth on Adam alone; the link carries 4 B/param
    up instead of 2, and it is idle otherwise);
 4. meanwhile the GPU part of Adam runs on the compute stream;
-5. landing during the forward (``optimizer.cpu_adam_land_during_forward``, where no data-parallel
+5. landing during the forward (where no data-parallel
    parameter all-gather follows the step): ``step()`` returns once every piece is handed over;
    the pieces run in forward order (the DDP buffer's reverse), and a forward pre-hook on each
    module that holds parameters makes the compute stream wait for the landing of the last piece
@@ -1056,7 +1056,9 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
     threads = default_threads(run, cpus)
-    in_forward = [o.cpu_adam_land_during_forward and not _gathers_params(p) for p in parts]
+    # exact updates land during the next forward, module by module, where no data-parallel
+    # parameter all-gather follows the step (suite cpu-adam-landing: faster than within the step)
+    in_forward = [not _gathers_params(p) for p in parts]
     # DDP scales every gradient, the experts' too, by 1 / data-parallel size after the backward
     in_backward = [cpu_adam_copies_during_backward(run, _data_parallel_size())] * len(parts)
     # One worker runs every part's update in the order their step() hands them over: Megatron-
@@ -1098,7 +1100,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                  f"up to step {BALANCE_STEPS}, then stays" if balanced_share(run)
                  else "the planner's balance, fixed: model.deterministic_mode"
                  if o.cpu_adam_gpu_share is None else "optimizer.cpu_adam_gpu_share")  # fmt: skip
-    if o.cpu_adam_land_during_forward and not all(in_forward):
+    if not all(in_forward):
         log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
                  "after the step land within step() (the all-gather needs them whole); "
                  "the others land during the next forward")  # fmt: skip

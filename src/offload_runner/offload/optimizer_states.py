@@ -3,8 +3,8 @@
 Not in any megatron-core release. ``WindowedStates`` is the inner optimizer of Megatron-Core's
 precision-aware DistributedOptimizer (host_adam.HostAdam: layout, checkpoints), so the GPU never
 holds the states and masters whole. They live in page-locked host arrays (12 B/param) and the Adam
-step streams them through a GPU window of ``offload_states_window_mb`` MiB, split into ``SLOTS``
-slots of one piece each:
+step streams them through a GPU window (512 MiB, or 4 pieces of
+``optimizer_state_offload_chunk_size_mb``), ``SLOTS`` slots of one piece each:
 
 1. at the tail of backward (Megatron-Core's gradient finalize, before the data-parallel reduction)
    the side stream ``h2d`` starts bringing in the first ``SLOTS`` pieces (masters, exp_avg,
