@@ -11,6 +11,7 @@ import inspect
 import logging
 import os
 import time
+from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 
@@ -152,160 +153,223 @@ def per_chunk(items: list):
     return items[0] if len(items) == 1 else items
 
 
+@dataclass
+class Rank:
+    """What one rank trains with, built by ``build``."""
+
+    run: RunConfig
+    model: list
+    optimizer: object
+    scheduler: object
+    engines: list  # the host engines (CPU Adam, windowed state offload): closed at the end
+    data: list
+    micro_batches: int
+    dp_size: int
+    start: int  # the iteration a resumed run continues after
+    startup: Startup
+
+
 def train(run: RunConfig, run_dir: Path) -> dict:
     """Train ``run`` on this rank; returns the summary (rank 0 also writes it)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    rank = build(run)
+    try:  # the engines' threads and host memory go on failure and Ctrl-C too
+        return loop(rank, run_dir)
+    finally:
+        for engine in rank.engines:
+            engine.close()
 
-    from offload_runner import checkpoint
-    from offload_runner.mcore.data import build_data_iterator, build_train_dataset
+
+def build(run: RunConfig) -> Rank:
+    """Parallel state, model, optimizer (with the offload engines), schedule, the checkpoint to
+    resume from, data."""
+    from megatron.core.distributed import finalize_model_grads
+
     from offload_runner.mcore.megatron_config import build_transformer_config
     from offload_runner.mcore.model import build_model
     from offload_runner.mcore.optimizer import build_optimizer, build_scheduler
     from offload_runner.offload import cpu_adam, host_adam, optimizer_states
-    from offload_runner.profiling import IterationProfiler
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     startup = Startup(is_node_sampler=local_rank == 0)
     initialize(run)
     startup.phase("process_group")
-    t, m = run.train, run.model
-    config = build_transformer_config(m)
+    config = build_transformer_config(run.model)
     model = build_model(run, config)
     startup.phase("model")
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    engines = host_adam.engines(optimizer)  # CPU Adam, windowed state offload
-    try:  # the engines' threads and host memory go on failure and Ctrl-C too
+    engines = host_adam.engines(optimizer)
+    try:
         scheduler = build_scheduler(run, optimizer)
         startup.phase("optimizer")
         config.finalize_model_grads_func = finalize_model_grads
-        cpu_engines = cpu_adam.engines(optimizer)
         # delayed CPU Adam copying during the last micro-batch's backward arms at no_sync's exit
         config.no_sync_func = cpu_adam.arming(per_chunk([chunk.no_sync for chunk in model]),
-                                              cpu_engines)  # fmt: skip
+                                              cpu_adam.engines(optimizer))  # fmt: skip
         config.grad_scale_func = optimizer.scale_loss
-
-        start = 0
-        if checkpoint.has_checkpoint(run.checkpoint.load):
-            start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
-            log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
-            startup.phase("checkpoint_load")
-        elif run.checkpoint.load:  # the same folder as checkpoint.save (the CLI allows no other)
-            log.info("no checkpoint in %s yet: starting from scratch", run.checkpoint.load)
+        start = _resume(run, model, optimizer, scheduler, startup)
         optimizer_states.attach(optimizer, config)
-
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
-        dataset = build_train_dataset(run)
-        # The interleaved schedule draws each micro-batch once per model chunk: one iterator each.
-        data = [build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
-                for _ in model]  # fmt: skip
-        startup.phase("data")
-        forward_backward = get_forward_backward_func()
-        tokens = t.global_batch_size * m.seq_length
-        flops = training_flops_per_token(m) * tokens / dist.get_world_size()
-        is_writer = dist.get_rank() == 0
-        log.info(
-            "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s; ready after %s",
-            dist.get_world_size(), dp_size, m.context_parallel_size, micro_batches,
-            t.micro_batch_size,
-            type(optimizer).__name__,
-            ", ".join(f"{name} {s:.1f} s" for name, s in startup.phases.items()),
-        )  # fmt: skip
-
-        def save(iteration: int) -> None:
-            for engine in engines:
-                engine.finish()  # host masters and states complete (a delayed update: not landed)
-            checkpoint.save_checkpoint(run.checkpoint.save, iteration, model, optimizer, scheduler,
-                                       run.checkpoint.fully_parallel_save)  # fmt: skip
-
-        reporter = MetricsReporter(run_dir, t.train_iters, start, is_writer, run.logger,
-                                   resolved_config(run_dir) if is_writer else None)  # fmt: skip
-        peak_so_far = torch.cuda.max_memory_allocated() / GB
-        saved_at = None
-        profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
-        collector = ManualGC(t.manual_gc, t.manual_gc_interval)
-        with reporter, collector:
-            for iteration in range(start + 1, t.train_iters + 1):
-                profiler.begin(iteration)
-                collector.step(iteration)
-                # The compute stream only: offload copies on side streams may run on.
-                torch.cuda.current_stream().synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                began = time.perf_counter()
-                phase = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                phase[0].record()
-                for chunk in model:
-                    chunk.zero_grad_buffer()
-                optimizer.zero_grad()
-                losses = forward_backward(
-                    forward_step_func=forward_step,
-                    data_iterator=per_chunk(data),
-                    model=model,
-                    num_microbatches=micro_batches,
-                    seq_length=m.seq_length,
-                    micro_batch_size=t.micro_batch_size,
-                    forward_only=False,
-                )
-                phase[1].record()
-                fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
-                torch.cuda.reset_peak_memory_stats()
-                _, grad_norm, _ = optimizer.step()
-                cpu_adam.grads_clipped(cpu_engines, grad_norm)  # gradients taken before clipping
-                scheduler.step(increment=t.global_batch_size)
-                loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
-                torch.cuda.current_stream().synchronize()
-                elapsed = time.perf_counter() - began
-                fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000
-                step_peak, allocated = gpu_memory()
-                peak_so_far = max(peak_so_far, fwd_bwd_peak, step_peak)
-                startup.first_step_done()
-                startup.sample_host()
-                pinned = host_pinned_bytes()
-                if pinned is not None:  # registered with cudaHostRegister, not torch's
-                    pinned += sum(engine.pinned_bytes for engine in engines)
-                reporter.record(
-                    StepMetrics(
-                        iteration=iteration,
-                        loss=loss,
-                        lr=optimizer.param_groups[0]["lr"],
-                        grad_norm=None if grad_norm is None else float(grad_norm),
-                        step_time_s=elapsed,
-                        fwd_bwd_time_s=fwd_bwd_s,
-                        optimizer_time_s=max(elapsed - fwd_bwd_s, 0.0),
-                        tokens_per_s=tokens / elapsed,
-                        tflops_per_gpu=flops / elapsed / 1e12,
-                        gpu_peak_allocated_gb=peak_so_far,
-                        gpu_peak_fwd_bwd_gb=fwd_bwd_peak,
-                        gpu_peak_step_gb=step_peak,
-                        gpu_allocated_gb=allocated,
-                        host_pinned_gb=None if pinned is None else pinned / 1024**3,
-                    )
-                )
-                profiler.end(iteration)
-                interval = run.checkpoint.save_interval
-                if run.checkpoint.save and interval and iteration % interval == 0:
-                    save(iteration)
-                    saved_at = iteration
-            profiler.close()
-            if run.checkpoint.save and start < t.train_iters and saved_at != t.train_iters:
-                save(t.train_iters)
-            for engine in engines:
-                engine.flush()  # the last delayed update lands: the model in memory is final
-        extra = {"world_size": dist.get_world_size(), "optimizer": type(optimizer).__name__}
-        extra.update(startup.gathered(peak_so_far))
-        forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
-        # delayed mode's copies would run during the last backward here (its hidden fraction)
-        window = micro_batches if backward_copies_allowed(run, dp_size) else None
-        found = cpu_adam.metrics(optimizer, forward_backward_s, run.planner, window)
-        if is_writer:
-            cpu_adam.report_hidden_fraction(found, run.planner)
-        extra.update(found)
-        extra.update(optimizer_states.metrics(optimizer))
-        summary = reporter.write_summary(extra)
-        return summary
-    finally:
+        return Rank(run, model, optimizer, scheduler, engines, *_data(run, model, start), start,
+                    startup)  # fmt: skip
+    except BaseException:
         for engine in engines:
             engine.close()
+        raise
+
+
+def _resume(run: RunConfig, model: list, optimizer, scheduler, startup: Startup) -> int:
+    """The iteration to continue after: checkpoint.load's, or 0 (none there yet: checkpoint.load
+    is checkpoint.save's folder, which the CLI allows as resume-or-start)."""
+    from offload_runner import checkpoint
+
+    if checkpoint.has_checkpoint(run.checkpoint.load):
+        start = checkpoint.load_checkpoint(run.checkpoint.load, model, optimizer, scheduler)
+        log.info("resumed from %s at iteration %d", run.checkpoint.load, start)
+        startup.phase("checkpoint_load")
+        return start
+    if run.checkpoint.load:
+        log.info("no checkpoint in %s yet: starting from scratch", run.checkpoint.load)
+    return 0
+
+
+def _data(run: RunConfig, model: list, start: int) -> tuple[list, int, int]:
+    """One data iterator per model chunk (the interleaved schedule draws each micro-batch once
+    per chunk) from ``start``'s samples on, the micro-batches per step, the data-parallel size."""
+    from megatron.core import parallel_state
+
+    from offload_runner.mcore.data import build_data_iterator, build_train_dataset
+
+    t = run.train
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dataset = build_train_dataset(run)
+    data = [build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+            for _ in model]  # fmt: skip
+    return data, t.global_batch_size // (t.micro_batch_size * dp_size), dp_size
+
+
+def loop(rank: Rank, run_dir: Path) -> dict:
+    """The iterations from ``rank.start`` on, their metrics, checkpoints and profile; the
+    summary."""
+    from offload_runner.profiling import IterationProfiler
+
+    run, t = rank.run, rank.run.train
+    rank.startup.phase("data")
+    is_writer = dist.get_rank() == 0
+    log.info(
+        "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s; ready after %s",
+        dist.get_world_size(), rank.dp_size, run.model.context_parallel_size, rank.micro_batches,
+        t.micro_batch_size, type(rank.optimizer).__name__,
+        ", ".join(f"{name} {s:.1f} s" for name, s in rank.startup.phases.items()),
+    )  # fmt: skip
+    reporter = MetricsReporter(run_dir, t.train_iters, rank.start, is_writer, run.logger,
+                               resolved_config(run_dir) if is_writer else None)  # fmt: skip
+    step = Step(rank)
+    saved_at = None
+    profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
+    with reporter, ManualGC(t.manual_gc, t.manual_gc_interval) as collector:
+        for iteration in range(rank.start + 1, t.train_iters + 1):
+            profiler.begin(iteration)
+            collector.step(iteration)
+            reporter.record(step(iteration))
+            profiler.end(iteration)
+            interval = run.checkpoint.save_interval
+            if run.checkpoint.save and interval and iteration % interval == 0:
+                _save(rank, iteration)
+                saved_at = iteration
+        profiler.close()
+        if run.checkpoint.save and rank.start < t.train_iters and saved_at != t.train_iters:
+            _save(rank, t.train_iters)
+        for engine in rank.engines:
+            engine.flush()  # the last delayed update lands: the model in memory is final
+    return reporter.write_summary(_summary_extra(rank, reporter, step.peak, is_writer))
+
+
+def _save(rank: Rank, iteration: int) -> None:
+    from offload_runner import checkpoint
+
+    for engine in rank.engines:
+        engine.finish()  # host masters and states complete (a delayed update: not landed)
+    checkpoint.save_checkpoint(rank.run.checkpoint.save, iteration, rank.model, rank.optimizer,
+                               rank.scheduler, rank.run.checkpoint.fully_parallel_save)  # fmt: skip
+
+
+class Step:
+    """One training step, timed (forward+backward against the rest, with CUDA events on the
+    compute stream) and measured (GPU peaks per phase, page-locked host memory)."""
+
+    def __init__(self, rank: Rank) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from offload_runner.offload import cpu_adam
+
+        self.rank = rank
+        self.forward_backward = get_forward_backward_func()
+        self.cpu_engines = cpu_adam.engines(rank.optimizer)
+        m, t = rank.run.model, rank.run.train
+        self.tokens = t.global_batch_size * m.seq_length
+        self.flops = training_flops_per_token(m) * self.tokens / dist.get_world_size()
+        self.peak = torch.cuda.max_memory_allocated() / GB  # the run's GPU peak so far
+
+    def __call__(self, iteration: int) -> StepMetrics:
+        from offload_runner.offload import cpu_adam
+
+        r, m, t = self.rank, self.rank.run.model, self.rank.run.train
+        # The compute stream only: offload copies on side streams may run on.
+        torch.cuda.current_stream().synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        phase = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        phase[0].record()
+        for chunk in r.model:
+            chunk.zero_grad_buffer()
+        r.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=forward_step, data_iterator=per_chunk(r.data), model=r.model,
+            num_microbatches=r.micro_batches, seq_length=m.seq_length,
+            micro_batch_size=t.micro_batch_size, forward_only=False,
+        )  # fmt: skip
+        phase[1].record()
+        fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
+        torch.cuda.reset_peak_memory_stats()
+        _, grad_norm, _ = r.optimizer.step()
+        cpu_adam.grads_clipped(self.cpu_engines, grad_norm)  # gradients taken before clipping
+        r.scheduler.step(increment=t.global_batch_size)
+        loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
+        torch.cuda.current_stream().synchronize()
+        elapsed = time.perf_counter() - began
+        fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000
+        step_peak, allocated = gpu_memory()
+        self.peak = max(self.peak, fwd_bwd_peak, step_peak)
+        r.startup.first_step_done()
+        r.startup.sample_host()
+        pinned = host_pinned_bytes()
+        if pinned is not None:  # registered with cudaHostRegister, not torch's
+            pinned += sum(engine.pinned_bytes for engine in r.engines)
+        return StepMetrics(
+            iteration=iteration, loss=loss, lr=r.optimizer.param_groups[0]["lr"],
+            grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=elapsed,
+            fwd_bwd_time_s=fwd_bwd_s, optimizer_time_s=max(elapsed - fwd_bwd_s, 0.0),
+            tokens_per_s=self.tokens / elapsed, tflops_per_gpu=self.flops / elapsed / 1e12,
+            gpu_peak_allocated_gb=self.peak, gpu_peak_fwd_bwd_gb=fwd_bwd_peak,
+            gpu_peak_step_gb=step_peak, gpu_allocated_gb=allocated,
+            host_pinned_gb=None if pinned is None else pinned / 1024**3,
+        )  # fmt: skip
+
+
+def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer: bool) -> dict:
+    """summary.json beyond the step metrics: world, optimizer, startup and memory gathered from
+    every rank, the engines' own metrics."""
+    from offload_runner.offload import cpu_adam, optimizer_states
+
+    run = rank.run
+    extra = {"world_size": dist.get_world_size(), "optimizer": type(rank.optimizer).__name__}
+    extra.update(rank.startup.gathered(peak))
+    forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
+    # delayed mode's copies would run during the last backward here (its hidden fraction)
+    window = rank.micro_batches if backward_copies_allowed(run, rank.dp_size) else None
+    found = cpu_adam.metrics(rank.optimizer, forward_backward_s, run.planner, window)
+    if is_writer:
+        cpu_adam.report_hidden_fraction(found, run.planner)
+    extra.update(found)
+    extra.update(optimizer_states.metrics(rank.optimizer))
+    return extra
