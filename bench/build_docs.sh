@@ -34,6 +34,25 @@ cd "$(dirname "$0")/.."
   echo "states with bf16 moments and a bf16 gradient buffer: trained, the loss falling), and the planner"
   echo "table below sets their GPU peak and pinned host memory against \`--plan\`."
   echo
+  echo "## What fits on one and two H200 boxes, from \`--plan\`"
+  echo
+  echo "The planner's answer (not a measurement) for Qwen3-30B-A3B at GBS 8, MB 1, with"
+  echo "\`offload/optimizer=auto\` on 139 GB GPUs and 125 GB of RAM per GPU: the largest slice"
+  echo "(\`--plan --largest\`) and the whole model."
+  echo
+  echo "| box | layout | largest slice | whole model (48 layers) |"
+  echo "|---|---|---|---|"
+  for gpus in 1 2; do
+    layout=$([ "$gpus" = 1 ] && echo "parallel=single" || echo "parallel=ep2")
+    common=(--recipe qwen3_30b_a3b "$layout" train.global_batch_size=8 train.micro_batch_size=1
+            offload/optimizer=auto planner.gpu_memory_gb=139 "planner.host_memory_gb=$((125 * gpus))")
+    out=$(PYTHONWARNINGS=ignore COLUMNS=400 python run_recipe.py "${common[@]}" --plan --largest 2>&1 || true)
+    largest=$(grep -o "largest: model.num_layers=[0-9]*[^:]*: [^(]*" <<<"$out" | head -1 | sed 's/largest: //' || true)
+    out=$(PYTHONWARNINGS=ignore COLUMNS=400 python run_recipe.py "${common[@]}" --plan 2>&1 || true)
+    whole=$(grep -oE "auto: [^(]*|no offload setting fits" <<<"$out" | head -1 | sed 's/auto: //' || true)
+    echo "| $gpus x H200 | $layout | ${largest:-none} | ${whole:-?} |"
+  done
+  echo
   echo "## Memory planner against the measured peaks"
   echo
   echo "Every run above, planned from its own command line by \`--plan\` arithmetic"
