@@ -259,15 +259,51 @@ class _Outcome:
     code: int = EXIT_OK
 
 
+class _Stop(Exception):
+    """Ends ``execute`` with an exit code; what to say was said where it was raised."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass
+class _Job:
+    """What one Hydra job acts on: the composed config, its typed view, how many ranks the plan
+    counts, auto's choice, the rule violations found (warnings by the time it acts)."""
+
+    cfg: DictConfig
+    run: RunConfig
+    mode: Mode
+    world: int | None
+    auto: str | None = None
+    violations: list = field(default_factory=list)
+
+
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
     quiet = (Mode.dry_run, Mode.dry_run_full, Mode.plan, Mode.plan_json, Mode.plan_largest)
     if mode in quiet and os.environ.get("RANK", "0") != "0":
         return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
+    try:
+        run = _typed_run(cfg)
+        job = _Job(cfg, run, mode, _planned_world(run))
+        if mode == Mode.plan_largest:
+            return _print_largest(run, job.world)
+        _apply_auto(job)
+        _validate(job, env)
+        return ACTIONS[mode](job)
+    except _Stop as stop:
+        return stop.code
+
+
+def _typed_run(cfg: DictConfig) -> RunConfig:
+    """The config as a RunConfig (with a Slurm job's rendezvous), its keys known and its values
+    in range, its checkpoint to resume from there; else _Stop(2), said."""
     unknown = unknown_keys(cfg)
     if unknown:  # from a recipe file, or added with + on the command line
         console.fail(*_unknown_key_message(unknown[0]))
-        return EXIT_USAGE
+        raise _Stop(EXIT_USAGE)
     try:
         run = to_run_config(cfg)
         rendezvous = submitit_rendezvous(run.launcher)  # a job of hydra/launcher=submitit_*
@@ -278,66 +314,78 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
                     "which starts one rank per GPU",
                     "set hydra.launcher.tasks_per_node=1 (and hydra.launcher.gpus_per_node)",
                 )
-                return EXIT_USAGE
+                raise _Stop(EXIT_USAGE)
             for key, value in rendezvous.items():
                 OmegaConf.update(cfg, key, value)
             run = to_run_config(cfg)
     except OmegaConfBaseException as err:
         console.fail(str(err).splitlines()[0], "set the key it names on the command line")
-        return EXIT_USAGE
+        raise _Stop(EXIT_USAGE) from None
     ranges = value_violations(run)
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
-        return EXIT_USAGE
+        raise _Stop(EXIT_USAGE)
     missing = _missing_checkpoint(run)
     if missing:
         console.fail(*missing)
-        return EXIT_USAGE
-    world = _planned_world(run)
-    if mode == Mode.plan_largest:
-        return _print_largest(run, world)
-    auto = None
-    if run.planner.auto_optimizer or run.planner.auto_activation:
-        try:
-            choice = choose_offload(run, world)
-        except ValueError as err:
-            console.fail(
-                str(err),
-                "add GPUs (parallel layout), shorten model.seq_length or train.micro_batch_size, "
-                "or set planner.gpu_memory_gb / planner.host_memory_gb",
-            )
-            return EXIT_USAGE
-        for key, value in choice.overrides.items():
-            OmegaConf.update(cfg, key, value)
-        run = to_run_config(cfg)
-        auto = choice.description
-        if mode != Mode.plan_json:
-            console.console.print(f"[bold]auto:[/] {escape(auto)}")
-    launching = mode in (Mode.train, Mode.verify)
+        raise _Stop(EXIT_USAGE)
+    return run
+
+
+def _apply_auto(job: _Job) -> None:
+    """offload/*=auto: the planner's choice written into the config (said, and why)."""
+    if not (job.run.planner.auto_optimizer or job.run.planner.auto_activation):
+        return
+    try:
+        choice = choose_offload(job.run, job.world)
+    except ValueError as err:
+        console.fail(
+            str(err),
+            "add GPUs (parallel layout), shorten model.seq_length or train.micro_batch_size, "
+            "or set planner.gpu_memory_gb / planner.host_memory_gb",
+        )
+        raise _Stop(EXIT_USAGE) from None
+    for key, value in choice.overrides.items():
+        OmegaConf.update(job.cfg, key, value)
+    job.run, job.auto = to_run_config(job.cfg), choice.description
+    if job.mode != Mode.plan_json:
+        console.console.print(f"[bold]auto:[/] {escape(job.auto)}")
+
+
+def _validate(job: _Job, env: Environment | None) -> None:
+    """The rules table and Megatron-Core's checks; errors end the job (2: the input, 1: only
+    the machine, e.g. no Transformer Engine where the job starts)."""
+    launching = job.mode in (Mode.train, Mode.verify)
     if launching:
-        apply_runtime_environment(run)  # before Transformer Engine is first imported
-    env = env or Environment.detect(launching=launching, world_size=world)
-    violations = validate(run, env)
-    if errors(violations):
-        console.print_violations(violations)
-        # only the machine is wrong (e.g. no Transformer Engine where the job starts): run failed
-        machine = all(v.environment for v in errors(violations))
-        return EXIT_FAILED if machine else EXIT_USAGE
+        apply_runtime_environment(job.run)  # before Transformer Engine is first imported
+    env = env or Environment.detect(launching=launching, world_size=job.world)
+    job.violations = validate(job.run, env)
+    if errors(job.violations):
+        console.print_violations(job.violations)
+        machine = all(v.environment for v in errors(job.violations))
+        raise _Stop(EXIT_FAILED if machine else EXIT_USAGE)
 
-    if mode in (Mode.plan, Mode.plan_json):
-        plan = make_plan(run, world)
-        if (cost := cost_note(run, plan)) is not None:
-            plan.notes.append(cost)
-        if mode == Mode.plan_json:
-            print(json.dumps({**plan.as_dict(), "auto": auto}, indent=1))
-        else:
-            console.print_plan(plan, run.name)
-        return EXIT_OK if plan.limiting is None else EXIT_FAILED
 
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    if mode in (Mode.dry_run, Mode.dry_run_full):
-        return _dry_run(run, cfg, resolved, violations, world, full=mode == Mode.dry_run_full)
-    if mode == Mode.verify and not any_enabled(run):
+def _plan(job: _Job) -> int:
+    """--plan [--json]: the table (or JSON) and the verdict: 0 fits, 1 does not."""
+    plan = make_plan(job.run, job.world)
+    if (cost := cost_note(job.run, plan)) is not None:
+        plan.notes.append(cost)
+    if job.mode == Mode.plan_json:
+        print(json.dumps({**plan.as_dict(), "auto": job.auto}, indent=1))
+    else:
+        console.print_plan(plan, job.run.name)
+    return EXIT_OK if plan.limiting is None else EXIT_FAILED
+
+
+def _resolved(job: _Job) -> dict:
+    return OmegaConf.to_container(job.cfg, resolve=True, enum_to_str=True)
+
+
+def _launch(job: _Job) -> int:
+    """Train (or --verify): on a machine with GPUs and host RAM enough for the plan."""
+    run, cfg = job.run, job.cfg
+    if job.mode == Mode.verify and not any_enabled(run):
         console.fail(
             "--verify compares a run with offload against one without, and nothing is offloaded",
             "add an offload option, e.g. offload/optimizer=cpu_50 or offload/activation=enabled",
@@ -345,26 +393,29 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
         return EXIT_USAGE
     if not _gpu_visible():
         return EXIT_FAILED
-    short = host_ram_short(run, world)
+    short = host_ram_short(run, job.world)
     if short:  # page-locked allocations would fail half way in (or the node would swap)
         console.fail(*short)
         return EXIT_USAGE
     console.print_offload_summary(summarize(run))
-    if mode == Mode.verify:
+    if job.mode == Mode.verify:
         from offload_runner.verify import verify
 
-        run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
+        run_dir = create_run_dir(_run_dir(run.output_dir), _resolved(job), _task_overrides(),
                                  unique=_time_stamped(cfg))  # fmt: skip
         return verify(run, cfg, run_dir, _task_overrides())
     from offload_runner.launch import launch
 
-    return launch(run, resolved, _task_overrides(), _run_dir(run.output_dir), _time_stamped(cfg))
+    return launch(run, _resolved(job), _task_overrides(), _run_dir(run.output_dir),
+                  _time_stamped(cfg))  # fmt: skip
 
 
-def _dry_run(run: RunConfig, cfg: DictConfig, resolved: dict, violations, world: int | None,
-             full: bool) -> int:  # fmt: skip
+def _dry_run(job: _Job) -> int:
     """--dry-run: what is offloaded, what the command line changed, whether it fits, the checks;
     the whole resolved config with --full. Saves the config in the run directory."""
+    run, cfg, resolved, violations, world = (job.run, job.cfg, _resolved(job), job.violations,
+                                             job.world)  # fmt: skip
+    full = job.mode == Mode.dry_run_full
     if full:
         console.print_config_tree(resolved, title=f"recipe {run.name}")
     console.console.print(
@@ -389,6 +440,11 @@ def _dry_run(run: RunConfig, cfg: DictConfig, resolved: dict, violations, world:
         + ("" if full else " (the whole of it: add --full)")
     )
     return EXIT_OK
+
+
+# What each mode does once the config is composed, auto applied and validated.
+ACTIONS = {Mode.plan: _plan, Mode.plan_json: _plan, Mode.dry_run: _dry_run,
+           Mode.dry_run_full: _dry_run, Mode.train: _launch, Mode.verify: _launch}  # fmt: skip
 
 
 def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
