@@ -290,26 +290,34 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     return moments + (PARAM_REMAINDER_BYTES if remainders else master)
 
 
-def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
-    m, o, t = run.model, run.optimizer, run.train
-    stage = rank // (layout.world // layout.pp)
-    params = stage_params(run, layout, stage)
-    total = params.dense + params.experts
-    weights = total * (2 if m.bf16 else 4)
-    grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
-    if o.use_distributed_optimizer:  # one optimizer part for the dense shard, one for experts'
-        parts = [params.dense / (layout.dp * layout.cp), params.experts / layout.edp]
-    else:
-        parts = [total]
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """One rank's optimizer bytes, by where they live (``optimizer_memory``)."""
+
+    shard: float  # params of the rank's optimizer shard
+    adam: int  # the shard's masters and moments, wherever they live
+    hdo: float  # the CPU optimizer's fraction (HybridDeviceOptimizer, CPU Adam)
+    delayed: list  # per part, params updated one step late (CPU Adam's delayed mode)
+    resident: int  # on the GPU between steps
+    step_only: int  # ... and during the step only (state windows)
+    pinned: int  # page-locked on the host
+    on_cpu: int  # pageable on the host
+    states: int  # on the host under state offload (and over the link each way, each step)
+
+
+def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
+    """Where the optimizer of a rank whose shard has ``parts`` params (dense, experts) keeps its
+    bytes. Per offloaded param, HybridDeviceOptimizer keeps 12 B pageable (fp32 master + Adam)
+    and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the gradients'
+    copy and keeps the moments pageable (pinned where a GPU share streams them); state offload
+    pins master and moments, and the step holds its window."""
+    o = run.optimizer
     shard = sum(parts)
     adam = int(shard * adam_bytes_per_param(run))
     hdo = o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0
     on_cpu = int(adam * hdo)
     resident, step_only = adam - on_cpu, 0
     offloaded, delayed = offloaded_parts(run, parts, hdo)
-    # Host bytes per offloaded param: HybridDeviceOptimizer keeps 12 pageable (fp32 master +
-    # Adam) and pins 6 (fp32 grads, bf16 params); the CPU-Adam engine pins the master and the
-    # grads (8) and keeps the moments pageable (8).
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         staging = 4 if run.ddp.grad_reduce_in_fp32 else 2  # the gradients' host copy
         pinned = shard * hdo * (CPU_ADAM_PINNED_BYTES - 4 + staging)
@@ -327,14 +335,30 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
             step_only = cpu_adam_window_bytes(exact, 1.0, o.cpu_adam_chunk_mb)
     else:
         pinned = shard * hdo * HDO_PINNED_BYTES
-    states = 0  # bytes of state on the host (state offload), each way over the link each step
-    if states_offloaded(run):  # the step holds the window the states pass through
+    states = 0
+    if states_offloaded(run):
         share = o.optimizer_state_offload_fraction
         states = int(shard * share * host_state_bytes(run))
         # the window: its MiB of fp32 arrays, and the bf16 moments' copies beside them
         window = states_window_mb(run) * 1024**2 * window_bytes_per_param(run) // ADAM_BYTES
         whole = int(shard * share * window_bytes_per_param(run))  # a window as large as it
         resident, step_only = adam - states, min(whole, window)
+    return OptimizerMemory(shard, adam, hdo, delayed, resident, step_only, int(pinned), on_cpu,
+                           states)  # fmt: skip
+
+
+def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
+    m, o, t = run.model, run.optimizer, run.train
+    stage = rank // (layout.world // layout.pp)
+    params = stage_params(run, layout, stage)
+    total = params.dense + params.experts
+    weights = total * (2 if m.bf16 else 4)
+    grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
+    if o.use_distributed_optimizer:  # one optimizer part for the dense shard, one for experts'
+        parts = [params.dense / (layout.dp * layout.cp), params.experts / layout.edp]
+    else:
+        parts = [total]
+    opt = optimizer_memory(run, parts)
 
     tokens = t.micro_batch_size * m.seq_length / layout.cp
     layers = m.num_layers // layout.pp
@@ -362,19 +386,19 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
 
     return RankPlan(
         rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights),
-        grads=int(grads), optimizer_gpu=resident, optimizer_step_only=step_only,
+        grads=int(grads), optimizer_gpu=opt.resident, optimizer_step_only=opt.step_only,
         activations=activations, activations_offloaded=offloaded, logits=logits,
         recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
-        host_pinned=int(pinned)
-        + states
+        host_pinned=opt.pinned
+        + opt.states
         + int(offloaded_layers * per_layer),
-        host_pageable=on_cpu,
+        host_pageable=opt.on_cpu,
         host_process=HOST_PROCESS_BYTES,
-        cpu_adam_params=int(shard * hdo),
-        delayed_params=int(sum(delayed)),
-        boundary_params=int(sum(delayed)) if copies_at_boundary else 0,
-        states_moved=states,
+        cpu_adam_params=int(opt.shard * opt.hdo),
+        delayed_params=int(sum(opt.delayed)),
+        boundary_params=int(sum(opt.delayed)) if copies_at_boundary else 0,
+        states_moved=opt.states,
     )  # fmt: skip
 
 
