@@ -771,3 +771,12 @@ def test_ranges_name_real_numeric_fields_and_every_recipe_is_in_range() -> None:
         assert key in names, f"{section}.{key} is not a schema field"
     for recipe in recipe_paths():
         assert range_violations(compose_run(f"recipe={recipe}")) == [], recipe
+
+
+def test_moe_layer_recompute_does_not_walk_around_the_offload_recompute_rule() -> None:
+    """model.moe_layer_recompute=true makes Megatron-Core set selective recompute after its own
+    offload check has run: the rule judges the config as it finally is."""
+    run = compose_run("recipe=tiny_moe", "model.cpu_offloading=true",
+                      "model.cpu_offloading_num_layers=1",
+                      "model.moe_layer_recompute=true")  # fmt: skip
+    assert "cpu_offloading_without_recompute" in {v.rule for v in check_rules(run, WITH_TE)}

@@ -145,9 +145,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_offloading_without_recompute",
-        lambda c, e: c.model.cpu_offloading and c.model.recompute_granularity is not None,
+        # judged as Megatron-Core finally sees it: moe_layer_recompute turns on selective
+        # recompute in TransformerConfig's own __post_init__, after its offload check ran
+        lambda c, e: c.model.cpu_offloading and (
+            c.model.recompute_granularity is not None
+            or getattr(c.model, "moe_layer_recompute", False)
+        ),
         "CPU offloading does not work when activation recomputation is enabled",
-        "set model.recompute_granularity=null, or offload/activation=disabled",
+        "set model.recompute_granularity=null (and model.moe_layer_recompute=false), or "
+        "offload/activation=disabled",
     ),
     Rule(
         "cpu_offloading_xor_fine_grained",
