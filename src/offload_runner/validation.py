@@ -147,9 +147,12 @@ RULES: tuple[Rule, ...] = (
         "cpu_offloading_without_recompute",
         # judged as Megatron-Core finally sees it: moe_layer_recompute turns on selective
         # recompute in TransformerConfig's own __post_init__, after its offload check ran
-        lambda c, e: c.model.cpu_offloading and (
-            c.model.recompute_granularity is not None
-            or getattr(c.model, "moe_layer_recompute", False)
+        lambda c, e: (
+            c.model.cpu_offloading
+            and (
+                c.model.recompute_granularity is not None
+                or getattr(c.model, "moe_layer_recompute", False)
+            )
         ),
         "CPU offloading does not work when activation recomputation is enabled",
         "set model.recompute_granularity=null (and model.moe_layer_recompute=false), or "
