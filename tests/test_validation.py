@@ -780,3 +780,10 @@ def test_moe_layer_recompute_does_not_walk_around_the_offload_recompute_rule() -
                       "model.cpu_offloading_num_layers=1",
                       "model.moe_layer_recompute=true")  # fmt: skip
     assert "cpu_offloading_without_recompute" in {v.rule for v in check_rules(run, WITH_TE)}
+
+
+def test_a_one_layer_model_is_told_there_is_no_layer_to_offload() -> None:
+    """Not 'a value from 1 to 0'."""
+    run = compose_run("recipe=tiny", *ACT, "model.num_layers=1")
+    (found,) = [v for v in check_rules(run, WITH_TE) if v.rule == "cpu_offloading_layer_range"]
+    assert "no layer to offload" in found.fix and "1 to 0" not in found.fix

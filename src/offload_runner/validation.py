@@ -178,7 +178,7 @@ RULES: tuple[Rule, ...] = (
             and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers
         ),
         "CPU offloading can be done only for layers less than {m.num_layers}",
-        "set model.cpu_offloading_num_layers to a value from 1 to {last_layer}",
+        "{offloadable_layers}",
     ),
     Rule(
         "cpu_offloading_what",
@@ -947,6 +947,12 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         c=run,
         env=env,
         last_layer=run.model.num_layers - 1,
+        offloadable_layers=(
+            f"set model.cpu_offloading_num_layers to a value from 1 to {run.model.num_layers - 1}"
+            if run.model.num_layers > 1
+            else "a one-layer model has no layer to offload (the last layer's activations stay): "
+            "use offload/activation=disabled, or more layers"
+        ),
     )
 
 
