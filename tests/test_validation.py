@@ -83,6 +83,14 @@ CASES = [
         "CPU offloading can be done only for layers less than 4",
     ),
     Case(
+        "expert_offload_needs_grouped_experts",
+        ("recipe=tiny", "model.fine_grained_activation_offloading=true",
+         "model.offload_modules=[core_attn,expert_fc1]"),
+        ("recipe=tiny", "model.fine_grained_activation_offloading=true",
+         "model.offload_modules=[core_attn]"),
+        "model.offload_modules names expert_fc1 / moe_act",
+    ),  # fmt: skip
+    Case(
         "cpu_offloading_what",
         (
             "recipe=tiny",

@@ -268,6 +268,23 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
+        "expert_offload_needs_grouped_experts",
+        lambda c, e: (
+            c.model.fine_grained_activation_offloading
+            and bool(
+                {OffloadModule.expert_fc1, OffloadModule.moe_act}
+                & set(c.model.offload_modules or [])
+            )  # fmt: skip
+            and not (c.model.num_moe_experts and c.model.moe_grouped_gemm)
+        ),
+        "model.offload_modules names expert_fc1 / moe_act, which only a MoE model's grouped-GEMM "
+        "experts offload: here they move nothing (num_moe_experts={m.num_moe_experts}, "
+        "moe_grouped_gemm={m.moe_grouped_gemm})",
+        "drop expert_fc1 and moe_act from model.offload_modules (or set model.moe_grouped_gemm="
+        "true on a MoE model)",
+        Level.warning,
+    ),
+    Rule(
         "fine_grained_needs_te",
         lambda c, e: c.model.fine_grained_activation_offloading and not e.te_available,
         "fine_grained_activation_offloading needs Transformer Engine, which is not installed here",
