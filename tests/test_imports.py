@@ -81,3 +81,15 @@ def test_the_planner_never_imports_an_engine() -> None:
 
 def test_the_circle_finder_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_function_under_src_is_longer_than_80_lines() -> None:
+    """A function a reader can hold: split by concern where one grows past a screen."""
+    long = []
+    for path in (SRC / "offload_runner").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines})")
+    assert long == []

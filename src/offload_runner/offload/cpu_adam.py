@@ -448,6 +448,36 @@ class CpuAdam(HostAdam):
         in_forward = self.land_during_forward and not delayed
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
+        self._hand_over(update, early, previous, guess, began)
+        self._unlanded = False
+        if self._window is not None and not delayed:  # the GPU share, on the compute stream
+            self._window.run(self._streamed, step, hypers)
+        self._gpu_step(step, hypers)
+        if delayed:
+            self._pending = update
+            self._jobs.append(job)
+        elif in_forward:
+            self._inflight = (update, job)  # the forward waits for it, module by module
+        else:
+            job.result()
+        if not in_forward:
+            self._wait_for_landings()
+        if self._streams is not None:  # the grad buffer may be zeroed
+            torch.cuda.current_stream().wait_stream(self._streams[0])
+        self._end_step(step)
+        for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
+            group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
+        for group in self.param_groups if self._window is not None and self._fixed else ():
+            group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
+        return None
+
+    def _hand_over(self, update: _Update, early: dict, previous: _Update | None, guess: bool,
+                   began: float) -> None:  # fmt: skip
+        """Each piece of this step's update to the worker, in its order: its gradients down
+        (unless they went during the backward: ``early``), the last delayed update's masters
+        up as the worker finishes them (``previous``, whose errors raise here), or loaded
+        masters landed first. A failure here cancels the update, so no worker waits for what
+        will not come."""
         try:
             for i in update.order:
                 piece, copied = self._pieces[i], early.pop(i, None)
@@ -470,27 +500,6 @@ class CpuAdam(HostAdam):
             for ready in update.ready:
                 ready.set()
             raise
-        self._unlanded = False
-        if self._window is not None and not delayed:  # the GPU share, on the compute stream
-            self._window.run(self._streamed, step, hypers)
-        self._gpu_step(step, hypers)
-        if delayed:
-            self._pending = update
-            self._jobs.append(job)
-        elif in_forward:
-            self._inflight = (update, job)  # the forward waits for it, module by module
-        else:
-            job.result()
-        if not in_forward:
-            self._wait_for_landings()
-        if self._streams is not None:  # the grad buffer may be zeroed
-            torch.cuda.current_stream().wait_stream(self._streams[0])
-        self._end_step(step)
-        for group, h in zip(self.param_groups, hypers, strict=True) if self.predict else ():
-            group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
-        for group in self.param_groups if self._window is not None and self._fixed else ():
-            group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
-        return None
 
     # -- exact mode's GPU share ---------------------------------------------------------------
     @property
