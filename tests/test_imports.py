@@ -1,6 +1,7 @@
-"""The package's import graph has no circle: every import an offload_runner module makes of
-another (at the top or inside a function) points one way, so the planner never reaches the
-engines it prices, and a module can be read before the ones that use it."""
+"""The package's shape: its import graph has no circle (every import an offload_runner module
+makes of another, at the top or inside a function, points one way, so the planner never reaches
+the engines it prices, and a module can be read before the ones that use it), and no function
+is longer than a screen."""
 
 from __future__ import annotations
 
