@@ -52,7 +52,14 @@ from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
-from offload_runner.plan import choose_offload, cost_note, largest_slice, make_plan, param_count
+from offload_runner.plan import (
+    GiB,
+    choose_offload,
+    cost_note,
+    largest_slice,
+    make_plan,
+    param_count,
+)
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, validate, value_violations
 
@@ -427,7 +434,7 @@ def _dry_run(job: _Job) -> int:
     plan = make_plan(run, world)
     verdict = "fits" if plan.limiting is None else f"does not fit ({plan.limiting} runs out first)"
     console.console.print(
-        f"[bold]plan[/]: {verdict}: GPU peak {plan.worst.gpu_peak / 2**30:.1f} of "
+        f"[bold]plan[/]: {verdict}: GPU peak {plan.worst.gpu_peak / GiB:.1f} of "
         f"{plan.gpu_capacity_gb:.0f} GB, host {plan.max_node_host_gb:.1f} of "
         f"{plan.host_capacity_gb:.0f} GB per node (--plan for the table)",
         highlight=False,
@@ -451,7 +458,7 @@ def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
     """The plan needs more host RAM per node than the node has (planner.host_memory_gb, by
     default this machine's): the error and its fix, else None."""
     plan = make_plan(run, world)
-    need, have = plan.max_node_host_gb + plan.margin_gb, plan.host_capacity_gb
+    need, have = plan.host_needed_gb, plan.host_capacity_gb
     if need <= have:
         return None
     return (f"this run needs {need:.1f} GB of host RAM per node ({plan.margin_gb:g} GB of it "

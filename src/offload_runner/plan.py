@@ -50,6 +50,7 @@ from offload_runner.hardware import (
     CPU_ADAM_PINNED_BYTES,
     CPU_ADAM_PREDICTION_BYTES,
     CPU_ADAM_RATE_BESIDE_STREAMS,
+    DTYPE_BYTES,
     EXACT,
     HDO_PINNED_BYTES,
     HDO_RATE_SHARE,
@@ -265,9 +266,6 @@ class RankPlan:
         }  # fmt: skip
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
 def adam_bytes_per_param(run: RunConfig) -> int:
     """Optimizer bytes per param of the shard: exp_avg + exp_avg_sq, and the master of a bf16
     model. On the GPU precision-aware path they take their configured dtypes, and an fp32 master
@@ -276,11 +274,7 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     if states_offloaded(run) or cpu_adam_on(run):  # offload-runner's host engines
         return host_state_bytes(run) if run.model.bf16 else moment_bytes(run)
     gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
-    moments = (
-        DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
-        if gpu_aware
-        else ADAM_BYTES - 4
-    )
+    moments = moment_bytes(run) if gpu_aware else ADAM_BYTES - 4
     if not run.model.bf16:
         return moments
     if not gpu_aware:
@@ -487,10 +481,15 @@ class Plan:
         return max(self.node_host_gb().values())
 
     @property
+    def host_needed_gb(self) -> float:
+        """The busiest node's host RAM with the margin kept free."""
+        return self.max_node_host_gb + self.margin_gb
+
+    @property
     def limiting(self) -> str | None:
         """Which resource runs out first (None: both fit)."""
         gpu_use = (self.worst.gpu_peak / GiB + self.margin_gb) / self.gpu_capacity_gb
-        host_use = (self.max_node_host_gb + self.margin_gb) / self.host_capacity_gb
+        host_use = self.host_needed_gb / self.host_capacity_gb
         if gpu_use <= 1 and host_use <= 1:
             return None
         return "gpu" if gpu_use >= host_use else "host"

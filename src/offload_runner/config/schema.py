@@ -76,6 +76,10 @@ WINDOW_PIECES = 4
 DEFAULT_WINDOW_MB = 512
 
 
+# torch's names for OptimizerDtype's values (getattr(torch, TORCH_DTYPES[d.value]))
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 class OptimizerDtype(str, Enum):
     """Precision-aware optimizer dtypes (Megatron-Core's torch.dtype fields, by name)."""
 
@@ -606,12 +610,6 @@ def states_window_mb(run: RunConfig) -> int:
     o = run.optimizer
     chunk = o.optimizer_state_offload_chunk_size_mb
     return chunk * WINDOW_PIECES if chunk > 0 else DEFAULT_WINDOW_MB
-
-
-def low_precision_moments(run: RunConfig) -> bool:
-    """Adam's moments kept in bf16 (optimizer.exp_avg_dtype / exp_avg_sq_dtype)."""
-    o = run.optimizer
-    return o.exp_avg_dtype != OptimizerDtype.fp32 or o.exp_avg_sq_dtype != OptimizerDtype.fp32
 
 
 def cpu_adam_on(run: RunConfig) -> bool:

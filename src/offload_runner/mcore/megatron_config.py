@@ -13,6 +13,7 @@ from typing import Any
 
 from offload_runner.config.megatron_fields import field_default
 from offload_runner.config.schema import (
+    TORCH_DTYPES,
     ActivationFunc,
     CpuOffloadEngine,
     ModelConfig,
@@ -20,8 +21,6 @@ from offload_runner.config.schema import (
     OptimizerDtype,
     RunConfig,
 )
-
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _plain(value: Any) -> Any:

@@ -41,12 +41,17 @@ import logging
 import statistics
 from dataclasses import dataclass
 
-from offload_runner.config.schema import RunConfig, states_offloaded, states_window_mb
+from offload_runner.config.schema import (
+    TORCH_DTYPES,
+    RunConfig,
+    states_offloaded,
+    states_window_mb,
+)
 from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS, host_state_bytes
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam
 from offload_runner.offload.base import OffloadSummary
-from offload_runner.offload.host_adam import HostAdam, Piece
+from offload_runner.offload.host_adam import HostAdam, Piece, torch_adamw
 
 log = logging.getLogger("offload_runner")
 
@@ -292,8 +297,6 @@ class StatesWindow:
                 index: int) -> None:  # fmt: skip
         """Adam on one piece in the window; its masters rounded into the bf16 parameters (a late
         pass: its gradients from the window, scaled, and the parameters left alone)."""
-        import torch
-
         master, exp_avg, exp_avg_sq = slot
         staged = self._staged(index)
         for i in self._low:  # moments stored in bf16: fp32 for the math
@@ -307,12 +310,8 @@ class StatesWindow:
             if self._adam is not None:
                 self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
             else:
-                torch._fused_adamw_(
-                    [master[span]], [grad], [exp_avg[span]], [exp_avg_sq[span]], [], [steps],
-                    lr=h["lr"],
-                    beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
-                    eps=h["eps"], amsgrad=False, maximize=False, grad_scale=scale,
-                )  # fmt: skip
+                torch_adamw(steps, h, scale)([master[span]], [grad], [exp_avg[span]],
+                                             [exp_avg_sq[span]])  # fmt: skip
         for i in self._low:  # ... rounded back to nearest even, as TE's FusedAdam rounds them
             staged[i].copy_(slot[i])
         if not late:
@@ -460,9 +459,9 @@ def moment_dtypes(run: RunConfig) -> tuple:
     """exp_avg's and exp_avg_sq's torch dtypes (optimizer.exp_avg_dtype, exp_avg_sq_dtype)."""
     import torch
 
-    named = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     o = run.optimizer
-    return named[o.exp_avg_dtype.value], named[o.exp_avg_sq_dtype.value]
+    return tuple(getattr(torch, TORCH_DTYPES[d.value]) for d in (o.exp_avg_dtype,
+                                                                 o.exp_avg_sq_dtype))  # fmt: skip
 
 
 def windowed_engines(optimizer) -> list[WindowedStates]:
