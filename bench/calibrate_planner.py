@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
-from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
+from offload_runner.plan import GiB, Plan, choose_offload, make_plan  # noqa: E402
 from offload_runner.report import fmt, markdown_table  # noqa: E402
 
 # The runs the activation model was read from (tensor by tensor, see plan.layer_activations and
@@ -106,6 +106,8 @@ def plan_of(result: dict) -> Plan:
     if ran_before_gpu_share(result) and "offload/optimizer=cpu_adam" in overrides:
         overrides.append("optimizer.cpu_adam_gpu_share=0")
     run = to_run_config(compose_config(overrides))
+    if run.planner.auto_optimizer or run.planner.auto_activation:
+        return choose_offload(run, nproc).plan  # what auto chose for the run, as the launcher does
     return make_plan(run, world=nproc, gpus_per_node=nproc)
 
 

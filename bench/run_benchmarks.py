@@ -534,6 +534,15 @@ CAPACITY = (
     "planner.host_memory_gb=125",
 )
 MEANT_NOT_TO_FIT = ("full EP4 no offload", "28 layers, no offload")
+
+
+def _capacity_auto(layers: int) -> Case:
+    """``offload/optimizer=auto`` on a slice of ``layers`` layers of that box: what the planner
+    picks (state-offload fraction, moment and gradient dtypes) is what trains."""
+    overrides = tuple(f"model.num_layers={layers}" if o.startswith("model.num_layers=") else o
+                      for o in CAPACITY)  # fmt: skip
+    return Case(f"{layers} layers, auto", "qwen3_30b_a3b", (*overrides, "offload/optimizer=auto"),
+                "28 layers, no offload")
 CAPACITY_CASES = [
     Case("28 layers, no offload", "qwen3_30b_a3b", CAPACITY, "28 layers, no offload"),
     Case("28 layers, states 75% bf16 moments and gradients", "qwen3_30b_a3b",
@@ -550,6 +559,11 @@ SUITES: dict[str, list[Case]] = {
     ],
     "bf16-moments-kernel": _bf16_kernel_cases(),
     "capacity-28": CAPACITY_CASES,
+    # the issue's acceptance line: no offload runs out of memory, auto picks and trains
+    "capacity-auto-28": [CAPACITY_CASES[0], _capacity_auto(28)],
+    # the largest slice `--plan --largest` predicts for that box (31), one device call each
+    "capacity-auto-31": [_capacity_auto(31)],
+    "capacity-auto-30": [_capacity_auto(30)],
     "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,
@@ -762,6 +776,8 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
     run_dir = out_dir / case.slug
     summary = read_json(run_dir / SUMMARY_FILE)
     text = proc.stdout + proc.stderr
+    if summary and (chose := re.search(r"^auto: (.*)$", proc.stdout, re.M)):
+        summary["auto"] = chose.group(1)  # what offload/*=auto picked, and why
     recorded = read_json(run_dir / STATUS_FILE).get("status")  # what the launcher decided
     if proc.returncode == 0 and summary:
         status = "ok"

@@ -356,7 +356,7 @@ def _apply_auto(job: _Job) -> None:
         OmegaConf.update(job.cfg, key, value)
     job.run, job.auto = to_run_config(job.cfg), choice.description
     if job.mode != Mode.plan_json:
-        console.console.print(f"[bold]auto:[/] {escape(job.auto)}")
+        console.console.print(f"[bold]auto:[/] {escape(job.auto)}", soft_wrap=True)
 
 
 def _validate(job: _Job, env: Environment | None) -> None:
