@@ -561,9 +561,8 @@ SUITES: dict[str, list[Case]] = {
     "capacity-28": CAPACITY_CASES,
     # the acceptance line: no offload runs out of memory, auto picks and trains
     "capacity-auto-28": [CAPACITY_CASES[0], _capacity_auto(28)],
-    # the largest slice `--plan --largest` predicts for that box (31), one device call each
+    # the largest slice `--plan --largest` predicts for that box (31 layers), its own device call
     "capacity-auto-31": [_capacity_auto(31)],
-    "capacity-auto-30": [_capacity_auto(30)],
     "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,
@@ -1145,8 +1144,9 @@ def _scale_lines(results: list[dict]) -> list[str]:
 # The headline: per offload mode and batch, its latest suite's row against that suite's
 # baseline (suite, case); the suite tables below hold everything else.
 HEADLINE = [
-    ("capacity-28", "28 layers, no offload"),
-    ("capacity-28", "28 layers, states 75% bf16 moments and gradients"),
+    ("capacity-auto-28", "28 layers, no offload"),
+    ("capacity-auto-28", "28 layers, auto"),
+    ("capacity-auto-31", "31 layers, auto"),
     ("cpu-adam-split-1", "GBS1 cpu_adam 100%"),
     ("cpu-adam-split-4", "GBS4 cpu_adam 100%"),
     ("cpu-adam-split-4", "GBS4 HDO 100% + overlap"),
@@ -1266,6 +1266,8 @@ def render(files: list[Path]) -> str:
         lines += _cpu_adam_lines(results, by_name)
         lines += _scale_lines(results)
         lines += _convergence_lines(results)
+        lines += [f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
+                  for r in results if r["summary"].get("auto")]  # fmt: skip
         lines += ["", "Commands:", ""]
         lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
         losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
