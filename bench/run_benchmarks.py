@@ -541,8 +541,14 @@ def _capacity_auto(layers: int) -> Case:
     picks (state-offload fraction, moment and gradient dtypes) is what trains."""
     overrides = tuple(f"model.num_layers={layers}" if o.startswith("model.num_layers=") else o
                       for o in CAPACITY)  # fmt: skip
-    return Case(f"{layers} layers, auto", "qwen3_30b_a3b", (*overrides, "offload/optimizer=auto"),
-                "28 layers, no offload")
+    return Case(
+        f"{layers} layers, auto",
+        "qwen3_30b_a3b",
+        (*overrides, "offload/optimizer=auto"),
+        "28 layers, no offload",
+    )
+
+
 CAPACITY_CASES = [
     Case("28 layers, no offload", "qwen3_30b_a3b", CAPACITY, "28 layers, no offload"),
     Case("28 layers, states 75% bf16 moments and gradients", "qwen3_30b_a3b",
@@ -551,7 +557,30 @@ CAPACITY_CASES = [
 ]  # fmt: skip
 
 
+# Weight offload (offload/weight=enabled): the dense held-out shape (8 layers of width 2048, seq
+# 4096, MB 4) with every layer's weights on the host, and the MoE proxy with all four; each beside
+# the same run with its weights on the GPU (optimizer states offloaded in both: weight offload
+# needs a host engine).
+DENSE_8 = ("model.num_layers=8", "model.hidden_size=2048", "model.ffn_hidden_size=7168",
+           "model.num_attention_heads=16", "model.num_query_groups=8", "model.kv_channels=128",
+           "model.seq_length=4096", "model.max_position_embeddings=4096",
+           "train.global_batch_size=8", "train.micro_batch_size=4", "scheduler.lr_warmup_iters=2",
+           "offload/optimizer=states")  # fmt: skip
+PROXY_WEIGHTS = (*_batch(4), "scheduler.lr_warmup_iters=2", "offload/optimizer=states")
+WEIGHT_CASES = [
+    Case("dense 8 layers, states", "llama3_8b", DENSE_8, "dense 8 layers, states"),
+    Case("dense 8 layers, states + weights of 8", "llama3_8b",
+         (*DENSE_8, "offload/weight=enabled", "model.cpu_offloading_num_layers=8"),
+         "dense 8 layers, states"),
+    Case("proxy, states", "qwen3_30b_a3b_proxy", PROXY_WEIGHTS, "proxy, states"),
+    Case("proxy, states + weights of 4", "qwen3_30b_a3b_proxy",
+         (*PROXY_WEIGHTS, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
+         "proxy, states"),
+]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
+    "weight-offload": WEIGHT_CASES,
     "bf16-moments": _bf16_moment_cases(),
     "cost-32": [
         replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))

@@ -112,6 +112,42 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
     assert run["gpu_peak_step_gb"] < base["gpu_peak_step_gb"] - states_gb / 2
 
 
+RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")
+WEIGHTS = ("offload/optimizer=states", *RING)
+
+
+def test_weight_offload_matches_state_offload_bit_for_bit(root: str) -> None:
+    """Two of tiny's four layers on the host, streamed through the ring, over 20 iterations of
+    two micro-batches: the same losses as state offload alone (the offloaded layers' update runs
+    the same TE Adam kernel), and forward+backward without their weights and gradients."""
+    iters = "train.train_iters=20"
+    states = train(Path(root) / "weights-base", iters, "offload/optimizer=states")
+    run = train(Path(root) / "weights", iters, *WEIGHTS)
+    assert run["weight_offload_layers"] == 2 and run["weight_offload_params"] > 0
+    assert run["losses"] == states["losses"]
+    assert run["gpu_peak_fwd_bwd_gb"] < states["gpu_peak_fwd_bwd_gb"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(("offload/optimizer=states", "offload/activation=enabled"),
+                     id="activations"),
+        pytest.param(("offload/optimizer=states", "model.recompute_granularity=full",
+                      "model.recompute_method=uniform", "model.recompute_num_layers=1"),
+                     id="full-recompute"),
+        pytest.param(("offload/optimizer=cpu_adam",), id="cpu-adam"),
+    ],
+)  # fmt: skip
+def test_weight_offload_composes(root: str, extra: tuple[str, ...]) -> None:
+    """With activation offload (the seeds' "both"), full recompute (the layer's forward runs
+    again inside backward) and the CPU-Adam engine: the losses of the same run without it."""
+    name = "-".join(o.split("=")[-1] for o in extra)
+    base = train(Path(root) / f"wbase-{name}", *extra)
+    run = train(Path(root) / f"w-{name}", *RING, *extra)
+    assert max_delta(run["losses"], base["losses"]) < 1e-3
+
+
 def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str) -> None:
     """Exact mode, the whole Adam step on the CPU, over 20 iterations: the same losses as
     Megatron-Core's HybridDeviceOptimizer at 100% (both run torch's fused AdamW on fp32 masters
@@ -279,6 +315,7 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
             id="cpu-adam-50",
         ),
         pytest.param(ALL_ON_CPU, id="cpu-adam-all-on-cpu"),
+        pytest.param(WEIGHTS, id="weights"),
         pytest.param((*GPU_SHARE,), id="cpu-adam-gpu-share"),
         pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
         # interleaved pipeline: two model chunks per rank, checkpoint keys model0/model1,

@@ -19,6 +19,7 @@ from offload_runner.validation import (
 
 WITH_TE = Environment(te_available=True, launching=True)
 ACT = ("offload/activation=enabled",)
+WEIGHT = ("offload/weight=enabled",)
 
 
 @dataclass(frozen=True)
@@ -102,16 +103,34 @@ CASES = [
         "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
     ),
     Case(
-        "weight_offload_alone_is_a_no_op",
-        ("recipe=tiny", "offload/weight=enabled"),
-        ("recipe=tiny", "offload/weight=enabled", "offload/activation=enabled"),
-        "Offloading weights is deprecated. Using offload_weights=True does not have any effect.",
+        "weight_offload_needs_a_host_engine",
+        ("recipe=tiny", *WEIGHT),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states"),
+        "weight offload keeps its layers' masters and Adam moments on the host",
     ),
     Case(
-        "weight_offload_is_a_no_op",
-        ("recipe=tiny", "offload/weight=enabled", "offload/activation=enabled"),
-        ("recipe=tiny", "offload/activation=enabled"),
-        "model.cpu_offloading_weights=true has no effect",
+        "weight_offload_not_delayed",
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam_delayed"),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam"),
+        "weight offload updates its layers exactly",
+    ),
+    Case(
+        "weight_offload_one_gpu",
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states", "launcher.nproc_per_node=2"),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states", "launcher.nproc_per_node=1"),
+        "weight offload runs on one GPU for now",
+    ),
+    Case(
+        "weight_offload_bf16",
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam", "model.bf16=false", "optimizer.bf16=false"),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states"),
+        "weight offload streams bf16 weights",
+    ),
+    Case(
+        "weight_offload_layer_range",
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states", "model.cpu_offloading_num_layers=5"),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=states", "model.cpu_offloading_num_layers=4"),
+        "weight offload can move at most the model's 4 layers",
     ),
     Case(
         "cpu_offloading_zero_layers",

@@ -89,6 +89,7 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
     dist.barrier()
     state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
     dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
+    _save_weight_offload(path, model)
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(root) / LATEST).write_text(str(iteration))
@@ -108,9 +109,45 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     loaded = dist_checkpointing.load(state, str(load_dir))
     for key, chunk in zip(model_keys(len(model)), model, strict=True):
         unwrap_model(chunk).load_state_dict(loaded[key])
+    _load_weight_offload(load_dir, model)
     optimizer.load_state_dict(loaded["optimizer"])
     hybrid_optimizer.restore_after_load(optimizer)
     for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload
         engine.restore_after_load()
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
+
+
+def _save_weight_offload(path: Path, model: list) -> None:
+    """The offloaded layers' masters and moments (offload/weight), one file per rank."""
+    import torch
+    import torch.distributed as dist
+
+    from offload_runner.offload import weight
+
+    for offload in weight.of(model):
+        torch.save(offload.state_dict(), path / weight.STATE_FILE.format(rank=dist.get_rank()))
+
+
+def _load_weight_offload(load_dir: Path, model: list) -> None:
+    """Their masters and moments back; a checkpoint without them (saved without weight
+    offload) leaves the masters the loaded bf16 weights and the moments zero, and says so."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from offload_runner.offload import weight
+
+    for offload in weight.of(model):
+        file = load_dir / weight.STATE_FILE.format(rank=dist.get_rank())
+        if file.is_file():
+            offload.load_state_dict(torch.load(file, weights_only=True))
+        else:
+            offload.master.copy_(offload.weights)
+            logging.getLogger("offload_runner").warning(
+                "%s has no weight-offload state (%s): the offloaded layers' masters start from "
+                "their bf16 weights and their Adam moments from zero",
+                load_dir,
+                file.name,
+            )

@@ -43,6 +43,7 @@ from offload_runner.config.schema import (
     cpu_adam_streams,
     states_offloaded,
     states_window_mb,
+    weights_offloaded,
 )
 from offload_runner.hardware import (
     ADAM_BYTES,
@@ -341,10 +342,46 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
                            states)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class WeightOffloadMemory:
+    """What offload/weight moves off one rank's GPU (offload/weight.py): the offloaded layers'
+    params leave DDP's weight and gradient buffers and the optimizer; the GPU keeps a ring of
+    two layers (bf16 weights + fp32 gradients) and, during the step, one update piece."""
+
+    dense: float  # offloaded params, outside the routed experts
+    experts: float
+    ring: int  # GPU bytes, always
+    step_only: int  # GPU bytes, during the step (the update piece)
+    pinned: int  # host bytes: weights, gradients, masters, moments, staging
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.experts
+
+
+WEIGHT_OFFLOAD_PIECE = 1 << 25  # params per update piece (offload/weight.UPDATE_PIECE)
+
+
+def weight_offload_memory(run: RunConfig, layout: Layout) -> WeightOffloadMemory:
+    m = run.model
+    if not (weights_offloaded(run) and m.cpu_offloading_num_layers > 0):
+        return WeightOffloadMemory(0.0, 0.0, 0, 0, 0)
+    counts, n = count_parameters(m), min(m.cpu_offloading_num_layers, m.num_layers)
+    dense = (counts.attention + counts.dense_mlp + counts.router + counts.norms) / m.num_layers
+    experts = counts.experts / m.num_layers
+    layer = dense + experts
+    ring = int(layer * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
+    step_only = int(min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2))
+    pinned = int(n * layer * (2 + 4 + 4 + moment_bytes(run)) + 2 * layer * 4)
+    return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
+
+
 def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
     m, o, t = run.model, run.optimizer, run.train
     stage = rank // (layout.world // layout.pp)
     params = stage_params(run, layout, stage)
+    ring = weight_offload_memory(run, layout)  # its layers leave DDP's buffers and optimizer
+    params = replace(params, dense=params.dense - ring.dense, experts=params.experts - ring.experts)
     total = params.dense + params.experts
     weights = total * (2 if m.bf16 else 4)
     grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
@@ -379,13 +416,15 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     logits = int(6 * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 
     return RankPlan(
-        rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights),
-        grads=int(grads), optimizer_gpu=opt.resident, optimizer_step_only=opt.step_only,
+        rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights) + ring.ring,
+        grads=int(grads), optimizer_gpu=opt.resident,
+        optimizer_step_only=opt.step_only + ring.step_only,
         activations=activations, activations_offloaded=offloaded, logits=logits,
         recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
         host_pinned=opt.pinned
         + opt.states
+        + ring.pinned
         + int(offloaded_layers * per_layer),
         host_pageable=opt.on_cpu,
         host_process=HOST_PROCESS_BYTES,

@@ -187,7 +187,7 @@ def build(run: RunConfig) -> Rank:
     from offload_runner.mcore.megatron_config import build_transformer_config
     from offload_runner.mcore.model import build_model
     from offload_runner.mcore.optimizer import build_optimizer, build_scheduler
-    from offload_runner.offload import cpu_adam, host_adam, optimizer_states
+    from offload_runner.offload import cpu_adam, host_adam, optimizer_states, weight
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     startup = Startup(is_node_sampler=local_rank == 0)
@@ -197,7 +197,9 @@ def build(run: RunConfig) -> Rank:
     model = build_model(run, config)
     startup.phase("model")
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    engines = host_adam.engines(optimizer)
+    engines = [*host_adam.engines(optimizer), *weight.of(model)]
+    for offload in weight.of(model):
+        offload.arm()  # its layers' gradients on, outside DDP's buffers and the optimizer
     try:
         scheduler = build_scheduler(run, optimizer)
         startup.phase("optimizer")
@@ -300,11 +302,12 @@ class Step:
     def __init__(self, rank: Rank) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from offload_runner.offload import cpu_adam
+        from offload_runner.offload import cpu_adam, weight
 
         self.rank = rank
         self.forward_backward = get_forward_backward_func()
         self.cpu_engines = cpu_adam.engines(rank.optimizer)
+        self.weight_offloads = weight.of(rank.model)
         m, t = rank.run.model, rank.run.train
         self.tokens = t.global_batch_size * m.seq_length
         self.flops = training_flops_per_token(m) * self.tokens / dist.get_world_size()
@@ -314,6 +317,8 @@ class Step:
         from offload_runner.offload import cpu_adam
 
         r, m, t = self.rank, self.rank.run.model, self.rank.run.train
+        for offload in self.weight_offloads:
+            offload.begin_step()
         # The compute stream only: offload copies on side streams may run on.
         torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -331,8 +336,7 @@ class Step:
         phase[1].record()
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
         torch.cuda.reset_peak_memory_stats()
-        _, grad_norm, _ = r.optimizer.step()
-        cpu_adam.grads_clipped(self.cpu_engines, grad_norm)  # gradients taken before clipping
+        grad_norm = self._step_optimizer()
         r.scheduler.step(increment=t.global_batch_size)
         loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
         torch.cuda.current_stream().synchronize()
@@ -355,11 +359,35 @@ class Step:
             host_pinned_gb=None if pinned is None else pinned / 1024**3,
         )  # fmt: skip
 
+    def _step_optimizer(self):
+        """Megatron-Core's optimizer step (and the host engines'); returns the gradient norm.
+        With weight offload the norm takes in the offloaded layers' gradients on the host: the
+        GPU's gradients are clipped by the global factor first (so Megatron-Core's own clipping
+        finds nothing to do), the offloaded layers' in their update."""
+        from offload_runner.offload import cpu_adam, weight
+
+        r = self.rank
+        if self.weight_offloads:
+            sq = [
+                weight.gpu_grad_sq_norm(r.model),
+                *(o.grads_ready() for o in self.weight_offloads),
+            ]
+            norm, factor = weight.clip_factor(sq, r.run.optimizer.clip_grad)
+            weight.scale_gpu_grads(r.model, factor)
+        _, grad_norm, _ = r.optimizer.step()
+        if self.weight_offloads:
+            hypers = weight.hypers_of(r.optimizer)
+            for offload in self.weight_offloads:
+                offload.update(hypers, factor)
+            grad_norm = norm
+        cpu_adam.grads_clipped(self.cpu_engines, grad_norm)  # gradients taken before clipping
+        return grad_norm
+
 
 def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer: bool) -> dict:
     """summary.json beyond the step metrics: world, optimizer, startup and memory gathered from
     every rank, the engines' own metrics."""
-    from offload_runner.offload import cpu_adam, optimizer_states
+    from offload_runner.offload import cpu_adam, optimizer_states, weight
 
     run = rank.run
     extra = {"world_size": dist.get_world_size(), "optimizer": type(rank.optimizer).__name__}
@@ -372,4 +400,6 @@ def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer
         cpu_adam.report_hidden_fraction(found, run.planner)
     extra.update(found)
     extra.update(optimizer_states.metrics(rank.optimizer))
+    for offload in weight.of(rank.model):
+        extra.update(offload.metrics())
     return extra

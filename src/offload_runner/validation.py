@@ -26,10 +26,12 @@ from offload_runner.config.schema import (
     OptimizerType,
     RunConfig,
     TransformerImpl,
+    activations_offloaded,
     cpu_adam_delayed,
     cpu_adam_on,
     cpu_adam_streams,
     states_offloaded,
+    weights_offloaded,
 )
 
 
@@ -138,7 +140,7 @@ RULES: tuple[Rule, ...] = (
     # --- layer-level activation / weight offload (Megatron TransformerConfig, TE) -------------
     Rule(
         "cpu_offloading_needs_pp1",
-        lambda c, e: c.model.cpu_offloading and c.model.pipeline_model_parallel_size > 1,
+        lambda c, e: activations_offloaded(c) and c.model.pipeline_model_parallel_size > 1,
         "Currently there is no support for Pipeline parallelism with CPU offloading",
         "set model.pipeline_model_parallel_size=1, or offload the optimizer instead "
         "(offload/activation=disabled offload/weight=disabled offload/optimizer=cpu_50)",
@@ -148,7 +150,7 @@ RULES: tuple[Rule, ...] = (
         # judged as Megatron-Core finally sees it: moe_layer_recompute turns on selective
         # recompute in TransformerConfig's own __post_init__, after its offload check ran
         lambda c, e: (
-            c.model.cpu_offloading
+            activations_offloaded(c)
             and (
                 c.model.recompute_granularity is not None
                 or getattr(c.model, "moe_layer_recompute", False)
@@ -174,7 +176,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu_offloading_layer_range",
         lambda c, e: (
-            c.model.cpu_offloading
+            activations_offloaded(c)
             and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers
         ),
         "CPU offloading can be done only for layers less than {m.num_layers}",
@@ -191,29 +193,48 @@ RULES: tuple[Rule, ...] = (
         "(model.cpu_offloading_activations=true / model.cpu_offloading_weights=true)",
     ),
     Rule(
-        "weight_offload_alone_is_a_no_op",
-        lambda c, e: (
-            c.model.cpu_offloading
-            and c.model.cpu_offloading_weights
-            and not c.model.cpu_offloading_activations
-        ),
-        "Offloading weights is deprecated. Using offload_weights=True does not have any effect. "
-        "(Transformer Engine >= 2.4, both offload paths; weights alone leave Megatron-Core's "
-        "output layer a nullcontext: 'nullcontext' object has no attribute 'inside_context')",
-        "remove offload/weight=enabled; to save memory offload the optimizer "
-        "(offload/optimizer=cpu_adam or states) or activations (offload/activation=enabled)",
+        "weight_offload_needs_a_host_engine",
+        lambda c, e: weights_offloaded(c) and not (states_offloaded(c) or cpu_adam_on(c)),
+        "weight offload keeps its layers' masters and Adam moments on the host beside their "
+        "weights, and the rest of the model's optimizer state must not pin the GPU either",
+        "add offload/optimizer=states (or offload/optimizer=cpu_adam)",
     ),
     Rule(
-        "weight_offload_is_a_no_op",
+        "weight_offload_not_delayed",
+        lambda c, e: weights_offloaded(c) and cpu_adam_delayed(c),
+        "weight offload updates its layers exactly, after the step's gradient norm; the CPU-Adam "
+        "engine's delayed mode would leave the rest of the model one step behind them",
+        "use offload/optimizer=cpu_adam (exact) or offload/optimizer=states",
+    ),
+    Rule(
+        "weight_offload_one_gpu",
         lambda c, e: (
-            c.model.cpu_offloading
-            and c.model.cpu_offloading_weights
-            and c.model.cpu_offloading_activations
+            weights_offloaded(c)
+            and (
+                c.model.model_parallel_size > 1
+                or (e.world_size or 1) > 1
+                or (c.launcher.nproc_per_node or 1) > 1
+                or c.launcher.nnodes not in ("1", "1:1")
+            )
+        ),  # fmt: skip
+        "weight offload runs on one GPU for now: the offloaded layers' gradients live outside "
+        "Megatron-Core's DDP buffers, and no data-, tensor-, pipeline-, expert- or "
+        "context-parallel reduction of them is built yet",
+        "run on one GPU (launcher.nproc_per_node=1, parallel=single), or offload/weight=disabled",
+    ),
+    Rule(
+        "weight_offload_bf16",
+        lambda c, e: weights_offloaded(c) and (not c.model.bf16 or c.model.fp8 is not None),
+        "weight offload streams bf16 weights (no fp16 or fp32 model, no fp8 weight caches)",
+        "set model.bf16=true (mixed_precision=bf16_mixed) and model.fp8=null",
+    ),
+    Rule(
+        "weight_offload_layer_range",
+        lambda c, e: (
+            weights_offloaded(c) and c.model.cpu_offloading_num_layers > c.model.num_layers
         ),
-        "model.cpu_offloading_weights=true has no effect: Transformer Engine >= 2.4 offloads "
-        "activations only (Offloading weights is deprecated)",
-        "remove offload/weight=enabled (model.cpu_offloading_weights); activations are offloaded",
-        Level.warning,  # a Megatron-Bridge line that trains there (weights ignored) trains here
+        "weight offload can move at most the model's {m.num_layers} layers",
+        "set model.cpu_offloading_num_layers to 1..{m.num_layers}",
     ),
     Rule(
         "cpu_offloading_zero_layers",

@@ -604,6 +604,18 @@ def states_offloaded(run: RunConfig) -> bool:
     return o.offload_optimizer_states or o.chunked_optimizer_state_offload
 
 
+def weights_offloaded(run: RunConfig) -> bool:
+    """offload/weight=enabled: offload-runner's weight offload of cpu_offloading_num_layers."""
+    m = run.model
+    return m.cpu_offloading and m.cpu_offloading_weights
+
+
+def activations_offloaded(run: RunConfig) -> bool:
+    """Transformer Engine's activation offload (the only part of cpu_offloading it is given)."""
+    m = run.model
+    return m.cpu_offloading and m.cpu_offloading_activations
+
+
 def states_window_mb(run: RunConfig) -> int:
     """The state window: 4 pieces of optimizer_state_offload_chunk_size_mb (0: DEFAULT_WINDOW_MB;
     suite states measured 128, 512 and 2048 MiB windows, their optimizer phase the same)."""

@@ -63,6 +63,9 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         bf16=model.bf16,
         # The pipeline schedules pass the batch's real shape; keep Megatron's own default here.
         variable_seq_lengths=False,
+        # Transformer Engine offloads activations only; weights are offload/weight.py's
+        cpu_offloading=model.cpu_offloading and model.cpu_offloading_activations,
+        cpu_offloading_weights=False,
     )
     kwargs = _known_kwargs(TransformerConfig, values)
     for key in ("params_dtype", "pipeline_dtype"):  # model.params_dtype=bf16 ..., else model.bf16

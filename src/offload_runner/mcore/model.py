@@ -48,6 +48,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     from megatron.core.transformer.module import Float16Module
 
     from offload_runner.mcore.megatron_config import build_ddp_config
+    from offload_runner.offload import weight
 
     m = run.model
     chunks = []
@@ -72,6 +73,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
         model.cuda(torch.cuda.current_device())
         if m.bf16:
             model = Float16Module(transformer_config, model)
+        offloaded = weight.exclude(run, model)
         ddp = DistributedDataParallel(
             config=transformer_config,
             ddp_config=ddp_config,
@@ -80,5 +82,6 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             disable_bucketing=vp_stage > 0,
         )
         ddp.broadcast_params()  # identical start on every data-parallel replica
+        ddp.weight_offload = weight.take(run, offloaded, torch.device("cuda"))
         chunks.append(ddp)
     return chunks

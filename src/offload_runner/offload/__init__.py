@@ -1,7 +1,7 @@
 """The offload mechanisms, one module each (matching the conf/offload/* groups).
 
 - ``activation``: layer-level activation offload (Transformer Engine's CPU offload context).
-- ``weight``: layer-level weight offload (Transformer Engine's V1 offload path).
+- ``weight``: layer-level weight offload (offload-runner's: a GPU ring of host-resident layers).
 - ``optimizer``: Megatron-Core's HybridDeviceOptimizer (a fraction of Adam on the CPU).
 - ``cpu_adam``: offload-runner's CPU-Adam engine (the same fraction, pipelined; exact or delayed).
 - ``optimizer_states``: Adam on the GPU, states and fp32 master weights parked on the CPU.
@@ -16,6 +16,8 @@ from offload_runner.config.schema import RunConfig
 from offload_runner.offload.base import OffloadSummary, optimizer_parts
 
 __all__ = ["OffloadSummary", "optimizer_parts"]
+
+TE_V1_ENV = "NVTE_CPU_OFFLOAD_V1"
 
 
 def summarize(run: RunConfig) -> list[OffloadSummary]:
@@ -43,15 +45,12 @@ def disabled_overrides() -> dict[str, object]:
 
 
 def te_offload_environment(run: RunConfig) -> dict[str, str]:
-    """Environment variables Transformer Engine must see before it is imported.
-
-    Weight offload and double buffering exist only on TE's V1 offload path, and Megatron-LM
-    requires that path for fine-grained activation offloading with TE >= 2.10.
-    """
-    from offload_runner.offload import weight
-
-    needs_v1 = weight.needs_te_v1_path(run) or run.model.fine_grained_activation_offloading
-    return {weight.TE_V1_ENV: "1"} if needs_v1 else {}
+    """Environment variables Transformer Engine must see before it is imported: its V1 offload
+    path for double buffering (only it implements that), which Megatron-LM also requires for
+    fine-grained activation offloading with TE >= 2.10."""
+    m = run.model
+    double = m.cpu_offloading and m.cpu_offloading_activations and m.cpu_offloading_double_buffering
+    return {TE_V1_ENV: "1"} if double or m.fine_grained_activation_offloading else {}
 
 
 def runtime_environment(run: RunConfig) -> dict[str, str]:

@@ -1,0 +1,184 @@
+"""offload/weight.py on the CPU: layers whose weights live in host arrays and pass through a
+two-slot ring train exactly as the same layers resident (gradients over micro-batches, the global
+norm's clipping, Adam), and checkpoint their masters and moments."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_runner.offload import weight
+from offload_runner.offload.host_adam import torch_adamw
+
+HIDDEN = 16
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden_states):
+        return hidden_states + torch.tanh(self.fc(self.norm(hidden_states))), None
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+
+
+class Model(nn.Module):
+    """What offloaded_layers looks for: ``.decoder.layers`` under wrappers' ``.module``."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(HIDDEN, HIDDEN)
+        self.decoder = Decoder(layers)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.decoder.layers:
+            h, _ = layer(hidden_states=h)
+        return h.pow(2).mean()
+
+
+def _bf16_model(layers: int = 4) -> Model:
+    torch.manual_seed(0)
+    return Model(layers).to(torch.bfloat16)
+
+
+H = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _reference_step(model: Model, batches, state: dict, step: int, clip: float) -> float:
+    """The resident model: fp32 gradients summed over micro-batches, clipped by the global norm,
+    AdamW (torch's fused kernel) on fp32 masters; returns the norm."""
+    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    for x in batches:
+        model.zero_grad(set_to_none=True)
+        model(x).backward()
+        for n, p in model.named_parameters():
+            grads[n] += p.grad.float()
+    norm, factor = weight.clip_factor([float(torch.linalg.vector_norm(
+        g, dtype=torch.float64) ** 2) for g in grads.values()], clip)  # fmt: skip
+    steps = torch.tensor(float(step))
+    for n, p in model.named_parameters():
+        master, m, v = state.setdefault(n, (p.detach().float().clone(), torch.zeros_like(
+            grads[n]), torch.zeros_like(grads[n])))  # fmt: skip
+        h = H if not (n.endswith(".bias") or p.dim() == 1) else {**H, "weight_decay": 0.0}
+        torch_adamw(steps, h)([master], [grads[n] * factor], [m], [v])
+        p.data.copy_(master)
+    return norm
+
+
+def _offloaded_step(model: Model, offload: weight.WeightOffload, batches, state: dict,
+                    clip: float) -> float:  # fmt: skip
+    """The same with the first layers offloaded: the rest resident as in the reference."""
+    offload.begin_step()
+    rest = {n: p for n, p in model.named_parameters() if not n.startswith("decoder.layers.0")
+            and not n.startswith("decoder.layers.1")}  # fmt: skip
+    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in rest.items()}
+    for x in batches:
+        for p in rest.values():
+            p.grad = None
+        model(x).backward()
+        for n, p in rest.items():
+            grads[n] += p.grad.float()
+    sq = [float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads.values()]
+    norm, factor = weight.clip_factor([sum(sq), offload.grads_ready()], clip)
+    offload.update((H, {**H, "weight_decay": 0.0}), factor)
+    steps = torch.tensor(float(offload.steps))
+    for n, p in rest.items():
+        master, m, v = state.setdefault(n, (p.detach().float().clone(), torch.zeros_like(
+            grads[n]), torch.zeros_like(grads[n])))  # fmt: skip
+        h = H if not (n.endswith(".bias") or p.dim() == 1) else {**H, "weight_decay": 0.0}
+        torch_adamw(steps, h)([master], [grads[n] * factor], [m], [v])
+        p.data.copy_(master)
+    return norm
+
+
+def _offload(model: Model, layers: int = 2, grad_dtype=torch.float32) -> weight.WeightOffload:
+    modules = weight.offloaded_layers(model, layers)
+    for module in modules:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    offload = weight.WeightOffload(modules, torch.device("cpu"), grad_dtype=grad_dtype)
+    offload.arm()
+    return offload
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_dtype) -> None:
+    """fp32 gradients: one gradient slot (each layer waits for the last one's to go down);
+    bf16: two."""
+    reference, offloaded = _bf16_model(), _bf16_model()
+    offload = _offload(offloaded, grad_dtype=grad_dtype)
+    assert len(offload.ring.grads) == (1 if grad_dtype == torch.float32 else 2)
+    torch.manual_seed(1)
+    data = [[torch.randn(3, HIDDEN, dtype=torch.bfloat16) for _ in range(3)] for _ in range(4)]
+    ref_state, off_state = {}, {}
+    try:
+        for step, batches in enumerate(data, start=1):
+            ref_norm = _reference_step(reference, batches, ref_state, step, clip)
+            off_norm = _offloaded_step(offloaded, offload, batches, off_state, clip)
+            assert off_norm == pytest.approx(ref_norm, rel=1e-12)
+        for (name, a), (_, b) in zip(reference.named_parameters(), offloaded.named_parameters(),
+                                     strict=True):  # fmt: skip
+            assert torch.equal(a.detach(), b.detach()), name
+    finally:
+        offload.close()
+
+
+def test_between_steps_the_offloaded_parameters_are_their_host_copy() -> None:
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        params = list(model.decoder.layers[0].parameters())
+        host = offload.weights.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == host for p in params)
+        assert not any(p.untyped_storage().data_ptr() == host
+                       for p in model.decoder.layers[2].parameters())  # fmt: skip
+        assert offload.offloaded_params == sum(p.numel() for p in model.decoder.layers[:2]
+                                               .parameters())  # fmt: skip
+    finally:
+        offload.close()
+
+
+def test_a_layer_without_a_backward_gets_no_stale_gradient() -> None:
+    """A layer no micro-batch reached (e.g. cut off) has zero gradients, as DDP's zeroed
+    buffer would."""
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        offload.grads.fill_(7.0)
+        offload.begin_step()
+        assert offload.grads_ready() == 0.0
+    finally:
+        offload.close()
+
+
+def test_masters_and_moments_round_trip_through_a_checkpoint() -> None:
+    model = _bf16_model()
+    offload = _offload(model)
+    x = [torch.randn(3, HIDDEN, dtype=torch.bfloat16)]
+    try:
+        _offloaded_step(model, offload, x, {}, 1.0)
+        saved = copy.deepcopy(offload.state_dict())
+        restored = _offload(_bf16_model())
+        restored.load_state_dict(saved)
+        assert restored.steps == 1
+        for name in ("master", "exp_avg", "exp_avg_sq", "weights"):
+            assert torch.equal(getattr(restored, name), getattr(offload, name)), name
+        restored.close()
+        other = _offload(_bf16_model(layers=4), layers=1)
+        with pytest.raises(ValueError, match="layers differ"):
+            other.load_state_dict(saved)
+        other.close()
+    finally:
+        offload.close()
