@@ -116,15 +116,21 @@ RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")
 WEIGHTS = ("offload/optimizer=states", *RING)
 
 
-def test_weight_offload_matches_state_offload_bit_for_bit(root: str) -> None:
+@pytest.mark.parametrize("clip", ["0", "1.0"])
+def test_weight_offload_matches_state_offload(root: str, clip: str) -> None:
     """Two of tiny's four layers on the host, streamed through the ring, over 20 iterations of
-    two micro-batches: the same losses as state offload alone (the offloaded layers' update runs
-    the same TE Adam kernel), and forward+backward without their weights and gradients."""
-    iters = "train.train_iters=20"
-    states = train(Path(root) / "weights-base", iters, "offload/optimizer=states")
-    run = train(Path(root) / "weights", iters, *WEIGHTS)
+    two micro-batches, beside state offload alone, and forward+backward without their weights and
+    gradients. Without clipping the losses are the same bit for bit (the offloaded layers' update
+    runs the same TE Adam kernel on the same sums); with it (tiny's norms are 2-3, so clipping
+    acts every step) the global norm adds the host's part in another order than Megatron-Core's
+    one multi-tensor norm, and its last bit moves the losses by ~3e-5 (H100, 9b205a6)."""
+    iters = ("train.train_iters=20", f"optimizer.clip_grad={clip}")
+    states = train(Path(root) / f"weights-base-{clip}", *iters, "offload/optimizer=states")
+    run = train(Path(root) / f"weights-{clip}", *iters, *WEIGHTS)
     assert run["weight_offload_layers"] == 2 and run["weight_offload_params"] > 0
-    assert run["losses"] == states["losses"]
+    if clip == "0":
+        assert run["losses"] == states["losses"]
+    assert max_delta(run["losses"], states["losses"]) < 1e-3
     assert run["gpu_peak_fwd_bwd_gb"] < states["gpu_peak_fwd_bwd_gb"]
 
 

@@ -359,7 +359,7 @@ class WeightOffloadMemory:
         return self.dense + self.experts
 
 
-WEIGHT_OFFLOAD_PIECE = 1 << 25  # params per update piece (offload/weight.UPDATE_PIECE)
+WEIGHT_OFFLOAD_PIECE = 1 << 24  # params per update piece (offload/weight.UPDATE_PIECE)
 
 
 def weight_offload_memory(run: RunConfig, layout: Layout) -> WeightOffloadMemory:
@@ -371,7 +371,7 @@ def weight_offload_memory(run: RunConfig, layout: Layout) -> WeightOffloadMemory
     experts = counts.experts / m.num_layers
     layer = dense + experts
     ring = int(layer * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
-    step_only = int(min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2))
+    step_only = int(3 * min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2))  # 3 pieces in flight
     pinned = int(n * layer * (2 + 4 + 4 + moment_bytes(run)) + 2 * layer * 4)
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 

@@ -318,7 +318,7 @@ class Step:
 
         r, m, t = self.rank, self.rank.run.model, self.rank.run.train
         for offload in self.weight_offloads:
-            offload.begin_step()
+            offload.begin_step(r.micro_batches)
         # The compute stream only: offload copies on side streams may run on.
         torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -44,7 +44,8 @@ SLOTS = 2  # weight slots: the layer in use and the next one coming in
 # layer's gradients to have gone down) or two bf16 ones, 4 B per param of the widest layer either
 # way, so the ring holds 8 B per param of one layer where each offloaded layer frees 6 (or 4)
 GRAD_SLOTS = {4: 1, 2: 2}
-UPDATE_PIECE = 1 << 25  # params per piece of the update (18 B each on the GPU: 576 MiB)
+UPDATE_PIECE = 1 << 24  # params per piece of the update (18 B each on the GPU: 288 MiB)
+IN_FLIGHT = 3  # update pieces holding GPU memory at once: coming up, in Adam, going down
 STATE_FILE = "weight_offload_rank{rank}.pt"
 
 DISABLED = {"model.cpu_offloading_weights": False}
@@ -81,6 +82,7 @@ class _Layer:
     numel: int
     decays: list  # per param: weight decay applies (Megatron-Core's rule: not biases, not 1-D)
     backwards: int = 0  # backward passes this step (micro-batches)
+    sq_norm: object = None  # Future: its gradients' squared norm, once the last ones are summed
 
 
 @dataclass
@@ -143,6 +145,7 @@ class WeightOffload:
         )
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         self.steps = 0
+        self.micro_batches = 1
         self._hooks: list = []
         self._take_weights()
 
@@ -309,12 +312,15 @@ class WeightOffload:
         if not first:
             self._adding[k] = self._pool.submit(_add_when_down, target, staged, event)
             self._adds.append(self._adding[k])
+        if layer.backwards == self.micro_batches:  # its sum is final: its norm, off the path
+            layer.sq_norm = self._pool.submit(_sq_norm_when_down, target, event)
 
     # --- the step ----------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, micro_batches: int) -> None:
+        self.micro_batches = micro_batches
         for layer in self.layers:
-            layer.backwards = 0
+            layer.backwards, layer.sq_norm = 0, None
 
     def grads_ready(self) -> float:
         """Every gradient on the host; returns their squared L2 norm (for the global norm)."""
@@ -326,27 +332,34 @@ class WeightOffload:
             done.result()
         self._adds.clear()
         self._adding = [None] * SLOTS
-        missing = [layer.index for layer in self.layers if layer.backwards == 0]
-        for index in missing:  # no backward reached it: no gradient (as DDP's zeroed buffer)
-            layer = self.layers[index]
-            self.grads[layer.start : layer.start + layer.numel].zero_()
-        return float(torch.linalg.vector_norm(self.grads, dtype=torch.float64) ** 2)
+        total = 0.0
+        for layer in self.layers:
+            grads = self.grads[layer.start : layer.start + layer.numel]
+            if layer.backwards == 0:  # no backward reached it: no gradient (DDP's zeroed buffer)
+                grads.zero_()
+            total += layer.sq_norm.result() if layer.sq_norm else _sq_norm_when_down(grads, None)
+        return total
 
     def update(self, hypers: tuple[dict, dict], clip: float) -> None:
         """Adam on the GPU for every offloaded layer, piece by piece (module doc): ``hypers``
-        for the parameters with and without weight decay; gradients scaled by ``clip``."""
+        for the parameters with and without weight decay; gradients scaled by ``clip``. Pieces
+        come up on ``h2d`` while the one before runs Adam and the one before that goes down on
+        ``d2h``; at most IN_FLIGHT pieces hold GPU memory."""
         import torch
 
         self.steps += 1
         adam = _gpu_adam(self.device)
-        compute = torch.cuda.current_stream() if self.on_cuda else None
+        gone: list = []  # per piece: event, its copies down are done
         for layer in self.layers:
             for a, b, decay in self._spans(layer):
-                self._update_piece(a, b, hypers[0 if decay else 1], clip, adam)
+                if self.streams is not None and len(gone) >= IN_FLIGHT:
+                    # the CPU waits, so the allocator sees that piece's memory free and reuses it
+                    gone[-IN_FLIGHT].synchronize()
+                gone.append(self._update_piece(a, b, hypers[0 if decay else 1], clip, adam))
         self.ring.owner = [None] * SLOTS  # the slots hold last step's weights
         if self.streams is not None:
-            for stream in self.streams:
-                stream.wait_stream(compute)  # the next loads read the new host weights
+            for stream in (torch.cuda.current_stream(), self.streams[0]):
+                stream.wait_stream(self.streams[1])  # the next loads read the new host weights
         for layer in self.layers:
             for i, p in enumerate(layer.params):
                 p.data = self._host_view(self.weights, layer, i)
@@ -364,19 +377,39 @@ class WeightOffload:
             for s in range(a, b, UPDATE_PIECE):
                 yield s, min(b, s + UPDATE_PIECE), decay
 
-    def _update_piece(self, a: int, b: int, h: dict, clip: float, adam) -> None:
+    def _update_piece(self, a: int, b: int, h: dict, clip: float, adam):
+        """One piece: up on ``h2d``, Adam on the compute stream, down on ``d2h``; returns the
+        event after its copies down (None without CUDA)."""
         import torch
 
-        up = lambda host: host[a:b].to(self.device, torch.float32, non_blocking=True)  # noqa: E731
-        grad, master, exp_avg, exp_avg_sq = (up(x) for x in (
-            self.grads, self.master, self.exp_avg, self.exp_avg_sq))  # fmt: skip
+        arrays = (self.grads, self.master, self.exp_avg, self.exp_avg_sq)
+        streams = self.streams or (None, None)
+        with torch.cuda.stream(streams[0]) if streams[0] else _nowhere():
+            grad, master, exp_avg, exp_avg_sq = (
+                x[a:b].to(self.device, torch.float32, non_blocking=True) for x in arrays)
+        compute = torch.cuda.current_stream() if streams[0] else None
+        if compute is not None:
+            compute.wait_stream(streams[0])
         if clip != 1.0:
             grad.mul_(clip)
         adam([grad], [master], [exp_avg], [exp_avg_sq], self.steps, h)
-        down = [(self.master, master), (self.exp_avg, exp_avg), (self.exp_avg_sq, exp_avg_sq),
-                (self.weights, master)]  # fmt: skip
-        for host, gpu in down:
-            host[a:b].copy_(gpu.to(host.dtype), non_blocking=self.on_cuda)
+        rounded = master.to(torch.bfloat16)
+        down = [(self.master, master), (self.exp_avg, exp_avg.to(self.exp_avg.dtype)),
+                (self.exp_avg_sq, exp_avg_sq.to(self.exp_avg_sq.dtype)), (self.weights, rounded)]
+        if compute is None:
+            for host, gpu in down:
+                host[a:b].copy_(gpu)
+            return None
+        streams[1].wait_stream(compute)
+        with torch.cuda.stream(streams[1]):
+            for host, gpu in down:
+                host[a:b].copy_(gpu, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(streams[1])
+        for tensor in (grad, master, exp_avg, exp_avg_sq, rounded, *(gpu for _, gpu in down)):
+            tensor.record_stream(compute)  # freed for reuse once every stream is past it
+            tensor.record_stream(streams[1])
+        return done
 
     def finish(self) -> None:
         import torch
@@ -464,6 +497,20 @@ def _add_when_down(target, staged, event) -> None:
     if event is not None:
         event.synchronize()
     target.add_(staged)
+
+
+def _sq_norm_when_down(grads, event) -> float:
+    import torch
+
+    if event is not None:
+        event.synchronize()
+    return float(torch.linalg.vector_norm(grads)) ** 2
+
+
+def _nowhere():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _in_backward() -> bool:
