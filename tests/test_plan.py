@@ -126,6 +126,31 @@ def test_activation_offload_takes_layers_off_the_peak() -> None:
     assert off.activations == base.activations - off.activations_offloaded
 
 
+def test_weight_offload_takes_its_layers_weights_gradients_and_states_off_the_gpu() -> None:
+    """Two of tiny's four layers: their bf16 weights and fp32 gradients leave DDP's buffers (the
+    ring of 8 B per param of one layer comes instead), their optimizer state leaves the states
+    engine, and the host holds weights, gradients, masters, moments and two staging buffers."""
+    states = ("recipe=tiny", "offload/optimizer=states")
+    base = make_plan(compose_run(*states)).ranks[0]
+    run = compose_run(*states, "offload/weight=enabled", "model.cpu_offloading_num_layers=2")
+    off = make_plan(run).ranks[0]
+    counts = count_parameters(run.model)
+    layer = (P_TINY - counts.embedding) / 4  # tiny's norms: every layer's and the final one
+    assert off.weights == pytest.approx(base.weights - 2 * 2 * layer + 8 * layer, abs=64)
+    assert off.grads == pytest.approx(base.grads - 2 * 4 * layer, abs=64)
+    assert off.states_moved == pytest.approx(base.states_moved - 2 * 12 * layer, abs=64)
+    extra = off.host_pinned - base.host_pinned + (base.states_moved - off.states_moved)
+    assert extra == pytest.approx(2 * layer * (2 + 4 + 4 + 8) + 2 * layer * 4, abs=64)
+
+
+def test_a_gpu_memory_cap_is_the_planners_gpu() -> None:
+    plan = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24"))
+    assert (plan.gpu_capacity_gb, plan.gpu_capacity_source) == (24.0, "train.gpu_memory_cap_gb")
+    told = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24",
+                                 "planner.gpu_memory_gb=40"))  # fmt: skip
+    assert told.gpu_capacity_gb == 40.0
+
+
 def test_minimal_world_of_the_full_recipe() -> None:
     assert minimal_world_size(compose_run("recipe=qwen3_30b_a3b")) == 8  # TP4 x PP2, EP4 x PP2
 

@@ -571,6 +571,8 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
     per_node = gpus_per_node or run.launcher.nproc_per_node or min(layout.world, 8)
     if run.planner.gpu_memory_gb:
         capacity, source = run.planner.gpu_memory_gb, "planner.gpu_memory_gb"
+    elif run.train.gpu_memory_cap_gb:
+        capacity, source = run.train.gpu_memory_cap_gb, "train.gpu_memory_cap_gb"
     elif (detected := detect_gpu_gb()) is not None:
         capacity, source = detected, "detected"
     else:

@@ -39,6 +39,9 @@ def initialize(run: RunConfig) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if run.train.gpu_memory_cap_gb:  # the allocator raises OOM past it, as a smaller GPU would
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, run.train.gpu_memory_cap_gb * GB / total))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     m = run.model

@@ -1124,6 +1124,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("launcher", "master_port"): (1, 65535),
     ("launcher", "max_restarts"): (0, None),
     ("planner", "gpu_memory_gb"): (0, None),
+    ("train", "gpu_memory_cap_gb"): (0, None),
     ("planner", "host_memory_gb"): (0, None),
     ("planner", "margin_gb"): (0, None),
     ("planner", "host_link_gb_per_s"): (0.001, None),

@@ -377,6 +377,9 @@ class TrainConfig:
     micro_batch_size: int = 1
     seed: int = "${rng.seed}"  # type: ignore[assignment]
     exit_on_oom: bool = False
+    # Hold the run to this much GPU memory (GB, torch.cuda.set_per_process_memory_fraction): how
+    # a smaller GPU is tried on a larger one; the planner takes it as the GPU's size. null: all.
+    gpu_memory_cap_gb: Optional[float] = None
     # Megatron-Bridge's manual GC: Python's collector off during training, gc.collect() every
     # manual_gc_interval iterations (0: never), so no rank pauses at its own moment.
     manual_gc: bool = False
