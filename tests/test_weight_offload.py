@@ -192,3 +192,20 @@ def test_masters_and_moments_round_trip_through_a_checkpoint() -> None:
         other.close()
     finally:
         offload.close()
+
+
+def test_a_checkpoint_sees_the_weights_on_pageable_copies_and_they_come_back() -> None:
+    """torch's sharded tensors refuse page-locked storage (measured on the GPU); the copies'
+    values, changed as a load changes them, land in the host arrays."""
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        p = model.decoder.layers[0].fc.weight
+        host = offload.weights.untyped_storage().data_ptr()
+        with offload.pageable():
+            assert p.untyped_storage().data_ptr() != host
+            p.data.fill_(0.5)  # what a load would write
+        assert p.untyped_storage().data_ptr() == host
+        assert torch.all(p == 0.5)
+    finally:
+        offload.close()

@@ -87,8 +87,9 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
-    dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
+    with _pageable_weights(model):
+        state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
+        dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
     _save_weight_offload(path, model)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -105,10 +106,11 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
-    state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(load_dir))
-    for key, chunk in zip(model_keys(len(model)), model, strict=True):
-        unwrap_model(chunk).load_state_dict(loaded[key])
+    with _pageable_weights(model):
+        state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
+        loaded = dist_checkpointing.load(state, str(load_dir))
+        for key, chunk in zip(model_keys(len(model)), model, strict=True):
+            unwrap_model(chunk).load_state_dict(loaded[key])
     _load_weight_offload(load_dir, model)
     optimizer.load_state_dict(loaded["optimizer"])
     hybrid_optimizer.restore_after_load(optimizer)
@@ -116,6 +118,18 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
         engine.restore_after_load()
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
+
+
+def _pageable_weights(model: list):
+    """Weight offload's parameters on pageable copies while a checkpoint reads or writes them."""
+    import contextlib
+
+    from offload_runner.offload import weight
+
+    stack = contextlib.ExitStack()
+    for offload in weight.of(model):
+        stack.enter_context(offload.pageable())
+    return stack
 
 
 def _save_weight_offload(path: Path, model: list) -> None:

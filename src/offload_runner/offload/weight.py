@@ -28,6 +28,7 @@ parallelism with it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -436,6 +437,25 @@ class WeightOffload:
         for name in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self, name).copy_(state[name])
         self.weights.copy_(self.master)  # the model's weights loaded too; the masters rule
+
+    @contextlib.contextmanager
+    def pageable(self):
+        """The offloaded parameters on pageable copies for a checkpoint's save or load (torch's
+        sharded tensors refuse page-locked storage their shards do not share); copied back and
+        pointed at the host arrays again on exit."""
+        self.finish()
+        moved = []
+        for layer in self.layers:
+            for i, p in enumerate(layer.params):
+                view = self._host_view(self.weights, layer, i)
+                p.data = view.clone()
+                moved.append((p, view))
+        try:
+            yield
+        finally:
+            for p, view in moved:
+                view.copy_(p.data)
+                p.data = view
 
     @property
     def pinned_bytes(self) -> int:
