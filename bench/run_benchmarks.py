@@ -1173,6 +1173,8 @@ def _scale_lines(results: list[dict]) -> list[str]:
 # The headline: per offload mode and batch, its latest suite's row against that suite's
 # baseline (suite, case); the suite tables below hold everything else.
 HEADLINE = [
+    ("weight-offload", "dense 8 layers, states + weights of 8"),
+    ("weight-offload", "proxy, states + weights of 4"),
     ("capacity-auto-28", "28 layers, no offload"),
     ("capacity-auto-28", "28 layers, auto"),
     ("capacity-auto-31", "31 layers, auto"),
@@ -1216,8 +1218,9 @@ def _headline(files: list[Path]) -> list[str]:
         "## Headline",
         "",
         "What each offload mode costs, from its latest suite (ratios against that suite's own",
-        "no-offload run, on the same machine; the proxy at micro-batch 1 is launch-bound, so a",
-        "suite's baseline wanders with the host: compare within a suite).",
+        "baseline on the same machine: its no-offload run, or for weight offload the same run",
+        "with its weights on the GPU; the proxy at micro-batch 1 is launch-bound, so a suite's",
+        "baseline wanders with the host: compare within a suite).",
         "",
         *markdown_table(["run", "suite", "GPU", "status", "step ms", "step vs baseline",
                          "fwd+bwd vs baseline", "GPU peak GB", "host RAM GB"], rows),
