@@ -930,6 +930,37 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
     return lines
 
 
+def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
+    """For each weight-offload case: its overhead against its baseline beside the link bound
+    (plan.weight_offload_link_bytes: both directions at once at planner.host_link_gb_per_s)."""
+    from offload_runner.config.compose import compose_config, to_run_config
+    from offload_runner.plan import weight_offload_link_bytes
+
+    lines = []
+    for r in results:
+        s = r["summary"]
+        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        if r["status"] != "ok" or not s.get("weight_offload_params") or not base:
+            continue
+        run = to_run_config(compose_config([f"recipe={r['case']['recipe']}",
+                                            *r["case"]["overrides"]]))  # fmt: skip
+        t = run.train
+        up, down = weight_offload_link_bytes(
+            run, s["weight_offload_params"], t.global_batch_size // t.micro_batch_size
+        )
+        bound = max(up, down) / (run.planner.host_link_gb_per_s * 1e9)
+        overhead = s["step_time_s_median"] - base["step_time_s_median"]
+        lines.append(f"- {r['case']['name']}: {s['weight_offload_params'] / 1e9:.2f}B params on "
+                     f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
+                     f"bound {_ms(bound)} ms; overhead {_ms(overhead)} ms "
+                     f"({overhead / bound:.1f}x the bound)")  # fmt: skip
+    if lines:
+        lines = ["", "Weight offload against its link bound (all it moves, the offloaded "
+                 "params' states included, which the baseline's state offload moves too; vs "
+                 "the same run with its weights on the GPU):", "", *lines]  # fmt: skip
+    return lines
+
+
 def case_label(r: dict) -> str:
     """The case name; state-offload runs that moved whole tensors under the old meaning of
     offload/optimizer=states say so."""
@@ -1295,6 +1326,7 @@ def render(files: list[Path]) -> str:
             rows,
         )  # fmt: skip
         lines += _transfer_bound_lines(results, by_name)
+        lines += _weight_offload_lines(results, by_name)
         lines += _cpu_adam_lines(results, by_name)
         lines += _scale_lines(results)
         lines += _convergence_lines(results)

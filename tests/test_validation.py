@@ -122,7 +122,8 @@ CASES = [
     ),
     Case(
         "weight_offload_bf16",
-        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam", "model.bf16=false", "optimizer.bf16=false"),
+        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam", "model.bf16=false",
+         "optimizer.bf16=false"),
         ("recipe=tiny", *WEIGHT, "offload/optimizer=states"),
         "weight offload streams bf16 weights",
     ),

@@ -59,6 +59,7 @@ from offload_runner.plan import (
     largest_slice,
     make_plan,
     param_count,
+    weight_offload_note,
 )
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.validation import Environment, errors, validate, value_violations
@@ -376,8 +377,9 @@ def _validate(job: _Job, env: Environment | None) -> None:
 def _plan(job: _Job) -> int:
     """--plan [--json]: the table (or JSON) and the verdict: 0 fits, 1 does not."""
     plan = make_plan(job.run, job.world)
-    if (cost := cost_note(job.run, plan)) is not None:
-        plan.notes.append(cost)
+    for note in (cost_note(job.run, plan), weight_offload_note(job.run, plan)):
+        if note is not None:
+            plan.notes.append(note)
     if job.mode == Mode.plan_json:
         print(json.dumps({**plan.as_dict(), "auto": job.auto}, indent=1))
     else:

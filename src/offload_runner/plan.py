@@ -231,6 +231,7 @@ class RankPlan:
     boundary_params: int = 0  # ... whose copies wait for the step boundary (delayed mode)
     states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
     recomputed: int = 0  # one checkpointed group rebuilt in backward (full recompute)
+    weight_offload_params: int = 0  # params whose weights live on the host (offload/weight)
 
     @property
     def static(self) -> int:
@@ -376,6 +377,34 @@ def weight_offload_memory(run: RunConfig, layout: Layout) -> WeightOffloadMemory
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
 
+def weight_offload_link_bytes(run: RunConfig, params: float,
+                              micro_batches: int) -> tuple[float, float]:  # fmt: skip
+    """Bytes weight offload moves per step, (up, down): its bf16 weights up twice per
+    micro-batch (forward, backward) and the gradients' slot down once, then at the step the
+    gradients, masters and moments up and the masters, moments and rounded weights down."""
+    grads = 4 if run.ddp.grad_reduce_in_fp32 or not run.model.bf16 else 2
+    states = 4 + moment_bytes(run)
+    up = params * (2 * 2 * micro_batches + 4 + states)
+    down = params * (grads * micro_batches + states + 2)
+    return up, down
+
+
+def weight_offload_note(run: RunConfig, plan: Plan) -> str | None:
+    """--plan's line on the link time weight offload adds (its bound: both directions at once)."""
+    params = max(r.weight_offload_params for r in plan.ranks)
+    if not params:
+        return None
+    t = run.train
+    micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
+    up, down = weight_offload_link_bytes(run, params, micro_batches)
+    rate = run.planner.host_link_gb_per_s * 1e9
+    return (
+        f"weight offload: {param_count(params)} params on the host move {up / 1e9:.1f} GB up "
+        f"and {down / 1e9:.1f} GB down per step, at least +{max(up, down) / rate:.2f} s over "
+        f"{run.planner.host_link_gb_per_s:.0f} GB/s where compute does not hide them"
+    )
+
+
 def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> RankPlan:
     m, o, t = run.model, run.optimizer, run.train
     stage = rank // (layout.world // layout.pp)
@@ -432,6 +461,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         delayed_params=int(sum(opt.delayed)),
         boundary_params=int(sum(opt.delayed)) if copies_at_boundary else 0,
         states_moved=opt.states,
+        weight_offload_params=int(ring.params),
     )  # fmt: skip
 
 

@@ -41,7 +41,8 @@ def initialize(run: RunConfig) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if run.train.gpu_memory_cap_gb:  # the allocator raises OOM past it, as a smaller GPU would
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, run.train.gpu_memory_cap_gb * GB / total))
+        cap = run.train.gpu_memory_cap_gb * GB
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     m = run.model
@@ -317,7 +318,6 @@ class Step:
         self.peak = torch.cuda.max_memory_allocated() / GB  # the run's GPU peak so far
 
     def __call__(self, iteration: int) -> StepMetrics:
-        from offload_runner.offload import cpu_adam
 
         r, m, t = self.rank, self.rank.run.model, self.rank.run.train
         for offload in self.weight_offloads:

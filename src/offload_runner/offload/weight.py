@@ -123,8 +123,13 @@ class WeightOffload:
         widest = max(layer.numel for layer in self.layers)
         moments = moment_dtype or torch.float32
         self.arenas = HostArenas()
-        host = lambda dtype, numel, what: _typed(self.arenas.allocate(  # noqa: E731
-            numel * _size(dtype), self.on_cuda, f"weight offload: {what}"), dtype, numel)  # fmt: skip
+
+        def host(dtype, numel: int, what: str):
+            arena = self.arenas.allocate(
+                numel * _size(dtype), self.on_cuda, f"weight offload: {what}"
+            )
+            return _typed(arena, dtype, numel)
+
         # page-locked: the copy engines read and write each of them
         self.weights = host(torch.bfloat16, total, "bf16 weights")
         self.grads = host(torch.float32, total, "gradients")
@@ -325,7 +330,6 @@ class WeightOffload:
 
     def grads_ready(self) -> float:
         """Every gradient on the host; returns their squared L2 norm (for the global norm)."""
-        import torch
 
         if self.streams is not None:
             self.streams[1].synchronize()
@@ -387,7 +391,8 @@ class WeightOffload:
         streams = self.streams or (None, None)
         with torch.cuda.stream(streams[0]) if streams[0] else _nowhere():
             grad, master, exp_avg, exp_avg_sq = (
-                x[a:b].to(self.device, torch.float32, non_blocking=True) for x in arrays)
+                x[a:b].to(self.device, torch.float32, non_blocking=True) for x in arrays
+            )
         compute = torch.cuda.current_stream() if streams[0] else None
         if compute is not None:
             compute.wait_stream(streams[0])
@@ -395,8 +400,12 @@ class WeightOffload:
             grad.mul_(clip)
         adam([grad], [master], [exp_avg], [exp_avg_sq], self.steps, h)
         rounded = master.to(torch.bfloat16)
-        down = [(self.master, master), (self.exp_avg, exp_avg.to(self.exp_avg.dtype)),
-                (self.exp_avg_sq, exp_avg_sq.to(self.exp_avg_sq.dtype)), (self.weights, rounded)]
+        down = [
+            (self.master, master),
+            (self.exp_avg, exp_avg.to(self.exp_avg.dtype)),
+            (self.exp_avg_sq, exp_avg_sq.to(self.exp_avg_sq.dtype)),
+            (self.weights, rounded),
+        ]
         if compute is None:
             for host, gpu in down:
                 host[a:b].copy_(gpu)
@@ -424,14 +433,16 @@ class WeightOffload:
 
     def state_dict(self) -> dict:
         self.finish()
+        layout = [layer.numel for layer in self.layers]
         return {"steps": self.steps, "master": self.master, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq, "layout": [l.numel for l in self.layers]}  # fmt: skip
+                "exp_avg_sq": self.exp_avg_sq, "layout": layout}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        if state["layout"] != [layer.numel for layer in self.layers]:
+        layout = [layer.numel for layer in self.layers]
+        if state["layout"] != layout:
             raise ValueError(
                 "the checkpoint's weight-offload layers differ from this model's: "
-                f"{state['layout']} against {[l.numel for l in self.layers]}"
+                f"{state['layout']} against {layout}"
             )
         self.steps = int(state["steps"])
         for name in ("master", "exp_avg", "exp_avg_sq"):
