@@ -58,22 +58,35 @@ H = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 def _reference_step(model: Model, batches, state: dict, step: int, clip: float) -> float:
     """The resident model: fp32 gradients summed over micro-batches, clipped by the global norm,
     AdamW (torch's fused kernel) on fp32 masters; returns the norm."""
-    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
-    for x in batches:
-        model.zero_grad(set_to_none=True)
-        model(x).backward()
-        for n, p in model.named_parameters():
-            grads[n] += p.grad.float()
+    params = dict(model.named_parameters())
+    grads = _summed_grads(model, params, batches)
     norm, factor = weight.clip_factor([float(torch.linalg.vector_norm(
         g, dtype=torch.float64) ** 2) for g in grads.values()], clip)  # fmt: skip
+    _adam(params, grads, state, step, factor)
+    return norm
+
+
+def _summed_grads(model: Model, params: dict, batches) -> dict:
+    """``params``' fp32 gradients summed over the micro-batches (as DDP's buffer sums them)."""
+    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+    for x in batches:
+        for p in params.values():
+            p.grad = None
+        model(x).backward()
+        for n, p in params.items():
+            grads[n] += p.grad.float()
+    return grads
+
+
+def _adam(params: dict, grads: dict, state: dict, step: int, factor: float) -> None:
+    """AdamW (torch's fused kernel) on resident fp32 masters, Megatron-Core's weight-decay rule."""
     steps = torch.tensor(float(step))
-    for n, p in model.named_parameters():
+    for n, p in params.items():
         master, m, v = state.setdefault(n, (p.detach().float().clone(), torch.zeros_like(
             grads[n]), torch.zeros_like(grads[n])))  # fmt: skip
         h = H if not (n.endswith(".bias") or p.dim() == 1) else {**H, "weight_decay": 0.0}
         torch_adamw(steps, h)([master], [grads[n] * factor], [m], [v])
         p.data.copy_(master)
-    return norm
 
 
 def _offloaded_step(model: Model, offload: weight.WeightOffload, batches, state: dict,
@@ -82,23 +95,11 @@ def _offloaded_step(model: Model, offload: weight.WeightOffload, batches, state:
     offload.begin_step(len(batches))
     rest = {n: p for n, p in model.named_parameters() if not n.startswith("decoder.layers.0")
             and not n.startswith("decoder.layers.1")}  # fmt: skip
-    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in rest.items()}
-    for x in batches:
-        for p in rest.values():
-            p.grad = None
-        model(x).backward()
-        for n, p in rest.items():
-            grads[n] += p.grad.float()
+    grads = _summed_grads(model, rest, batches)
     sq = [float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads.values()]
     norm, factor = weight.clip_factor([sum(sq), offload.grads_ready()], clip)
     offload.update((H, {**H, "weight_decay": 0.0}), factor)
-    steps = torch.tensor(float(offload.steps))
-    for n, p in rest.items():
-        master, m, v = state.setdefault(n, (p.detach().float().clone(), torch.zeros_like(
-            grads[n]), torch.zeros_like(grads[n])))  # fmt: skip
-        h = H if not (n.endswith(".bias") or p.dim() == 1) else {**H, "weight_decay": 0.0}
-        torch_adamw(steps, h)([master], [grads[n] * factor], [m], [v])
-        p.data.copy_(master)
+    _adam(rest, grads, state, offload.steps, factor)
     return norm
 
 
