@@ -189,3 +189,29 @@ def test_startup_reports_every_ranks_peak_and_the_nodes_ram(tmp_path: Path, monk
     (before,), (peak,) = (report["host_used_gb_before_per_node"],
                           report["host_used_gb_max_per_node"])  # fmt: skip
     assert 0 < before <= peak
+
+
+def test_a_failing_rank_logs_its_traceback_and_exits_1_without_printing_it(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The terminal shows the launcher's one line (rank, log, fix), not torch's traceback: the
+    rank writes it to its log and exits 1."""
+    import logging
+
+    from offload_runner import train, worker
+    from tests.conftest import compose_run
+
+    def out_of_memory(run, run_dir):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(train, "train", out_of_memory)
+    logger = logging.getLogger("offload_runner")
+    handlers = list(logger.handlers)
+    try:
+        assert worker._train(compose_run("recipe=tiny"), tmp_path, 0) == 1
+    finally:
+        for handler in logger.handlers[len(handlers):]:
+            logger.removeHandler(handler)
+    log = (tmp_path / "rank0.log").read_text()
+    assert "CUDA out of memory" in log and "Traceback" in log
+    assert "Traceback" not in capsys.readouterr().err

@@ -48,8 +48,10 @@ def _train(run: RunConfig, run_dir: Path, rank: int) -> int:
     try:
         train(run, run_dir)
     except Exception:
+        # the traceback goes to the rank's log only; the launcher's one line names the log (and,
+        # out of GPU memory, the fix), so the terminal shows no torch traceback before it
         logging.getLogger("offload_runner").exception("rank %d failed", rank)
-        raise
+        return 1
     finally:
         import torch.distributed as dist
 
