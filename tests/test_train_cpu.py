@@ -210,7 +210,7 @@ def test_a_failing_rank_logs_its_traceback_and_exits_1_without_printing_it(
     try:
         assert worker._train(compose_run("recipe=tiny"), tmp_path, 0) == 1
     finally:
-        for handler in logger.handlers[len(handlers):]:
+        for handler in logger.handlers[len(handlers) :]:
             logger.removeHandler(handler)
     log = (tmp_path / "rank0.log").read_text()
     assert "CUDA out of memory" in log and "Traceback" in log
