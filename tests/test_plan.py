@@ -143,6 +143,19 @@ def test_weight_offload_takes_its_layers_weights_gradients_and_states_off_the_gp
     assert extra == pytest.approx(2 * layer * (2 + 4 + 4 + 8) + 2 * layer * 4, abs=64)
 
 
+def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:
+    """The proxy held to 16 GB: no optimizer setting fits, state offload with weight offload of
+    the fewest layers does, and the choice says what the weights cost on the link."""
+    capped = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
+              "planner.host_memory_gb=125", "offload/optimizer=auto")  # fmt: skip
+    choice = choose_offload(compose_run(*capped, "train.gpu_memory_cap_gb=16"))
+    assert choice.overrides["model.cpu_offloading_weights"] is True
+    assert choice.overrides["optimizer.offload_optimizer_states"] is True
+    assert "weight offload of" in choice.description and "GB up" in choice.description
+    roomy = choose_offload(compose_run(*capped, "train.gpu_memory_cap_gb=80"))
+    assert not roomy.overrides.get("model.cpu_offloading_weights")
+
+
 def test_a_gpu_memory_cap_is_the_planners_gpu() -> None:
     plan = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24"))
     assert (plan.gpu_capacity_gb, plan.gpu_capacity_source) == (24.0, "train.gpu_memory_cap_gb")

@@ -998,6 +998,8 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             if plan.limiting is None:
                 fitting.append((opt_name, layers, overrides, candidate, plan, tier))
                 break  # more layers of this optimizer setting only cost more
+    if not fitting and p.auto_optimizer and not p.auto_activation:
+        last, fitting = _weight_offload_fallback(run, world) or (last, fitting)
     if not fitting:
         assert last is not None
         peak = last.worst.gpu_peak / GiB
@@ -1019,6 +1021,8 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         parts.append(f"offload/optimizer={opt_name}")
     if layers is not None:
         parts.append(f"activation offload of {layers} layer(s)")
+    if overrides.get("model.cpu_offloading_weights"):
+        parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
     peak = plan.worst.gpu_peak / GiB
     why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
            f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
@@ -1032,7 +1036,32 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
         if others:
             why += f"; also fits: {', '.join(others)}"
+    if (weights := weight_offload_note(candidate, plan)) is not None:
+        why += f"; {weights}"
     return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+
+
+def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
+    """Where no optimizer setting fits on one GPU: state offload (each precision tier in turn)
+    with the fewest layers of weight offload that fit, as (last plan, [fitting item]); None
+    where weight offload cannot run (more than one GPU) or nothing fits even so."""
+    if Layout.of(run, world).world != 1:
+        return None
+    last = None
+    for tier, (_, precision) in enumerate(PRECISION_TIERS):
+        name, states = STATES_STEP
+        for layers in range(1, run.model.num_layers + 1):
+            overrides = {**states, **precision, "optimizer.optimizer_state_offload_fraction": 1.0,
+                         "model.cpu_offloading": True, "model.cpu_offloading_weights": True,
+                         "model.cpu_offloading_activations": False,
+                         "model.cpu_offloading_num_layers": layers}  # fmt: skip
+            candidate = _with(run, overrides)
+            last = make_plan(candidate, world)
+            if last.limiting is None:
+                return last, [(name, None, overrides, candidate, last, tier)]
+            if last.host_needed_gb > last.host_capacity_gb:
+                break  # more layers only need more host RAM
+    return (last, []) if last is not None else None
 
 
 # --- the largest slice of a recipe that fits ------------------------------------------------------
