@@ -65,3 +65,18 @@ def test_version_names_this_project(wheel_site: Path, tmp_path: Path) -> None:
     shown = cli(wheel_site, "--version", cwd=tmp_path)
     assert shown.returncode == 0
     assert shown.stdout.startswith("offload-runner ") and "megatron-core" in shown.stdout
+
+
+def test_transformer_engine_floor_is_past_its_offload_bugs() -> None:
+    """TE 2.5-2.9 raise "...not mentioned what to offload" at model build with
+    cpu_offloading_activations=false even with offloading off, and TE 2.9 looks up layer 0 in an
+    empty map with cpu_offloading_num_layers=0; the rules are written for TE >= 2.10 (the GPU
+    machine runs 2.20.2), so the `te` extra may not install an older one."""
+    import re
+
+    import tomllib
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    te = tomllib.loads(text)["project"]["optional-dependencies"]["te"]
+    floor = re.search(r">=\s*(\d+)\.(\d+)", te[0])
+    assert floor and (int(floor.group(1)), int(floor.group(2))) >= (2, 10), te
