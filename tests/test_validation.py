@@ -103,6 +103,18 @@ CASES = [
         "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
     ),
     Case(
+        "deprecated_cuda_graph_flag_with_impl",
+        ("recipe=tiny", "model.enable_cuda_graph=true", "model.cuda_graph_impl=local"),
+        ("recipe=tiny", "model.cuda_graph_impl=local"),
+        "Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl.",
+    ),
+    Case(
+        "deprecated_cuda_graph_flag",
+        ("recipe=tiny", "model.external_cuda_graph=true"),
+        ("recipe=tiny", "model.cuda_graph_impl=transformer_engine"),
+        "model.external_cuda_graph is deprecated in Megatron-Core",
+    ),
+    Case(
         "weight_offload_needs_a_host_engine",
         ("recipe=tiny", *WEIGHT),
         ("recipe=tiny", *WEIGHT, "offload/optimizer=states"),
@@ -815,3 +827,13 @@ def test_a_one_layer_model_is_told_there_is_no_layer_to_offload() -> None:
     run = compose_run("recipe=tiny", *ACT, "model.num_layers=1")
     (found,) = [v for v in check_rules(run, WITH_TE) if v.rule == "cpu_offloading_layer_range"]
     assert "no layer to offload" in found.fix and "1 to 0" not in found.fix
+
+
+def test_the_deprecated_cuda_graph_flag_is_named_in_the_fix() -> None:
+    """Megatron-Core's message names both flags; the fix names the one the user set."""
+    found = [v for v in check_rules(compose_run("recipe=tiny", "model.enable_cuda_graph=true",
+                                                "model.cuda_graph_impl=local"), WITH_TE)
+             if v.rule == "deprecated_cuda_graph_flag_with_impl"]  # fmt: skip
+    assert found and found[0].fix.startswith(
+        "drop model.enable_cuda_graph (the deprecated spelling of model.cuda_graph_impl=local)"
+    )

@@ -110,6 +110,16 @@ def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
     )  # fmt: skip
 
 
+DEPRECATED_CUDA_GRAPH_FLAGS = {"enable_cuda_graph": "local",
+                               "external_cuda_graph": "transformer_engine"}  # fmt: skip
+
+
+def _deprecated_cuda_graph_flag(c: RunConfig) -> str | None:
+    """The deprecated CUDA-graph switch the user set (Megatron-Core maps it onto
+    cuda_graph_impl in TransformerConfig.__post_init__), or None."""
+    return next((f for f in DEPRECATED_CUDA_GRAPH_FLAGS if getattr(c.model, f, False)), None)
+
+
 def _profiling_on(c: RunConfig) -> bool:
     return c.profiling.use_pytorch_profiler or c.profiling.use_nsys_profiler
 
@@ -191,6 +201,27 @@ RULES: tuple[Rule, ...] = (
         "CPU Offloading is enabled while it is not mentioned what to offload (weights/activations)",
         "add offload/activation=enabled or offload/weight=enabled "
         "(model.cpu_offloading_activations=true / model.cpu_offloading_weights=true)",
+    ),
+    Rule(
+        "deprecated_cuda_graph_flag_with_impl",
+        lambda c, e: (
+            _deprecated_cuda_graph_flag(c) is not None
+            and c.model.cuda_graph_impl != CudaGraphImpl.none
+        ),
+        "Do not use enable_cuda_graph or external_cuda_graph with cuda_graph_impl.",
+        "drop model.{deprecated_cuda_graph_flag} (the deprecated spelling of "
+        "model.cuda_graph_impl={deprecated_cuda_graph_impl}) and keep model.cuda_graph_impl",
+    ),
+    Rule(
+        "deprecated_cuda_graph_flag",
+        lambda c, e: (
+            _deprecated_cuda_graph_flag(c) is not None
+            and c.model.cuda_graph_impl == CudaGraphImpl.none
+        ),
+        "model.{deprecated_cuda_graph_flag} is deprecated in Megatron-Core",
+        "set model.cuda_graph_impl={deprecated_cuda_graph_impl} instead of "
+        "model.{deprecated_cuda_graph_flag}",
+        Level.warning,
     ),
     Rule(
         "weight_offload_needs_a_host_engine",
@@ -978,7 +1009,10 @@ RULES: tuple[Rule, ...] = (
 
 
 def _format(template: str, run: RunConfig, env: Environment) -> str:
+    flag = _deprecated_cuda_graph_flag(run)
     return template.format(
+        deprecated_cuda_graph_flag=flag,
+        deprecated_cuda_graph_impl=DEPRECATED_CUDA_GRAPH_FLAGS.get(flag),
         m=run.model,
         o=run.optimizer,
         t=run.train,
