@@ -210,3 +210,27 @@ def test_a_checkpoint_sees_the_weights_on_pageable_copies_and_they_come_back() -
         assert torch.all(p == 0.5)
     finally:
         offload.close()
+
+
+BRIDGE = ("--recipe", "tiny", "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2")
+WEIGHTS_ONLY = ("model.cpu_offloading_weights=True", "model.cpu_offloading_activations=False")
+
+
+@pytest.mark.parametrize(
+    ("lines", "code"),
+    [
+        pytest.param(("model.cpu_offloading_activations=True",), 0, id="activations"),
+        # weights alone keep their optimizer state on the GPU: refused, the fix says which engine
+        pytest.param(WEIGHTS_ONLY, 2, id="weights-without-a-host-engine"),
+        pytest.param((*WEIGHTS_ONLY, "offload/optimizer=states"), 0, id="weights"),
+        pytest.param(("model.cpu_offloading_weights=True", "model.cpu_offloading_activations=True",
+                      "offload/optimizer=states"), 0, id="both"),
+    ],
+)  # fmt: skip
+def test_megatron_bridge_offload_lines_dry_run(lines, code: int, tmp_path, capsys) -> None:
+    """Megatron-Bridge's three cpu_offloading_* configs (activations, weights, both), pasted."""
+    from offload_runner.cli import main
+
+    assert main([*BRIDGE, *lines, f"output_dir={tmp_path}/run", "--dry-run"]) == code
+    if code:
+        assert "fix: add offload/optimizer=states" in capsys.readouterr().err
