@@ -143,7 +143,7 @@ PY2
   echo
   echo "The split settles where the CPU's share (at the rate it keeps beside the streams) and the"
   echo "window's pass take about as long; the planner prices it the same way"
-  echo "(\`plan.exact_update_seconds\`, \`plan.CPU_ADAM_RATE_BESIDE_STREAMS\` from the probe above)."
+  echo "(\`step_cost.exact_update_seconds\`, \`hardware.CPU_ADAM_RATE_BESIDE_STREAMS\` from the probe above)."
   echo
   echo "What takes the CPU's rate inside exact mode's update, outside the engine (one H200,"
   echo "\`OMP_WAIT_POLICY=PASSIVE python bench/cpu_adam_copy_probe.py\`,"

@@ -20,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from offload_runner.auto import choose_offload  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
-from offload_runner.plan import GiB, Plan, choose_offload, make_plan  # noqa: E402
+from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
 from offload_runner.report import fmt, markdown_table  # noqa: E402
 
 # The runs the activation model was read from (tensor by tensor, see plan.layer_activations and

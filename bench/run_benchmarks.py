@@ -932,9 +932,9 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
 
 def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
     """For each weight-offload case: its overhead against its baseline beside the link bound
-    (plan.weight_offload_link_bytes: both directions at once at planner.host_link_gb_per_s)."""
+    (step_cost.weight_offload_link_bytes: both directions at once at planner.host_link_gb_per_s)."""
     from offload_runner.config.compose import compose_config, to_run_config
-    from offload_runner.plan import weight_offload_link_bytes
+    from offload_runner.step_cost import weight_offload_link_bytes
 
     lines = []
     for r in results:

@@ -912,24 +912,24 @@ def test_deterministic_mode_takes_the_gpu_share_from_the_config(
     """Under model.deterministic_mode nothing timed steers the split: no balance, and the
     planner's share from its configured rates (the reference CPU rate where none is set)
     instead of a rate measured on this machine."""
-    from offload_runner import hardware, plan
+    from offload_runner import hardware, step_cost
     from offload_runner.offload.cpu_adam import balanced_share
 
     def measured(threads: int) -> float:
         raise AssertionError("measured a rate")
 
-    monkeypatch.setattr(plan, "measured_rate", measured)
+    monkeypatch.setattr(step_cost, "measured_rate", measured)
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
                       "model.deterministic_mode=true")  # fmt: skip
     assert not balanced_share(run)
-    cost = plan.step_cost(run)
+    cost = step_cost.step_cost(run)
     assert cost.cpu_adam_params_per_s == hardware.REFERENCE_CPU_ADAM_PARAMS_PER_S
     assert 0 < cost.gpu_share(run) < 1
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam")
     assert balanced_share(run)
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "model.deterministic_mode=true",
                       "planner.cpu_adam_params_per_s=2e9")  # fmt: skip
-    assert plan.step_cost(run).cpu_adam_params_per_s == 2e9
+    assert step_cost.step_cost(run).cpu_adam_params_per_s == 2e9
 
 
 def test_bf16_gradients_go_down_as_bf16_and_update_in_fp32() -> None:

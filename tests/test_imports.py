@@ -76,7 +76,12 @@ def test_no_import_circle_among_offload_runner_modules() -> None:
 
 def test_the_planner_never_imports_an_engine() -> None:
     graph = import_graph()
-    for planner in ("offload_runner.plan", "offload_runner.hardware"):
+    for planner in (
+        "offload_runner.plan",
+        "offload_runner.step_cost",
+        "offload_runner.auto",
+        "offload_runner.hardware",
+    ):
         assert not {m for m in graph[planner] if m.startswith("offload_runner.offload")}
 
 

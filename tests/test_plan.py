@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from offload_runner.auto import choose_offload
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from offload_runner.model_size import count_parameters
 from offload_runner.plan import (
     HOST_PROCESS_BYTES,
     WORKSPACE_BYTES,
     Layout,
-    choose_offload,
     layer_activations,
     make_plan,
     minimal_world_size,
@@ -358,8 +358,9 @@ def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> 
 
 
 def test_step_cost_model() -> None:
-    from offload_runner.plan import CPU_ADAM_RATE_BESIDE_STREAMS as K
-    from offload_runner.plan import HDO_RATE_SHARE, StepCost
+    from offload_runner.hardware import CPU_ADAM_RATE_BESIDE_STREAMS as K
+    from offload_runner.hardware import HDO_RATE_SHARE
+    from offload_runner.step_cost import StepCost
 
     cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     # exact mode's balanced GPU share x: the CPU's (1 - x) at 4e9 K params/s and the link's
@@ -383,7 +384,7 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     """Delayed mode copying at the step boundary: the CPU update beyond
     planner.forward_backward_s and the boundary's copies (4 B/param each way at once) cost;
     unknown forward+backward hides nothing."""
-    from offload_runner.plan import StepCost, hidden_fraction
+    from offload_runner.step_cost import StepCost, hidden_fraction
 
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
                       "optimizer.optimizer_offload_fraction=0.5",
@@ -417,7 +418,7 @@ def test_delayed_copies_during_the_backward_hide_in_the_last_backward() -> None:
     what outlasts that backward (BACKWARD_SHARE of one micro-batch's forward+backward) costs,
     and limits the hidden fraction. With data parallelism (Megatron-Core reduces the gradients
     after the backward) they wait for the step boundary again."""
-    from offload_runner.plan import BACKWARD_SHARE, StepCost
+    from offload_runner.step_cost import BACKWARD_SHARE, StepCost
 
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
                       "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
@@ -445,7 +446,7 @@ def test_delayed_experts_price_the_dense_part_exact_and_the_experts_hidden() -> 
     part's exact with its GPU share (its moments page-locked, a window); all of Adam's states on
     the host as in delayed mode."""
     from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES
-    from offload_runner.plan import StepCost, exact_update_seconds
+    from offload_runner.step_cost import StepCost, exact_update_seconds
 
     common = ("recipe=tiny_moe", "planner.forward_backward_s=100", "parallel=ep2")
     mixed = compose_run(*common, "offload/optimizer=cpu_adam_delayed_experts")
@@ -484,7 +485,7 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
         CPU_ADAM_RATE_BESIDE_STREAMS,
         LATE_BYTES,
     )
-    from offload_runner.plan import StepCost
+    from offload_runner.step_cost import StepCost
 
     common = ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "planner.forward_backward_s=1")
     cpu = compose_run(*common)
@@ -516,7 +517,8 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
 def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
     """Predicting weights: 4 B/param more page-locked host memory, and the CPU step slower by
     WEIGHT_PREDICTION_CPU_FACTOR (its copy and extrapolation)."""
-    from offload_runner.plan import WEIGHT_PREDICTION_CPU_FACTOR, StepCost
+    from offload_runner.hardware import WEIGHT_PREDICTION_CPU_FACTOR
+    from offload_runner.step_cost import StepCost
 
     plain = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed")
     guessing = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
@@ -641,7 +643,7 @@ def test_state_offload_fraction_and_bf16_moments_in_the_plan() -> None:
 def test_plan_largest_finds_the_most_layers_that_fit(capsys) -> None:
     """--plan --largest: a bisection over model.num_layers; the answer fits and one step more
     does not (auto's choice at each size where auto is on)."""
-    from offload_runner.plan import largest_slice
+    from offload_runner.auto import largest_slice
 
     common = (
         "recipe=qwen3_30b_a3b",

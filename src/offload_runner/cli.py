@@ -35,6 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
 from offload_runner import console
+from offload_runner.auto import choose_offload, largest_slice
 from offload_runner.config.compose import (
     CONF_DIR,
     RECIPE_SUFFIXES,
@@ -52,16 +53,9 @@ from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
-from offload_runner.plan import (
-    GiB,
-    choose_offload,
-    cost_note,
-    largest_slice,
-    make_plan,
-    param_count,
-    weight_offload_note,
-)
+from offload_runner.plan import GiB, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
+from offload_runner.step_cost import cost_note, param_count, weight_offload_note
 from offload_runner.validation import Environment, errors, validate, value_violations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -50,7 +50,7 @@ update takes about max(CPU share / CPU rate, link time) instead of all params / 
 state still lives on the host (its moments page-locked then); the step holds the window of up
 to 4 pieces. With the share unset (null) each exact step moves the split half way to where the
 CPU and the window, at the rates they just reached side by side, finish together
-(``_rebalance``), starting from the planner's balance (plan.balanced_gpu_share).
+(``_rebalance``), starting from the planner's balance (step_cost.balanced_gpu_share).
 
 Delayed mode's GPU share (the same key; its preset sets 0): the worker, once the last update is
 done, splits each delayed update along its order (``_late_pieces``): the CPU takes the pieces the
@@ -115,7 +115,7 @@ proxy at EP2 over 200 iterations (suite cpu-adam-ep2-conv) it ended within the s
 
 The cost model: exact step = GPU step + params/rate (the copies hide behind the CPU work: 4 B/param
 each way against 50 GB/s), with a GPU share the larger of its CPU part and its link time
-(plan.exact_update_seconds); delayed step = max(GPU step + copy time not hidden,
+(step_cost.exact_update_seconds); delayed step = max(GPU step + copy time not hidden,
 params/rate); measured (docs/BENCHMARKS.md, "Delayed mode's step boundary"), the CPU update also
 slows the kernel-launching training thread on a launch-bound model. State offload
 (offload/optimizer=states) moves 12 B/param each way instead and keeps
@@ -156,14 +156,12 @@ from offload_runner.offload import host_adam, optimizer_states
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_adam import HostAdam, Piece, adamw, hyper, torch_adamw
 from offload_runner.offload.optimizer_states import StatesWindow
-from offload_runner.plan import (
-    GiB,
+from offload_runner.plan import GiB, part_delays, part_fractions
+from offload_runner.step_cost import (
     copy_seconds_per_param,
     copy_window,
     hidden_fraction,
     param_count,
-    part_delays,
-    part_fractions,
     step_cost,
 )
 
@@ -1203,7 +1201,7 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
             copy_micro_batches: int | None = None) -> dict:  # fmt: skip
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
     of a rank, the mode, and (given the run's median forward+backward) the largest offload
-    fraction delayed mode hides at this run's rate (``plan.hidden_fraction``): its CPU Adam
+    fraction delayed mode hides at this run's rate (``step_cost.hidden_fraction``): its CPU Adam
     under forward+backward, its copies at ``planner.host_link_gb_per_s`` (``planner``: a
     PlannerConfig; None: copies not counted) beyond the last of ``copy_micro_batches`` backwards
     (None: copies at the step boundary) and the training thread's slowdown beside it within

@@ -1,0 +1,253 @@
+"""``offload/optimizer=auto`` and ``offload/activation=auto``: among the settings the memory
+model (plan.py) says fit, the one the step-time model (step_cost.py) says costs least; and
+``--plan --largest``, the largest slice of a recipe that fits. Pure arithmetic, no GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from offload_runner.config.schema import (
+    CpuOffloadEngine,
+    OptimizerDtype,
+    RunConfig,
+)
+from offload_runner.model_size import count_parameters
+from offload_runner.plan import GiB, Layout, Plan, make_plan
+from offload_runner.step_cost import step_cost, weight_offload_note
+
+# --- auto: the offload that fits at the least predicted cost ------------------------------------
+
+AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def optimizer_ladder(engine: CpuOffloadEngine,
+                     delayed: bool = False) -> tuple[tuple[str, dict], ...]:  # fmt: skip
+    """What offload/optimizer=auto tries, least first: nothing, then 25 ... 100% of Adam on the
+    CPU with ``engine`` (planner.auto_engine: the CPU-Adam engine by default, in delayed mode
+    with planner.auto_delayed)."""
+    steps: list[tuple[str, dict]] = [
+        (
+            "disabled",
+            {"optimizer.optimizer_cpu_offload": False, "optimizer.optimizer_offload_fraction": 0.0},
+        )
+    ]
+    for f in AUTO_FRACTIONS:
+        common = {
+            "optimizer.optimizer_cpu_offload": True,
+            "optimizer.optimizer_offload_fraction": f,
+            "optimizer.cpu_offload_engine": engine,
+            "optimizer.cpu_adam_delayed_update": delayed,
+        }
+        if engine == CpuOffloadEngine.cpu_adam:
+            name = ("cpu_adam_delayed" if delayed else "cpu_adam") + (
+                "" if f == 1.0 else f" optimizer.optimizer_offload_fraction={f}"
+            )
+            late = {"optimizer.cpu_adam_gpu_share": 0.0} if delayed else {}  # as its preset
+            steps.append(
+                (name, {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": False, **late})
+            )
+        else:
+            steps.append(
+                (
+                    f"cpu_{int(f * 100)}",
+                    {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": f == 1.0},
+                )
+            )
+    return tuple(steps)  # fmt: skip
+
+
+def _with(run: RunConfig, overrides: dict) -> RunConfig:
+    """A copy of ``run`` with dotted keys replaced."""
+    sections: dict[str, dict] = {}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    return replace(run, **{s: replace(getattr(run, s), **v) for s, v in sections.items()})
+
+
+@dataclass
+class AutoChoice:
+    overrides: dict  # dotted key -> value, to apply to the config
+    description: str
+    plan: Plan
+
+
+STATES_STEP = ("states", {"optimizer.optimizer_cpu_offload": False,
+                          "optimizer.optimizer_offload_fraction": 0.0,
+                          "optimizer.offload_optimizer_states": True})  # fmt: skip
+# State offload's fractions auto tries (the rest of the states stays on the GPU).
+STATE_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+BF16_MOMENTS = {"optimizer.exp_avg_dtype": OptimizerDtype.bf16,
+                "optimizer.exp_avg_sq_dtype": OptimizerDtype.bf16}  # fmt: skip
+# What auto gives up, in this order, when nothing in the configured precision fits: Adam's
+# moments in bf16 (fp32 math), then the gradient buffer in bf16 too; the host engines only.
+PRECISION_TIERS = (
+    ("", {}),
+    ("bf16 moments", BF16_MOMENTS),
+    ("bf16 moments and gradients", {**BF16_MOMENTS, "ddp.grad_reduce_in_fp32": False}),
+)
+
+
+def states_ladder() -> list[tuple[str, dict]]:
+    """State offload at each of STATE_FRACTIONS."""
+    name, overrides = STATES_STEP
+    return [(name + ("" if f == 1.0 else f" optimizer.optimizer_state_offload_fraction={f}"),
+             {**overrides, "optimizer.optimizer_state_offload_fraction": f})
+            for f in STATE_FRACTIONS]  # fmt: skip
+
+
+def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
+    """offload/optimizer=auto's optimizer settings: (name, overrides, precision tier). Tier 0
+    keeps the configured precision; the next tiers (PRECISION_TIERS) are the host engines'
+    settings again with less precise state, tried only where tier 0 has nothing that fits."""
+    p = run.planner
+    ladder = optimizer_ladder(p.auto_engine, p.auto_delayed)
+    found = [(name, o, 0) for name, o in (*ladder, *states_ladder())]
+    host_engines = [
+        item
+        for item in (*ladder[1:], *states_ladder())
+        if p.auto_engine == CpuOffloadEngine.cpu_adam or "states" in item[0]
+    ]
+    for tier, (what, extra) in enumerate(PRECISION_TIERS[1:], start=1):
+        if _with(run, extra) == run:  # configured so already
+            continue
+        found += [(f"{name}, {what}", {**o, **extra}, tier) for name, o in host_engines]
+    return found
+
+
+def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
+    """Among the settings that fit, the one the step-time model (StepCost) says costs least;
+    for each optimizer setting, the fewest activation-offload layers that fit (the model counts
+    them free: they overlap compute). offload/optimizer=auto weighs CPU Adam fractions
+    (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
+    p = run.planner
+    optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
+    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
+    layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
+    last, fitting = None, []
+    for opt_name, opt_overrides, tier in optimizer_steps:
+        if fitting and tier > fitting[0][5]:
+            break  # a more precise setting fits
+        for layers in layer_counts:
+            overrides = dict(opt_overrides)
+            if p.auto_optimizer:
+                overrides.setdefault("optimizer.offload_optimizer_states", False)
+                overrides.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
+            if layers is not None:
+                overrides.update({"model.cpu_offloading": layers > 0,
+                                  "model.cpu_offloading_num_layers": layers,
+                                  "model.cpu_offloading_activations": True})  # fmt: skip
+            candidate = _with(run, overrides)
+            plan = make_plan(candidate, world)
+            last = plan
+            if plan.limiting is None:
+                fitting.append((opt_name, layers, overrides, candidate, plan, tier))
+                break  # more layers of this optimizer setting only cost more
+    if not fitting and p.auto_optimizer and not p.auto_activation:
+        last, fitting = _weight_offload_fallback(run, world) or (last, fitting)
+    if not fitting:
+        assert last is not None
+        peak = last.worst.gpu_peak / GiB
+        raise ValueError(
+            f"no offload setting fits: the last one tried needs {peak:.1f} GB + "
+            f"{last.margin_gb:.1f} GB margin of a {last.gpu_capacity_gb:.1f} GB GPU and "
+            f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
+        )
+    cost = step_cost(run, fitting[0][4].gpus_per_node) if p.auto_optimizer else None
+
+    def seconds(item) -> float:
+        _, _, _, candidate, plan, _ = item
+        return max(cost.seconds(candidate, r) for r in plan.ranks) if cost else 0.0
+
+    best = min(fitting, key=seconds)  # ties: the earlier, smaller offload
+    opt_name, layers, overrides, candidate, plan, tier = best
+    parts = []
+    if p.auto_optimizer:
+        parts.append(f"offload/optimizer={opt_name}")
+    if layers is not None:
+        parts.append(f"activation offload of {layers} layer(s)")
+    if overrides.get("model.cpu_offloading_weights"):
+        parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
+    peak = plan.worst.gpu_peak / GiB
+    why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
+           f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
+           f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
+    if tier:
+        why += f"; {PRECISION_TIERS[tier][0]}: nothing in the configured precision fits"
+    if cost:
+        worst = max(plan.ranks, key=lambda r: cost.seconds(candidate, r))
+        why += (f"; predicted +{seconds(best):.2f} s per step: "
+                f"{cost.explain(candidate, worst)}")  # fmt: skip
+        others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
+        if others:
+            why += f"; also fits: {', '.join(others)}"
+    if (weights := weight_offload_note(candidate, plan)) is not None:
+        why += f"; {weights}"
+    return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+
+
+def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
+    """Where no optimizer setting fits on one GPU: state offload (each precision tier in turn)
+    with the fewest layers of weight offload that fit, as (last plan, [fitting item]); None
+    where weight offload cannot run (more than one GPU) or nothing fits even so."""
+    if Layout.of(run, world).world != 1:
+        return None
+    last = None
+    for tier, (_, precision) in enumerate(PRECISION_TIERS):
+        name, states = STATES_STEP
+        for layers in range(1, run.model.num_layers + 1):
+            overrides = {**states, **precision, "optimizer.optimizer_state_offload_fraction": 1.0,
+                         "model.cpu_offloading": True, "model.cpu_offloading_weights": True,
+                         "model.cpu_offloading_activations": False,
+                         "model.cpu_offloading_num_layers": layers}  # fmt: skip
+            candidate = _with(run, overrides)
+            last = make_plan(candidate, world)
+            if last.limiting is None:
+                return last, [(name, None, overrides, candidate, last, tier)]
+            if last.host_needed_gb > last.host_capacity_gb:
+                break  # more layers only need more host RAM
+    return (last, []) if last is not None else None
+
+
+# --- the largest slice of a recipe that fits ------------------------------------------------------
+
+
+@dataclass
+class Largest:
+    layers: int  # model.num_layers of the largest slice that fits (0: none)
+    params: int
+    plan: Plan | None
+    choice: AutoChoice | None  # auto's setting there, where auto is on
+
+
+def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
+    """The most layers of ``run``'s model (up to its own num_layers, in steps of the pipeline
+    size) that fit here: as configured, or with auto's choice at each size. Fitting only gets
+    harder with more layers, so a bisection finds it."""
+    step = run.model.pipeline_model_parallel_size * (run.model.virtual_pipeline_model_parallel_size
+                                                     or 1)  # fmt: skip
+    auto = run.planner.auto_optimizer or run.planner.auto_activation
+
+    def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:
+        sliced = _with(run, {"model.num_layers": layers})
+        if auto:
+            try:
+                choice = choose_offload(sliced, world)
+            except ValueError:
+                return None, None
+            return choice.plan, choice
+        plan = make_plan(sliced, world)
+        return (plan if plan.limiting is None else None), None
+
+    lo, hi = 0, run.model.num_layers // step  # in steps; lo fits (0: trivially), hi unknown
+    best: tuple[Plan | None, AutoChoice | None] = (None, None)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = at(mid * step)
+        if found[0] is not None:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    layers = lo * step
+    params = count_parameters(_with(run, {"model.num_layers": layers}).model).total if layers else 0
+    return Largest(layers, params, best[0], best[1])
