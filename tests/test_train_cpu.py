@@ -206,12 +206,12 @@ def test_a_failing_rank_logs_its_traceback_and_exits_1_without_printing_it(
 
     monkeypatch.setattr(train, "train", out_of_memory)
     logger = logging.getLogger("offload_runner")
-    handlers = list(logger.handlers)
+    handlers = list(logger.handlers)  # earlier tests' (their files may be closed by now)
+    logger.handlers.clear()
     try:
         assert worker._train(compose_run("recipe=tiny"), tmp_path, 0) == 1
     finally:
-        for handler in logger.handlers[len(handlers) :]:
-            logger.removeHandler(handler)
+        logger.handlers[:] = handlers
     log = (tmp_path / "rank0.log").read_text()
     assert "CUDA out of memory" in log and "Traceback" in log
     assert "Traceback" not in capsys.readouterr().err
