@@ -944,10 +944,7 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
             continue
         run = to_run_config(compose_config([f"recipe={r['case']['recipe']}",
                                             *r["case"]["overrides"]]))  # fmt: skip
-        t = run.train
-        up, down = weight_offload_link_bytes(
-            run, s["weight_offload_params"], t.global_batch_size // t.micro_batch_size
-        )
+        up, down = weight_offload_link_bytes(run, s["weight_offload_params"])
         bound = max(up, down) / (run.planner.host_link_gb_per_s * 1e9)
         overhead = s["step_time_s_median"] - base["step_time_s_median"]
         lines.append(f"- {r['case']['name']}: {s['weight_offload_params'] / 1e9:.2f}B params on "

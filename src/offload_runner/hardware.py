@@ -21,6 +21,11 @@ CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned
 # exact mode's GPU share streams them: cpu_adam_streams)
 WINDOW_SLOTS = WINDOW_PIECES  # pieces in a state window
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# weight offload's update: params per piece (18 B each on the GPU: fp32 gradient, master and two
+# moments up, the bf16 rounding), and pieces holding GPU memory at once (coming up, in Adam,
+# going down)
+WEIGHT_OFFLOAD_PIECE = 1 << 24
+WEIGHT_OFFLOAD_IN_FLIGHT = 3
 
 
 def moment_bytes(run: RunConfig) -> int:

@@ -51,6 +51,8 @@ from offload_runner.hardware import (
     DTYPE_BYTES,
     HDO_PINNED_BYTES,
     LATE_BYTES,
+    WEIGHT_OFFLOAD_IN_FLIGHT,
+    WEIGHT_OFFLOAD_PIECE,
     WINDOW_SLOTS,
     host_state_bytes,
     moment_bytes,
@@ -114,13 +116,18 @@ class StageParams:
     experts: int  # routed experts (split over EP x ETP)
 
 
+def layer_params(m) -> tuple[float, float]:
+    """One transformer layer's params (the model's average): outside the routed experts, and
+    the routed experts'."""
+    counts = count_parameters(m)
+    dense = counts.attention + counts.dense_mlp + counts.router + counts.norms
+    return dense / m.num_layers, counts.experts / m.num_layers
+
+
 def stage_params(run: RunConfig, layout: Layout, stage: int) -> StageParams:
     m = run.model
-    counts = count_parameters(m)
     layers = m.num_layers // layout.pp
-    per_layer_dense = (
-        counts.attention + counts.dense_mlp + counts.router + counts.norms
-    ) / m.num_layers
+    per_layer_dense, per_layer_experts = layer_params(m)
     dense = layers * per_layer_dense / layout.tp
     embedding = padded_vocab_size(m) * m.hidden_size / layout.tp
     first, last = stage == 0, stage == layout.pp - 1
@@ -128,7 +135,7 @@ def stage_params(run: RunConfig, layout: Layout, stage: int) -> StageParams:
         dense += embedding
     if last and (not m.share_embeddings_and_output_weights or layout.pp > 1):
         dense += embedding  # untied output layer, or the tied copy on the last stage
-    experts = layers * (counts.experts / m.num_layers) / (layout.ep * layout.etp)
+    experts = layers * per_layer_experts / (layout.ep * layout.etp)
     return StageParams(int(dense), int(experts))
 
 
@@ -349,19 +356,16 @@ class WeightOffloadMemory:
         return self.dense + self.experts
 
 
-WEIGHT_OFFLOAD_PIECE = 1 << 24  # params per update piece (offload/weight.UPDATE_PIECE)
-
-
-def weight_offload_memory(run: RunConfig, layout: Layout) -> WeightOffloadMemory:
+def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     m = run.model
     if not (weights_offloaded(run) and m.cpu_offloading_num_layers > 0):
         return WeightOffloadMemory(0.0, 0.0, 0, 0, 0)
-    counts, n = count_parameters(m), min(m.cpu_offloading_num_layers, m.num_layers)
-    dense = (counts.attention + counts.dense_mlp + counts.router + counts.norms) / m.num_layers
-    experts = counts.experts / m.num_layers
+    n = min(m.cpu_offloading_num_layers, m.num_layers)
+    dense, experts = layer_params(m)
     layer = dense + experts
     ring = int(layer * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
-    step_only = int(3 * min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2))  # 3 pieces in flight
+    piece = min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
+    step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
     pinned = int(n * layer * (2 + 4 + 4 + moment_bytes(run)) + 2 * layer * 4)
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
@@ -370,7 +374,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     m, o, t = run.model, run.optimizer, run.train
     stage = rank // (layout.world // layout.pp)
     params = stage_params(run, layout, stage)
-    ring = weight_offload_memory(run, layout)  # its layers leave DDP's buffers and optimizer
+    ring = weight_offload_memory(run)  # its layers leave DDP's buffers and optimizer
     params = replace(params, dense=params.dense - ring.dense, experts=params.experts - ring.experts)
     total = params.dense + params.experts
     weights = total * (2 if m.bf16 else 4)

@@ -276,11 +276,13 @@ def cost_note(run: RunConfig, plan: Plan) -> str | None:
     return f"predicted +{cost.seconds(run, worst):.2f} s per step: {cost.explain(run, worst)}"
 
 
-def weight_offload_link_bytes(run: RunConfig, params: float,
-                              micro_batches: int) -> tuple[float, float]:  # fmt: skip
-    """Bytes weight offload moves per step, (up, down): its bf16 weights up twice per
-    micro-batch (forward, backward) and the gradients' slot down once, then at the step the
-    gradients, masters and moments up and the masters, moments and rounded weights down."""
+def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, float]:
+    """Bytes weight offload of ``params`` moves per step, (up, down): its bf16 weights up twice
+    per micro-batch (forward, backward) and the gradients' slot down once, then at the step the
+    gradients, masters and moments up and the masters, moments and rounded weights down (one
+    GPU: every micro-batch of the global batch runs on it)."""
+    t = run.train
+    micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
     grads = 4 if run.ddp.grad_reduce_in_fp32 or not run.model.bf16 else 2
     states = 4 + moment_bytes(run)
     up = params * (2 * 2 * micro_batches + 4 + states)
@@ -293,9 +295,7 @@ def weight_offload_note(run: RunConfig, plan: Plan) -> str | None:
     params = max(r.weight_offload_params for r in plan.ranks)
     if not params:
         return None
-    t = run.train
-    micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
-    up, down = weight_offload_link_bytes(run, params, micro_batches)
+    up, down = weight_offload_link_bytes(run, params)
     rate = run.planner.host_link_gb_per_s * 1e9
     return (
         f"weight offload: {param_count(params)} params on the host move {up / 1e9:.1f} GB up "

@@ -29,24 +29,21 @@ parallelism with it).
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from offload_runner.config.schema import RunConfig, weights_offloaded
+from offload_runner.hardware import WEIGHT_OFFLOAD_IN_FLIGHT, WEIGHT_OFFLOAD_PIECE
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
-
-log = logging.getLogger("offload_runner")
 
 SLOTS = 2  # weight slots: the layer in use and the next one coming in
 # gradient slots, by the DDP gradient dtype: one fp32 slot (a layer's backward waits for the last
 # layer's gradients to have gone down) or two bf16 ones, 4 B per param of the widest layer either
 # way, so the ring holds 8 B per param of one layer where each offloaded layer frees 6 (or 4)
 GRAD_SLOTS = {4: 1, 2: 2}
-UPDATE_PIECE = 1 << 24  # params per piece of the update (18 B each on the GPU: 288 MiB)
-IN_FLIGHT = 3  # update pieces holding GPU memory at once: coming up, in Adam, going down
 STATE_FILE = "weight_offload_rank{rank}.pt"
 
 DISABLED = {"model.cpu_offloading_weights": False}
@@ -111,10 +108,13 @@ def offloaded_layers(model_chunk, count: int) -> list:
 class WeightOffload:
     """The offloaded layers of one model chunk, their host arrays, ring and hooks (module doc).
 
-    Built on the bare model before DDP (``detach``), armed after the optimizer (``arm``)."""
+    Its layers leave DDP's sight before DDP is built (``exclude``); built after DDP broadcast
+    the weights (``take``), armed after the optimizer (``arm``)."""
 
     def __init__(self, modules: list, device, moment_dtype=None, grad_dtype=None) -> None:
         import torch
+
+        from offload_runner.offload.host_adam import _typed
 
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -126,7 +126,7 @@ class WeightOffload:
 
         def host(dtype, numel: int, what: str):
             arena = self.arenas.allocate(
-                numel * _size(dtype), self.on_cuda, f"weight offload: {what}"
+                numel * dtype.itemsize, self.on_cuda, f"weight offload: {what}"
             )
             return _typed(arena, dtype, numel)
 
@@ -143,7 +143,7 @@ class WeightOffload:
         self.ring = _Ring(
             torch.empty(SLOTS, widest, dtype=torch.bfloat16, device=device),
             torch.zeros(
-                GRAD_SLOTS[_size(grad_dtype or torch.float32)],
+                GRAD_SLOTS[(grad_dtype or torch.float32).itemsize],
                 widest,
                 dtype=grad_dtype or torch.float32,
                 device=device,
@@ -181,12 +181,11 @@ class WeightOffload:
 
     def _take_weights(self) -> None:
         """The weights into the host arrays (masters as Megatron-Core's optimizer makes them:
-        the bf16 weights upcast), the parameters pointed at them and out of DDP's sight."""
+        the bf16 weights upcast), the parameters pointed at them."""
         for layer in self.layers:
             for i, p in enumerate(layer.params):
                 self._host_view(self.weights, layer, i).copy_(p.data)
                 p.data = self._host_view(self.weights, layer, i)
-                p.requires_grad_(False)  # DDP's buffers and the optimizer leave it out
         self.master.copy_(self.weights)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
@@ -256,9 +255,9 @@ class WeightOffload:
             if not torch.is_grad_enabled():
                 return None
             if args:
-                return (_AfterBackward.apply(args[0], self, layer), *args[1:]), kwargs
+                return (_after_backward().apply(args[0], self, layer), *args[1:]), kwargs
             if kwargs.get("hidden_states") is not None:
-                kwargs = {**kwargs, "hidden_states": _AfterBackward.apply(
+                kwargs = {**kwargs, "hidden_states": _after_backward().apply(
                     kwargs["hidden_states"], self, layer)}  # fmt: skip
             return args, kwargs
 
@@ -349,7 +348,7 @@ class WeightOffload:
         """Adam on the GPU for every offloaded layer, piece by piece (module doc): ``hypers``
         for the parameters with and without weight decay; gradients scaled by ``clip``. Pieces
         come up on ``h2d`` while the one before runs Adam and the one before that goes down on
-        ``d2h``; at most IN_FLIGHT pieces hold GPU memory."""
+        ``d2h``; at most WEIGHT_OFFLOAD_IN_FLIGHT pieces hold GPU memory."""
         import torch
 
         self.steps += 1
@@ -357,9 +356,9 @@ class WeightOffload:
         gone: list = []  # per piece: event, its copies down are done
         for layer in self.layers:
             for a, b, decay in self._spans(layer):
-                if self.streams is not None and len(gone) >= IN_FLIGHT:
+                if self.streams is not None and len(gone) >= WEIGHT_OFFLOAD_IN_FLIGHT:
                     # the CPU waits, so the allocator sees that piece's memory free and reuses it
-                    gone[-IN_FLIGHT].synchronize()
+                    gone[-WEIGHT_OFFLOAD_IN_FLIGHT].synchronize()
                 gone.append(self._update_piece(a, b, hypers[0 if decay else 1], clip, adam))
         self.ring.owner = [None] * SLOTS  # the slots hold last step's weights
         if self.streams is not None:
@@ -370,7 +369,7 @@ class WeightOffload:
                 p.data = self._host_view(self.weights, layer, i)
 
     def _spans(self, layer: _Layer):
-        """(start, stop, decays) runs of the flat arrays, at most UPDATE_PIECE long."""
+        """(start, stop, decays) runs of the flat arrays, at most WEIGHT_OFFLOAD_PIECE long."""
         runs: list[list] = []
         for i, p in enumerate(layer.params):
             a = layer.start + layer.offsets[i]
@@ -379,8 +378,8 @@ class WeightOffload:
             else:
                 runs.append([a, a + p.numel(), layer.decays[i]])
         for a, b, decay in runs:
-            for s in range(a, b, UPDATE_PIECE):
-                yield s, min(b, s + UPDATE_PIECE), decay
+            for s in range(a, b, WEIGHT_OFFLOAD_PIECE):
+                yield s, min(b, s + WEIGHT_OFFLOAD_PIECE), decay
 
     def _update_piece(self, a: int, b: int, h: dict, clip: float, adam):
         """One piece: up on ``h2d``, Adam on the compute stream, down on ``d2h``; returns the
@@ -389,7 +388,7 @@ class WeightOffload:
 
         arrays = (self.grads, self.master, self.exp_avg, self.exp_avg_sq)
         streams = self.streams or (None, None)
-        with torch.cuda.stream(streams[0]) if streams[0] else _nowhere():
+        with torch.cuda.stream(streams[0]) if streams[0] else contextlib.nullcontext():
             grad, master, exp_avg, exp_avg_sq = (
                 x[a:b].to(self.device, torch.float32, non_blocking=True) for x in arrays
             )
@@ -489,15 +488,10 @@ class WeightOffload:
         self._pool.shutdown(wait=True)
 
 
-class _AfterBackward:
-    """Identity on a layer's input whose backward runs once the layer's backward is done."""
-
-    @staticmethod
-    def apply(hidden, owner: WeightOffload, layer: _Layer):
-        return _after_backward_function().apply(hidden, owner, layer)
-
-
-def _after_backward_function():
+@functools.cache
+def _after_backward():
+    """Identity on a layer's input whose backward runs once the layer's backward is done (an
+    autograd Function, built on first use: torch is imported lazily here)."""
     import torch
 
     class AfterBackward(torch.autograd.Function):
@@ -511,8 +505,6 @@ def _after_backward_function():
             ctx.owner.after_backward(ctx.layer)
             return grad, None, None
 
-    global _after_backward_function  # built once, on first use (torch imported lazily)
-    _after_backward_function = lambda: AfterBackward  # noqa: E731
     return AfterBackward
 
 
@@ -538,12 +530,6 @@ def _sq_norm_when_down(grads, event) -> float:
     return float(torch.linalg.vector_norm(grads)) ** 2
 
 
-def _nowhere():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def _in_backward() -> bool:
     import torch
 
@@ -566,16 +552,6 @@ def _gpu_adam(device):
         torch_adamw(steps, h)(masters, grads, exp_avgs, exp_avg_sqs)
 
     return adam
-
-
-def _size(dtype) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _typed(arena, dtype, numel: int):
-    return arena[: numel * _size(dtype)].view(dtype)
 
 
 # --- what the training loop calls ----------------------------------------------------------------
@@ -638,15 +614,19 @@ def gpu_grad_sq_norm(model: list) -> float:
 
     total = torch.zeros((), dtype=torch.float64, device=torch.cuda.current_device()
                         if torch.cuda.is_available() else "cpu")  # fmt: skip
-    for chunk in model:
-        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-            total += torch.linalg.vector_norm(buffer.grad_data, dtype=torch.float32).double() ** 2
+    for grads in _ddp_grads(model):
+        total += torch.linalg.vector_norm(grads, dtype=torch.float32).double() ** 2
     return float(total)
 
 
 def scale_gpu_grads(model: list, factor: float) -> None:
     if factor == 1.0:
         return
-    for chunk in model:
-        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-            buffer.grad_data.mul_(factor)
+    for grads in _ddp_grads(model):
+        grads.mul_(factor)
+
+
+def _ddp_grads(model: list) -> list:
+    """The gradient arrays of DDP's buffers (dense and expert) of a rank's model chunks."""
+    return [b.grad_data for chunk in model
+            for b in [*chunk.buffers, *chunk.expert_parallel_buffers]]  # fmt: skip
