@@ -165,7 +165,7 @@ class Rank:
     model: list
     optimizer: object
     scheduler: object
-    engines: list  # the host engines (CPU Adam, windowed state offload): closed at the end
+    engines: list  # the host engines (CPU Adam, windowed states, weight offload): closed at the end
     data: list
     micro_batches: int
     dp_size: int
@@ -201,8 +201,9 @@ def build(run: RunConfig) -> Rank:
     model = build_model(run, config)
     startup.phase("model")
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    engines = [*host_adam.engines(optimizer), *weight.of(model)]
-    for offload in weight.of(model):
+    offloads = weight.of(model)
+    engines = [*host_adam.engines(optimizer), *offloads]
+    for offload in offloads:
         offload.arm()  # its layers' gradients on, outside DDP's buffers and the optimizer
     try:
         scheduler = build_scheduler(run, optimizer)
