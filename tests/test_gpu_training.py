@@ -149,14 +149,17 @@ def test_weight_offload_matches_state_offload(root: str, clip: str) -> None:
 def test_weight_offload_composes(root: str, extra: tuple[str, ...]) -> None:
     """With activation offload (the seeds' "both"), full recompute (the layer's forward runs
     again inside backward) and the CPU-Adam engine: without clipping (whose norm order differs,
-    see above), the losses of the same run without weight offload; the CPU-Adam engine's CPU
-    kernel rounds otherwise than the GPU's, which updates the offloaded layers there."""
+    see above), the losses of the same run without weight offload. The CPU-Adam engine's CPU
+    kernel rounds otherwise than the GPU's, which updates the offloaded layers there: the first
+    update's bf16 weights agree, then last bits flip bf16 roundings and the losses part by a few
+    1e-3, as the engine's own against GPU Adam (1.05e-3 by iteration 8, H100, 0357a3d)."""
     name = "-".join(o.split("=")[-1] for o in extra)
     extra = (*extra, "optimizer.clip_grad=0")
     base = train(Path(root) / f"wbase-{name}", *extra)
     run = train(Path(root) / f"w-{name}", *RING, *extra)
     if "offload/optimizer=cpu_adam" in extra:
-        assert max_delta(run["losses"], base["losses"]) < 1e-3
+        assert run["losses"][:2] == base["losses"][:2]
+        assert max_delta(run["losses"], base["losses"]) < 5e-3
     else:
         assert run["losses"] == base["losses"]
 

@@ -55,27 +55,29 @@ def _bf16_model(layers: int = 4) -> Model:
 H = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
-def _reference_step(model: Model, batches, state: dict, step: int, clip: float) -> float:
-    """The resident model: fp32 gradients summed over micro-batches, clipped by the global norm,
-    AdamW (torch's fused kernel) on fp32 masters; returns the norm."""
+def _reference_step(model: Model, batches, state: dict, step: int, clip: float,
+                    grad_dtype=torch.float32) -> float:  # fmt: skip
+    """The resident model: gradients summed over micro-batches in DDP's gradient dtype, clipped
+    by the global norm, AdamW (torch's fused kernel) on fp32 masters; returns the norm."""
     params = dict(model.named_parameters())
-    grads = _summed_grads(model, params, batches)
+    grads = _summed_grads(model, params, batches, grad_dtype)
     norm, factor = weight.clip_factor([float(torch.linalg.vector_norm(
         g, dtype=torch.float64) ** 2) for g in grads.values()], clip)  # fmt: skip
     _adam(params, grads, state, step, factor)
     return norm
 
 
-def _summed_grads(model: Model, params: dict, batches) -> dict:
-    """``params``' fp32 gradients summed over the micro-batches (as DDP's buffer sums them)."""
-    grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+def _summed_grads(model: Model, params: dict, batches, dtype=torch.float32) -> dict:
+    """``params``' gradients summed over the micro-batches in ``dtype`` (as DDP's buffer sums
+    them), as fp32."""
+    grads = {n: torch.zeros_like(p, dtype=dtype) for n, p in params.items()}
     for x in batches:
         for p in params.values():
             p.grad = None
         model(x).backward()
         for n, p in params.items():
-            grads[n] += p.grad.float()
-    return grads
+            grads[n] += p.grad.to(dtype)
+    return {n: g.float() for n, g in grads.items()}
 
 
 def _adam(params: dict, grads: dict, state: dict, step: int, factor: float) -> None:
@@ -95,7 +97,7 @@ def _offloaded_step(model: Model, offload: weight.WeightOffload, batches, state:
     offload.begin_step(len(batches))
     rest = {n: p for n, p in model.named_parameters() if not n.startswith("decoder.layers.0")
             and not n.startswith("decoder.layers.1")}  # fmt: skip
-    grads = _summed_grads(model, rest, batches)
+    grads = _summed_grads(model, rest, batches, offload.grads.dtype)
     sq = [float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads.values()]
     norm, factor = weight.clip_factor([sum(sq), offload.grads_ready()], clip)
     offload.update((H, {**H, "weight_decay": 0.0}), factor)
@@ -117,7 +119,7 @@ def _offload(model: Model, layers: int = 2, grad_dtype=torch.float32) -> weight.
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_dtype) -> None:
     """fp32 gradients: one gradient slot (each layer waits for the last one's to go down);
-    bf16: two."""
+    bf16: two, and the host sums micro-batches in bf16 as DDP's bf16 buffer does."""
     reference, offloaded = _bf16_model(), _bf16_model()
     offload = _offload(offloaded, grad_dtype=grad_dtype)
     assert len(offload.ring.grads) == (1 if grad_dtype == torch.float32 else 2)
@@ -126,7 +128,7 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
     ref_state, off_state = {}, {}
     try:
         for step, batches in enumerate(data, start=1):
-            ref_norm = _reference_step(reference, batches, ref_state, step, clip)
+            ref_norm = _reference_step(reference, batches, ref_state, step, clip, grad_dtype)
             off_norm = _offloaded_step(offloaded, offload, batches, off_state, clip)
             # fp32 norms summed per layer here, per tensor there
             assert off_norm == pytest.approx(ref_norm, rel=1e-6)

@@ -339,6 +339,11 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
                            states)  # fmt: skip
 
 
+def grad_bytes(run: RunConfig) -> int:
+    """Bytes per param of DDP's gradient buffer (and of weight offload's host gradients)."""
+    return 4 if run.ddp.grad_reduce_in_fp32 or not run.model.bf16 else 2
+
+
 @dataclass(frozen=True)
 class WeightOffloadMemory:
     """What offload/weight moves off one rank's GPU (offload/weight.py): the offloaded layers'
@@ -366,7 +371,8 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     ring = int(layer * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
     piece = min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
-    pinned = int(n * layer * (2 + 4 + 4 + moment_bytes(run)) + 2 * layer * 4)
+    grads = grad_bytes(run)  # host gradients and the two staging buffers
+    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)) + 2 * layer * grads)
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
 
@@ -378,7 +384,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     params = replace(params, dense=params.dense - ring.dense, experts=params.experts - ring.experts)
     total = params.dense + params.experts
     weights = total * (2 if m.bf16 else 4)
-    grads = total * (4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2)
+    grads = total * grad_bytes(run)
     if o.use_distributed_optimizer:  # one optimizer part for the dense shard, one for experts'
         parts = [params.dense / (layout.dp * layout.cp), params.experts / layout.edp]
     else:

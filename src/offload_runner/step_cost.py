@@ -26,7 +26,7 @@ from offload_runner.hardware import (
     rank_cpus,
     worker_cpus,
 )
-from offload_runner.plan import Plan, RankPlan, predicting_weights
+from offload_runner.plan import Plan, RankPlan, grad_bytes, predicting_weights
 
 # --- step time: what an optimizer offload adds to each step ---------------------------------
 
@@ -283,9 +283,9 @@ def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, flo
     GPU: every micro-batch of the global batch runs on it)."""
     t = run.train
     micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
-    grads = 4 if run.ddp.grad_reduce_in_fp32 or not run.model.bf16 else 2
+    grads = grad_bytes(run)
     states = 4 + moment_bytes(run)
-    up = params * (2 * 2 * micro_batches + 4 + states)
+    up = params * (2 * 2 * micro_batches + grads + states)
     down = params * (grads * micro_batches + states + 2)
     return up, down
 

@@ -4,14 +4,14 @@ in page-locked host memory and stream through a two-slot GPU ring, layer by laye
 Transformer Engine removed its own weight offload (>= 2.3: "does not have any effect"), so this
 is offload-runner's (``offload/weight=enabled``). The first N layers of the decoder are taken out
 of Megatron-Core's DDP buffers and optimizer before those are built (``requires_grad`` off while
-they are) and owned here, per layer, in flat host arrays: bf16 weights, fp32 gradients, fp32
-masters and the two Adam moments.
+they are) and owned here, per layer, in flat host arrays: bf16 weights, gradients (in DDP's
+gradient dtype, summed as its buffer sums them), fp32 masters and the two Adam moments.
 
 - Forward: a pre-hook on each offloaded layer waits for its weights in ring slot ``i % 2`` and
   starts copying layer ``i + 1`` into the other slot on the side stream ``h2d``.
 - Backward: a hook on the layer's output brings its weights back into the same slot (a layer
   always uses one slot, so any view autograd saved in the forward sees them again) and prefetches
-  layer ``i - 1``; the layer's gradients accumulate in an fp32 GPU gradient slot
+  layer ``i - 1``; the layer's gradients accumulate in a GPU gradient slot
   (``param.main_grad``, where Transformer Engine's fused wgrad writes, or added from ``.grad`` by
   a post-accumulate hook, as Megatron-Core's DDP does), and when its backward ends they go down
   on ``d2h``: into the host gradients on a step's first micro-batch, through a staging buffer and
@@ -35,7 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from offload_runner.config.schema import RunConfig, weights_offloaded
-from offload_runner.hardware import WEIGHT_OFFLOAD_IN_FLIGHT, WEIGHT_OFFLOAD_PIECE
+from offload_runner.hardware import (
+    RESERVED_CORES_DELAYED,
+    WEIGHT_OFFLOAD_IN_FLIGHT,
+    WEIGHT_OFFLOAD_PIECE,
+)
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
 
@@ -122,6 +126,7 @@ class WeightOffload:
         total = sum(layer.numel for layer in self.layers)
         widest = max(layer.numel for layer in self.layers)
         moments = moment_dtype or torch.float32
+        grad_dtype = grad_dtype or torch.float32
         self.arenas = HostArenas()
 
         def host(dtype, numel: int, what: str):
@@ -132,22 +137,19 @@ class WeightOffload:
 
         # page-locked: the copy engines read and write each of them
         self.weights = host(torch.bfloat16, total, "bf16 weights")
-        self.grads = host(torch.float32, total, "gradients")
+        self.grads = host(grad_dtype, total, "gradients")  # summed as DDP's buffer sums them
         self.master = host(torch.float32, total, "fp32 masters")
         self.exp_avg = host(moments, total, "exp_avg")
         self.exp_avg_sq = host(moments, total, "exp_avg_sq")
-        self.staging = [host(torch.float32, widest, "staging") for _ in range(SLOTS)]
+        self.staging = [host(grad_dtype, widest, "staging") for _ in range(SLOTS)]
         self._adding: list[Future | None] = [None] * SLOTS
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-offload")
+        # the adds and norms run during backward, on an OpenMP team of the rank's cores
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-offload",
+                                        initializer=_host_team)  # fmt: skip
         self._adds: list[Future] = []
         self.ring = _Ring(
             torch.empty(SLOTS, widest, dtype=torch.bfloat16, device=device),
-            torch.zeros(
-                GRAD_SLOTS[(grad_dtype or torch.float32).itemsize],
-                widest,
-                dtype=grad_dtype or torch.float32,
-                device=device,
-            ),
+            torch.zeros(GRAD_SLOTS[grad_dtype.itemsize], widest, dtype=grad_dtype, device=device),
         )
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         self.steps = 0
@@ -516,6 +518,17 @@ def _add_to_main_grad(p) -> None:
     p.grad = None
 
 
+def _host_team() -> None:
+    """The weight offload's worker: an OpenMP team of the rank's cores but those the training
+    thread and data loading keep (a new thread starts with OpenMP's default team: with one
+    core the MoE proxy's backward waited on its adds, the GPU busy 5% of the step, H100)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - RESERVED_CORES_DELAYED))
+
+
 def _add_when_down(target, staged, event) -> None:
     if event is not None:
         event.synchronize()
@@ -527,7 +540,7 @@ def _sq_norm_when_down(grads, event) -> float:
 
     if event is not None:
         event.synchronize()
-    return float(torch.linalg.vector_norm(grads)) ** 2
+    return float(torch.linalg.vector_norm(grads, dtype=torch.float32)) ** 2
 
 
 def _in_backward() -> bool:
