@@ -533,7 +533,9 @@ CAPACITY = (
     "planner.gpu_memory_gb=139",
     "planner.host_memory_gb=125",
 )
-MEANT_NOT_TO_FIT = ("full EP4 no offload", "28 layers, no offload")
+MEANT_NOT_TO_FIT = ("full EP4 no offload", "28 layers, no offload",
+                    "llama3_8b under 48 GB, no weight offload",
+                    "proxy under 12 GB, no weight offload")  # fmt: skip
 
 
 def _capacity_auto(layers: int) -> Case:
@@ -579,8 +581,34 @@ WEIGHT_CASES = [
 ]  # fmt: skip
 
 
+# Weight offload's capacity (issue: "fits a 48 / 12 GB GPU" shown on a bigger one, held to that
+# size by train.gpu_memory_cap_gb): llama3_8b at seq 8192 with weights, gradients, optimizer state
+# and activations on the host, beside the same line without weight offload; the MoE proxy under
+# 12 GB (full recompute and bf16 gradients: its logits alone take 3.5 GB), beside it without.
+LLAMA_48 = ("train.global_batch_size=8", "train.micro_batch_size=1", "train.gpu_memory_cap_gb=48",
+            "planner.host_memory_gb=125", "scheduler.lr_warmup_iters=2", "offload/optimizer=states",
+            "optimizer.optimizer_state_offload_fraction=0.01", *BF16_MOMENTS,
+            "ddp.grad_reduce_in_fp32=false", "offload/activation=enabled",
+            "model.cpu_offloading_num_layers=31")  # fmt: skip
+PROXY_12 = (*PROXY_WEIGHTS, "train.gpu_memory_cap_gb=12", "planner.host_memory_gb=125",
+            "ddp.grad_reduce_in_fp32=false", "model.recompute_granularity=full",
+            "model.recompute_method=uniform", "model.recompute_num_layers=1")  # fmt: skip
+WEIGHT_CAP_CASES = [
+    Case("llama3_8b under 48 GB, no weight offload", "llama3_8b", LLAMA_48,
+         "llama3_8b under 48 GB, no weight offload"),
+    Case("llama3_8b under 48 GB, weights of 31 layers", "llama3_8b",
+         (*LLAMA_48, "offload/weight=enabled"), "llama3_8b under 48 GB, no weight offload"),
+    Case("proxy under 12 GB, no weight offload", "qwen3_30b_a3b_proxy", PROXY_12,
+         "proxy under 12 GB, no weight offload"),
+    Case("proxy under 12 GB, weights of 4 layers", "qwen3_30b_a3b_proxy",
+         (*PROXY_12, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
+         "proxy under 12 GB, no weight offload"),
+]  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
     "weight-offload": WEIGHT_CASES,
+    "weight-offload-caps": WEIGHT_CAP_CASES,
     "bf16-moments": _bf16_moment_cases(),
     "cost-32": [
         replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))

@@ -11,12 +11,13 @@ import pytest
 
 from offload_runner.auto import choose_offload
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from offload_runner.model_size import count_parameters
+from offload_runner.model_size import count_parameters, largest_module
 from offload_runner.plan import (
     HOST_PROCESS_BYTES,
     WORKSPACE_BYTES,
     Layout,
     layer_activations,
+    layer_params,
     make_plan,
     minimal_world_size,
 )
@@ -128,19 +129,32 @@ def test_activation_offload_takes_layers_off_the_peak() -> None:
 
 def test_weight_offload_takes_its_layers_weights_gradients_and_states_off_the_gpu() -> None:
     """Two of tiny's four layers: their bf16 weights and fp32 gradients leave DDP's buffers (the
-    ring of 8 B per param of one layer comes instead), their optimizer state leaves the states
-    engine, and the host holds weights, gradients, masters, moments and two staging buffers."""
+    ring of 8 B per param of its widest module comes instead), their optimizer state leaves the
+    states engine, and the host holds weights, gradients, masters, moments and two staging
+    buffers of that module."""
     states = ("recipe=tiny", "offload/optimizer=states")
     base = make_plan(compose_run(*states)).ranks[0]
     run = compose_run(*states, "offload/weight=enabled", "model.cpu_offloading_num_layers=2")
     off = make_plan(run).ranks[0]
     counts = count_parameters(run.model)
     layer = (P_TINY - counts.embedding) / 4  # tiny's norms: every layer's and the final one
-    assert off.weights == pytest.approx(base.weights - 2 * 2 * layer + 8 * layer, abs=64)
+    widest = largest_module(run.model)
+    assert widest < layer / 2
+    assert off.weights == pytest.approx(base.weights - 2 * 2 * layer + 8 * widest, abs=64)
     assert off.grads == pytest.approx(base.grads - 2 * 4 * layer, abs=64)
     assert off.states_moved == pytest.approx(base.states_moved - 2 * 12 * layer, abs=64)
     extra = off.host_pinned - base.host_pinned + (base.states_moved - off.states_moved)
-    assert extra == pytest.approx(2 * layer * (2 + 4 + 4 + 8) + 2 * layer * 4, abs=64)
+    assert extra == pytest.approx(2 * layer * (2 + 4 + 4 + 8) + 2 * widest * 4, abs=64)
+
+
+def test_the_largest_module_is_the_dense_mlps_fc1_or_all_experts_fc1() -> None:
+    """llama3_8b: fc1 (gate and up, 4096 x 2 x 14336); the proxy: its 128 experts' fc1
+    together (2048 x 2 x 768 each), a third of a MoE layer's weights less than the whole."""
+    llama = compose_run("recipe=llama3_8b").model
+    assert largest_module(llama) == 4096 * 2 * 14336
+    proxy = compose_run("recipe=qwen3_30b_a3b_proxy").model
+    assert largest_module(proxy) == 128 * 2048 * 2 * 768
+    assert largest_module(proxy) < 0.7 * sum(layer_params(proxy))
 
 
 def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from offload_runner.offload import weight
 from offload_runner.offload.host_adam import torch_adamw
@@ -17,13 +18,17 @@ HIDDEN = 16
 
 
 class Layer(nn.Module):
+    """Three modules with weights, registered otherwise than they run (as Megatron-Core's
+    attention registers its projection before its QKV): the ring must follow the run."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.out = nn.Linear(4 * HIDDEN, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
-        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
 
     def forward(self, hidden_states):
-        return hidden_states + torch.tanh(self.fc(self.norm(hidden_states))), None
+        return hidden_states + self.out(torch.tanh(self.up(self.norm(hidden_states)))), None
 
 
 class Decoder(nn.Module):
@@ -35,21 +40,26 @@ class Decoder(nn.Module):
 class Model(nn.Module):
     """What offloaded_layers looks for: ``.decoder.layers`` under wrappers' ``.module``."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self, layers: int = 4, recompute: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(HIDDEN, HIDDEN)
         self.decoder = Decoder(layers)
+        self.recompute = recompute  # each layer's forward again inside backward (full recompute)
 
     def forward(self, x):
         h = self.embed(x)
         for layer in self.decoder.layers:
-            h, _ = layer(hidden_states=h)
+            if self.recompute:
+                h = checkpoint(lambda h, layer=layer: layer(hidden_states=h)[0], h,
+                               use_reentrant=True)  # fmt: skip
+            else:
+                h, _ = layer(hidden_states=h)
         return h.pow(2).mean()
 
 
-def _bf16_model(layers: int = 4) -> Model:
+def _bf16_model(layers: int = 4, recompute: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model(layers).to(torch.bfloat16)
+    return Model(layers, recompute).to(torch.bfloat16)
 
 
 H = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
@@ -115,12 +125,16 @@ def _offload(model: Model, layers: int = 2, grad_dtype=torch.float32) -> weight.
     return offload
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
 @pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_dtype) -> None:
-    """fp32 gradients: one gradient slot (each layer waits for the last one's to go down);
-    bf16: two, and the host sums micro-batches in bf16 as DDP's bf16 buffer does."""
-    reference, offloaded = _bf16_model(), _bf16_model()
+def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_dtype,
+                                                             recompute: bool) -> None:  # fmt: skip
+    """fp32 gradients: one gradient slot (each unit waits for the last one's to go down);
+    bf16: two, and the host sums micro-batches in bf16 as DDP's bf16 buffer does. With full
+    recompute each layer's units run forward again inside backward, replacing each other in
+    the two slots: each unit's backward must find its own weights again."""
+    reference, offloaded = _bf16_model(recompute=recompute), _bf16_model(recompute=recompute)
     offload = _offload(offloaded, grad_dtype=grad_dtype)
     assert len(offload.ring.grads) == (1 if grad_dtype == torch.float32 else 2)
     torch.manual_seed(1)
@@ -134,8 +148,9 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
             assert off_norm == pytest.approx(ref_norm, rel=1e-6)
             # Adam's first moment carries the clipped gradient (Adam's step alone would not
             # show a clip factor): the offloaded layers' equal the resident ones'
-            first = offload.layers[0]
+            first = next(u for u in offload.units if u.module is offloaded.decoder.layers[0].norm)
             m = ref_state["decoder.layers.0.norm.weight"][1]
+            assert first.params[0] is offloaded.decoder.layers[0].norm.weight
             got = offload.exp_avg[first.start : first.start + m.numel()].view_as(m)
             torch.testing.assert_close(got, m, rtol=1e-5, atol=1e-12)
         for (name, a), (_, b) in zip(reference.named_parameters(), offloaded.named_parameters(),
@@ -144,6 +159,27 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
                 assert torch.equal(a.detach(), b.detach()), name
             else:
                 torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-2, atol=1e-2)
+    finally:
+        offload.close()
+
+
+def test_the_ring_streams_modules_in_the_order_they_run() -> None:
+    """Two slots of the widest module, not of a layer; neighbours in the forward's order (not
+    the modules' registration order) in different slots, so the next one's copy never lands in
+    the slot of the one computing."""
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        offload.begin_step(1)
+        model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
+        offload.grads_ready()
+        first, second = model.decoder.layers[:2]
+        ran = [first.norm, first.up, first.out, second.norm, second.up, second.out]
+        assert [u.module for u in offload.order] == ran
+        assert [u.slot for u in offload.order] == [0, 1, 0, 1, 0, 1]
+        widest = max(sum(p.numel() for p in m.parameters()) for m in ran)
+        assert offload.ring.weights.shape == (2, widest)
+        assert widest < sum(p.numel() for p in first.parameters())
     finally:
         offload.close()
 
@@ -190,7 +226,7 @@ def test_masters_and_moments_round_trip_through_a_checkpoint() -> None:
             assert torch.equal(getattr(restored, name), getattr(offload, name)), name
         restored.close()
         other = _offload(_bf16_model(layers=4), layers=1)
-        with pytest.raises(ValueError, match="layers differ"):
+        with pytest.raises(ValueError, match="modules differ"):
             other.load_state_dict(saved)
         other.close()
     finally:
@@ -203,7 +239,7 @@ def test_a_checkpoint_sees_the_weights_on_pageable_copies_and_they_come_back() -
     model = _bf16_model()
     offload = _offload(model)
     try:
-        p = model.decoder.layers[0].fc.weight
+        p = model.decoder.layers[0].up.weight
         host = offload.weights.untyped_storage().data_ptr()
         with offload.pageable():
             assert p.untyped_storage().data_ptr() != host

@@ -83,6 +83,23 @@ def count_parameters(model: ModelConfig) -> ParamCount:
     )
 
 
+def largest_module(model: ModelConfig) -> int:
+    """Params of a transformer layer's largest module with weights of its own (weight offload
+    streams them one by one): the fused layernorm + QKV, the projection, or fc1 or fc2 of the
+    dense MLP or of all the routed experts together."""
+    h = model.hidden_size
+    kv = kv_channels(model)
+    groups = model.num_query_groups or model.num_attention_heads
+    q_width = model.num_attention_heads * kv
+    up = 2 if model.gated_linear_unit else 1
+    experts = model.num_moe_experts or 1
+    ffn = model.ffn_hidden_size
+    if model.num_moe_experts:
+        ffn = model.moe_ffn_hidden_size or ffn
+    qkv = h * (q_width + 2 * groups * kv) + 2 * h
+    return max(qkv, q_width * h, experts * h * ffn * up, experts * ffn * h)
+
+
 def active_matmul_parameters(model: ModelConfig) -> int:
     """Weights one token meets in matrix products: attention, its experts (top-k) or the dense
     MLP, the router and the output layer (the input embedding is a lookup, not a product)."""

@@ -58,7 +58,12 @@ from offload_runner.hardware import (
     moment_bytes,
     window_bytes_per_param,
 )
-from offload_runner.model_size import count_parameters, kv_channels, padded_vocab_size
+from offload_runner.model_size import (
+    count_parameters,
+    kv_channels,
+    largest_module,
+    padded_vocab_size,
+)
 
 GiB = 1024**3
 # Megatron-Core's precision-aware optimizer keeps, by default (store_param_remainders), only the
@@ -348,7 +353,8 @@ def grad_bytes(run: RunConfig) -> int:
 class WeightOffloadMemory:
     """What offload/weight moves off one rank's GPU (offload/weight.py): the offloaded layers'
     params leave DDP's weight and gradient buffers and the optimizer; the GPU keeps a ring of
-    two layers (bf16 weights + fp32 gradients) and, during the step, one update piece."""
+    two of the widest module (bf16 weights, 4 B of gradients) and, during the step, the update
+    pieces in flight."""
 
     dense: float  # offloaded params, outside the routed experts
     experts: float
@@ -368,11 +374,12 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     n = min(m.cpu_offloading_num_layers, m.num_layers)
     dense, experts = layer_params(m)
     layer = dense + experts
-    ring = int(layer * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
-    piece = min(layer, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
+    widest = largest_module(m)  # the ring streams modules
+    ring = int(widest * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
+    piece = min(widest, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
     grads = grad_bytes(run)  # host gradients and the two staging buffers
-    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)) + 2 * layer * grads)
+    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)) + 2 * widest * grads)
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
 

@@ -1,23 +1,27 @@
 """Weight offload: the bf16 weights of ``model.cpu_offloading_num_layers`` transformer layers live
-in page-locked host memory and stream through a two-slot GPU ring, layer by layer.
+in page-locked host memory and stream through a two-slot GPU ring, module by module.
 
 Transformer Engine removed its own weight offload (>= 2.3: "does not have any effect"), so this
 is offload-runner's (``offload/weight=enabled``). The first N layers of the decoder are taken out
 of Megatron-Core's DDP buffers and optimizer before those are built (``requires_grad`` off while
-they are) and owned here, per layer, in flat host arrays: bf16 weights, gradients (in DDP's
-gradient dtype, summed as its buffer sums them), fp32 masters and the two Adam moments.
+they are) and owned here in flat host arrays: bf16 weights, gradients (in DDP's gradient dtype,
+summed as its buffer sums them), fp32 masters and the two Adam moments.
 
-- Forward: a pre-hook on each offloaded layer waits for its weights in ring slot ``i % 2`` and
-  starts copying layer ``i + 1`` into the other slot on the side stream ``h2d``.
-- Backward: a hook on the layer's output brings its weights back into the same slot (a layer
+The ring streams *units*: each module of those layers with parameters of its own (the fused QKV,
+the projection, fc1 and fc2, or a MoE layer's routed experts' fc1 and fc2, the router, norms),
+so it holds two of the widest module, not two layers (a third of a MoE layer).
+- Forward: a pre-hook on each unit waits for its weights in its slot and starts copying the
+  next unit (the order the first forward ran them in) into the other slot on the side stream
+  ``h2d``.
+- Backward: a hook on the unit's output brings its weights back into the same slot (a unit
   always uses one slot, so any view autograd saved in the forward sees them again) and prefetches
-  layer ``i - 1``; the layer's gradients accumulate in a GPU gradient slot
-  (``param.main_grad``, where Transformer Engine's fused wgrad writes, or added from ``.grad`` by
-  a post-accumulate hook, as Megatron-Core's DDP does), and when its backward ends they go down
-  on ``d2h``: into the host gradients on a step's first micro-batch, through a staging buffer and
-  a CPU add on the later ones (no GPU buffer holds a layer's gradients across micro-batches).
-- Step: the gradients' norm joins the GPU's (``clip_factor``), then each layer's masters, moments
-  and gradients go up in pieces, Adam runs on the GPU (Transformer Engine's multi-tensor Adam, the
+  the unit before it; its gradients accumulate in a GPU gradient slot (``param.main_grad``,
+  where Transformer Engine's fused wgrad writes, or added from ``.grad`` by a post-accumulate
+  hook, as Megatron-Core's DDP does), and when its backward ends (an identity on its input) they
+  go down on ``d2h``: into the host gradients on a step's first micro-batch, through a staging
+  buffer and a CPU add on the later ones (no GPU buffer holds them across micro-batches).
+- Step: the gradients' norm joins the GPU's (``clip_factor``), then the masters, moments and
+  gradients go up in pieces, Adam runs on the GPU (Transformer Engine's multi-tensor Adam, the
   kernel of Megatron-Core's own GPU Adam; torch's fused AdamW without TE) and the masters, moments
   and rounded bf16 weights go back down: no weight goes up twice for the update.
 
@@ -43,10 +47,10 @@ from offload_runner.hardware import (
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
 
-SLOTS = 2  # weight slots: the layer in use and the next one coming in
-# gradient slots, by the DDP gradient dtype: one fp32 slot (a layer's backward waits for the last
-# layer's gradients to have gone down) or two bf16 ones, 4 B per param of the widest layer either
-# way, so the ring holds 8 B per param of one layer where each offloaded layer frees 6 (or 4)
+SLOTS = 2  # weight slots: the unit in use and the next one coming in
+# gradient slots, by the DDP gradient dtype: one fp32 slot (a unit's backward waits for the last
+# unit's gradients to have gone down) or two bf16 ones, 4 B per param of the widest unit either
+# way, so the ring holds 8 B per param of one module where each offloaded layer frees 6 (or 4)
 GRAD_SLOTS = {4: 1, 2: 2}
 STATE_FILE = "weight_offload_rank{rank}.pt"
 
@@ -65,40 +69,46 @@ def describe(run: RunConfig) -> OffloadSummary:
         "offload/weight",
         on,
         f"bf16 weights, gradients, masters and Adam moments of the first "
-        f"{m.cpu_offloading_num_layers} of {m.num_layers} layers live on the host; a 2-layer GPU "
-        "ring streams the weights in for forward and backward"
+        f"{m.cpu_offloading_num_layers} of {m.num_layers} layers live on the host; a GPU ring of "
+        "two modules streams the weights in for forward and backward"
         if on
         else "-",
     )
 
 
 @dataclass
-class _Layer:
-    """One offloaded layer: its parameters and where they lie in the flat host arrays."""
+class _Unit:
+    """One streamed module (a module of an offloaded layer with parameters of its own): its
+    parameters and where they lie in the flat host arrays."""
 
-    index: int
+    layer: int  # the offloaded layer it belongs to
     module: object
     params: list
-    offsets: list  # each param's start, from the layer's start
-    start: int  # the layer's start in the flat host arrays
+    offsets: list  # each param's start, from the unit's start
+    start: int  # the unit's start in the flat host arrays
     numel: int
     decays: list  # per param: weight decay applies (Megatron-Core's rule: not biases, not 1-D)
+    position: int | None = None  # in the forward's order, once the first forward ran it
     backwards: int = 0  # backward passes this step (micro-batches)
     sq_norm: object = None  # Future: its gradients' squared norm, once the last ones are summed
+
+    @property
+    def slot(self) -> int:  # neighbours in the forward's order alternate between the slots
+        return self.position % SLOTS
 
 
 @dataclass
 class _Ring:
-    """The GPU side: SLOTS weight slots and GRAD_SLOTS gradient slots of the widest layer."""
+    """The GPU side: SLOTS weight slots and GRAD_SLOTS gradient slots of the widest unit."""
 
     weights: object
     grads: object
-    owner: list = field(default_factory=lambda: [None] * SLOTS)  # layer index in each slot
+    owner: list = field(default_factory=lambda: [None] * SLOTS)  # the unit in each slot
     loaded: list = field(default_factory=lambda: [None] * SLOTS)  # event: its copy in is done
     drained: list = field(default_factory=lambda: [None] * SLOTS)  # event: grads gone down
 
-    def grad_slot(self, layer: _Layer) -> int:
-        return layer.index % len(self.grads)
+    def grad_slot(self, unit: _Unit) -> int:
+        return unit.position % len(self.grads)
 
 
 def offloaded_layers(model_chunk, count: int) -> list:
@@ -122,9 +132,11 @@ class WeightOffload:
 
         self.device = device
         self.on_cuda = device.type == "cuda"
-        self.layers = self._lay_out(modules)
-        total = sum(layer.numel for layer in self.layers)
-        widest = max(layer.numel for layer in self.layers)
+        self.layer_count = len(modules)
+        self.units = self._lay_out(modules)
+        self.order: list[_Unit] = []  # the units as the first forward ran them
+        total = sum(unit.numel for unit in self.units)
+        widest = max(unit.numel for unit in self.units)
         moments = moment_dtype or torch.float32
         grad_dtype = grad_dtype or torch.float32
         self.arenas = HostArenas()
@@ -160,151 +172,169 @@ class WeightOffload:
     # --- layout ------------------------------------------------------------------------------
 
     @staticmethod
-    def _lay_out(modules: list) -> list[_Layer]:
-        layers, start = [], 0
-        for index, module in enumerate(modules):
-            named = list(module.named_parameters())
-            offsets, at = [], 0
-            for _, p in named:
-                offsets.append(at)
-                at += p.numel()
-            decays = [not (n.endswith(".bias") or p.dim() == 1) for n, p in named]
-            layers.append(_Layer(index, module, [p for _, p in named], offsets, start, at, decays))
-            start += at
-        return layers
+    def _lay_out(layers: list) -> list[_Unit]:
+        """Each layer's modules that own parameters, as units, laid out one after another."""
+        units, start = [], 0
+        for index, layer in enumerate(layers):
+            for module in layer.modules():
+                named = list(module.named_parameters(recurse=False))
+                if not named:
+                    continue
+                offsets, at = [], 0
+                for _, p in named:
+                    offsets.append(at)
+                    at += p.numel()
+                decays = [not (n.endswith("bias") or p.dim() == 1) for n, p in named]
+                params = [p for _, p in named]
+                units.append(_Unit(index, module, params, offsets, start, at, decays))
+                start += at
+        return units
 
-    def _host_view(self, array, layer: _Layer, i: int):
-        p, a = layer.params[i], layer.start + layer.offsets[i]
+    def _host_view(self, array, unit: _Unit, i: int):
+        p, a = unit.params[i], unit.start + unit.offsets[i]
         return array[a : a + p.numel()].view(p.shape)
 
-    def _slot_view(self, ring_array, layer: _Layer, i: int):
-        p, a = layer.params[i], layer.offsets[i]
-        return ring_array[layer.index % len(ring_array)][a : a + p.numel()].view(p.shape)
+    def _slot_view(self, slot, unit: _Unit, i: int):
+        p, a = unit.params[i], unit.offsets[i]
+        return slot[a : a + p.numel()].view(p.shape)
 
     def _take_weights(self) -> None:
         """The weights into the host arrays (masters as Megatron-Core's optimizer makes them:
         the bf16 weights upcast), the parameters pointed at them."""
-        for layer in self.layers:
-            for i, p in enumerate(layer.params):
-                self._host_view(self.weights, layer, i).copy_(p.data)
-                p.data = self._host_view(self.weights, layer, i)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                self._host_view(self.weights, unit, i).copy_(p.data)
+                p.data = self._host_view(self.weights, unit, i)
         self.master.copy_(self.weights)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.grads.zero_()
 
     def arm(self) -> None:
-        """After DDP and the optimizer are built: gradients on, main_grad in the gradient slots,
-        the hooks."""
-        for layer in self.layers:
-            for i, p in enumerate(layer.params):
+        """After DDP and the optimizer are built: gradients on, the hooks (``main_grad`` comes
+        with a unit's slot, on its first forward)."""
+        for unit in self.units:
+            for p in unit.params:
                 p.requires_grad_(True)
-                p.main_grad = self._slot_view(self.ring.grads, layer, i)
                 p.grad_added_to_main_grad = False  # TE's fused wgrad says it wrote main_grad
                 self._hooks.append(p.register_post_accumulate_grad_hook(_add_to_main_grad))
-            module = layer.module
+            module = unit.module
             self._hooks.append(module.register_forward_pre_hook(
-                self._pre_forward(layer), with_kwargs=True))  # fmt: skip
-            self._hooks.append(module.register_forward_hook(self._post_forward(layer)))
+                self._pre_forward(unit), with_kwargs=True))  # fmt: skip
+            self._hooks.append(module.register_forward_hook(self._post_forward(unit)))
+
+    def _place(self, unit: _Unit) -> None:
+        """A unit's first forward: its place in the order, hence its slots and ``main_grad``."""
+        unit.position = len(self.order)
+        self.order.append(unit)
+        grads = self.ring.grads[self.ring.grad_slot(unit)]
+        for i, p in enumerate(unit.params):
+            p.main_grad = self._slot_view(grads, unit, i)
 
     # --- the ring ----------------------------------------------------------------------------
 
-    def _load(self, layer: _Layer) -> None:
-        """``layer``'s weights into its slot on ``h2d``, after every queued use of the slot."""
+    def _load(self, unit: _Unit) -> None:
+        """``unit``'s weights into its slot on ``h2d``, after every queued use of the slot."""
         import torch
 
-        slot = layer.index % SLOTS
-        if self.ring.owner[slot] == layer.index:
+        slot = unit.slot
+        if self.ring.owner[slot] is unit:
             return
-        self.ring.owner[slot] = layer.index
-        span = self.weights[layer.start : layer.start + layer.numel]
+        self.ring.owner[slot] = unit
+        span = self.weights[unit.start : unit.start + unit.numel]
         if self.streams is None:
-            self.ring.weights[slot][: layer.numel].copy_(span)
+            self.ring.weights[slot][: unit.numel].copy_(span)
             return
         h2d = self.streams[0]
         h2d.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(h2d):
-            self.ring.weights[slot][: layer.numel].copy_(span, non_blocking=True)
+            self.ring.weights[slot][: unit.numel].copy_(span, non_blocking=True)
             self.ring.loaded[slot] = torch.cuda.Event()
             self.ring.loaded[slot].record(h2d)
 
-    def _use(self, layer: _Layer) -> None:
-        """``layer``'s weights in its slot, the compute stream behind their copy, the parameters
+    def _use(self, unit: _Unit) -> None:
+        """``unit``'s weights in its slot, the compute stream behind their copy, the parameters
         pointed at them."""
         import torch
 
-        self._load(layer)
-        slot = layer.index % SLOTS
+        self._load(unit)
+        slot = unit.slot
         if self.streams is not None and self.ring.loaded[slot] is not None:
             torch.cuda.current_stream().wait_event(self.ring.loaded[slot])
-        for i, p in enumerate(layer.params):
-            p.data = self._slot_view(self.ring.weights, layer, i)
+        for i, p in enumerate(unit.params):
+            p.data = self._slot_view(self.ring.weights[slot], unit, i)
 
-    def _neighbour(self, layer: _Layer, step: int):
-        index = layer.index + step
-        return self.layers[index] if 0 <= index < len(self.layers) else None
+    def _neighbour(self, unit: _Unit, step: int, same_layer: bool = False):
+        at = unit.position + step
+        other = self.order[at] if 0 <= at < len(self.order) else None
+        return None if other is None or same_layer and other.layer != unit.layer else other
 
-    def _pre_forward(self, layer: _Layer):
+    def _pre_forward(self, unit: _Unit):
         import torch
 
         def hook(module, args, kwargs):
-            if _in_backward():  # full recompute: the layer's backward follows this forward
-                self._before_backward(layer)
-            else:
-                self._use(layer)
-                if (following := self._neighbour(layer, 1)) is not None:
-                    self._load(following)
+            if unit.position is None:
+                self._place(unit)
+            self._use(unit)
+            # the next unit comes in; in a recompute inside backward, only within the layer
+            if (following := self._neighbour(unit, 1, _in_backward())) is not None:
+                self._load(following)
             if not torch.is_grad_enabled():
                 return None
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if not getattr(hidden, "requires_grad", False):
+                raise RuntimeError(
+                    f"weight offload: the input of {type(module).__name__} (layer {unit.layer}) "
+                    "needs no gradient, so nothing would send its gradients to the host"
+                )
+            hidden = _after_backward().apply(hidden, self, unit)
             if args:
-                return (_after_backward().apply(args[0], self, layer), *args[1:]), kwargs
-            if kwargs.get("hidden_states") is not None:
-                kwargs = {**kwargs, "hidden_states": _after_backward().apply(
-                    kwargs["hidden_states"], self, layer)}  # fmt: skip
-            return args, kwargs
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
 
         return hook
 
-    def _post_forward(self, layer: _Layer):
+    def _post_forward(self, unit: _Unit):
         def hook(module, args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            if getattr(hidden, "requires_grad", False) and not _in_backward():
-                hidden.register_hook(lambda grad: self._before_backward(layer) or grad)
+            out = output[0] if isinstance(output, tuple) else output
+            if getattr(out, "requires_grad", False):
+                out.register_hook(lambda grad: self._before_backward(unit) or grad)
             return None
 
         return hook
 
-    def _before_backward(self, layer: _Layer) -> None:
-        """The layer's weights back in its slot, the previous layer's coming, its gradient slot
-        zeroed once its last gradients have gone down."""
+    def _before_backward(self, unit: _Unit) -> None:
+        """The unit's weights back in its slot (a recompute or a neighbour may have replaced
+        them), the previous unit's coming, its gradient slot zeroed once the last gradients in
+        it have gone down."""
         import torch
 
-        self._use(layer)
-        previous = self._neighbour(layer, -1)
+        self._use(unit)
+        previous = self._neighbour(unit, -1)
         if previous is not None:
             self._load(previous)
-        slot = self.ring.grad_slot(layer)
+        slot = self.ring.grad_slot(unit)
         if self.streams is not None and self.ring.drained[slot] is not None:
             torch.cuda.current_stream().wait_event(self.ring.drained[slot])
-        self.ring.grads[slot][: layer.numel].zero_()
+        self.ring.grads[slot][: unit.numel].zero_()
 
-    def after_backward(self, layer: _Layer) -> None:
-        """The layer's backward is done: its gradients go down (on the first micro-batch
+    def after_backward(self, unit: _Unit) -> None:
+        """The unit's backward is done: its gradients go down (on the first micro-batch
         straight into the host gradients, else through staging and a CPU add)."""
         import torch
 
-        slot = self.ring.grad_slot(layer)
-        first = layer.backwards == 0
-        layer.backwards += 1
-        for p in layer.params:
+        slot = self.ring.grad_slot(unit)
+        first = unit.backwards == 0
+        unit.backwards += 1
+        for p in unit.params:
             p.grad_added_to_main_grad = False
-        target = self.grads[layer.start : layer.start + layer.numel]
-        k = layer.index % SLOTS  # the staging buffer
+        target = self.grads[unit.start : unit.start + unit.numel]
+        k = unit.slot  # the staging buffer
         if not first:
             if self._adding[k] is not None:
                 self._adding[k].result()  # the staging buffer's last add has read it
-            staged = self.staging[k][: layer.numel]
-        source = self.ring.grads[slot][: layer.numel]
+            staged = self.staging[k][: unit.numel]
+        source = self.ring.grads[slot][: unit.numel]
         event = None
         if self.streams is None:
             (target if first else staged).copy_(source)
@@ -319,15 +349,15 @@ class WeightOffload:
         if not first:
             self._adding[k] = self._pool.submit(_add_when_down, target, staged, event)
             self._adds.append(self._adding[k])
-        if layer.backwards == self.micro_batches:  # its sum is final: its norm, off the path
-            layer.sq_norm = self._pool.submit(_sq_norm_when_down, target, event)
+        if unit.backwards == self.micro_batches:  # its sum is final: its norm, off the path
+            unit.sq_norm = self._pool.submit(_sq_norm_when_down, target, event)
 
     # --- the step ----------------------------------------------------------------------------
 
     def begin_step(self, micro_batches: int) -> None:
         self.micro_batches = micro_batches
-        for layer in self.layers:
-            layer.backwards, layer.sq_norm = 0, None
+        for unit in self.units:
+            unit.backwards, unit.sq_norm = 0, None
 
     def grads_ready(self) -> float:
         """Every gradient on the host; returns their squared L2 norm (for the global norm)."""
@@ -339,15 +369,15 @@ class WeightOffload:
         self._adds.clear()
         self._adding = [None] * SLOTS
         total = 0.0
-        for layer in self.layers:
-            grads = self.grads[layer.start : layer.start + layer.numel]
-            if layer.backwards == 0:  # no backward reached it: no gradient (DDP's zeroed buffer)
+        for unit in self.units:
+            grads = self.grads[unit.start : unit.start + unit.numel]
+            if unit.backwards == 0:  # no backward reached it: no gradient (DDP's zeroed buffer)
                 grads.zero_()
-            total += layer.sq_norm.result() if layer.sq_norm else _sq_norm_when_down(grads, None)
+            total += unit.sq_norm.result() if unit.sq_norm else _sq_norm_when_down(grads, None)
         return total
 
     def update(self, hypers: tuple[dict, dict], clip: float) -> None:
-        """Adam on the GPU for every offloaded layer, piece by piece (module doc): ``hypers``
+        """Adam on the GPU for every offloaded unit, piece by piece (module doc): ``hypers``
         for the parameters with and without weight decay; gradients scaled by ``clip``. Pieces
         come up on ``h2d`` while the one before runs Adam and the one before that goes down on
         ``d2h``; at most WEIGHT_OFFLOAD_IN_FLIGHT pieces hold GPU memory."""
@@ -356,8 +386,8 @@ class WeightOffload:
         self.steps += 1
         adam = _gpu_adam(self.device)
         gone: list = []  # per piece: event, its copies down are done
-        for layer in self.layers:
-            for a, b, decay in self._spans(layer):
+        for unit in self.units:
+            for a, b, decay in self._spans(unit):
                 if self.streams is not None and len(gone) >= WEIGHT_OFFLOAD_IN_FLIGHT:
                     # the CPU waits, so the allocator sees that piece's memory free and reuses it
                     gone[-WEIGHT_OFFLOAD_IN_FLIGHT].synchronize()
@@ -366,19 +396,19 @@ class WeightOffload:
         if self.streams is not None:
             for stream in (torch.cuda.current_stream(), self.streams[0]):
                 stream.wait_stream(self.streams[1])  # the next loads read the new host weights
-        for layer in self.layers:
-            for i, p in enumerate(layer.params):
-                p.data = self._host_view(self.weights, layer, i)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                p.data = self._host_view(self.weights, unit, i)
 
-    def _spans(self, layer: _Layer):
+    def _spans(self, unit: _Unit):
         """(start, stop, decays) runs of the flat arrays, at most WEIGHT_OFFLOAD_PIECE long."""
         runs: list[list] = []
-        for i, p in enumerate(layer.params):
-            a = layer.start + layer.offsets[i]
-            if runs and runs[-1][2] == layer.decays[i] and runs[-1][1] == a:
+        for i, p in enumerate(unit.params):
+            a = unit.start + unit.offsets[i]
+            if runs and runs[-1][2] == unit.decays[i] and runs[-1][1] == a:
                 runs[-1][1] = a + p.numel()
             else:
-                runs.append([a, a + p.numel(), layer.decays[i]])
+                runs.append([a, a + p.numel(), unit.decays[i]])
         for a, b, decay in runs:
             for s in range(a, b, WEIGHT_OFFLOAD_PIECE):
                 yield s, min(b, s + WEIGHT_OFFLOAD_PIECE), decay
@@ -434,15 +464,15 @@ class WeightOffload:
 
     def state_dict(self) -> dict:
         self.finish()
-        layout = [layer.numel for layer in self.layers]
+        layout = [unit.numel for unit in self.units]
         return {"steps": self.steps, "master": self.master, "exp_avg": self.exp_avg,
                 "exp_avg_sq": self.exp_avg_sq, "layout": layout}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        layout = [layer.numel for layer in self.layers]
+        layout = [unit.numel for unit in self.units]
         if state["layout"] != layout:
             raise ValueError(
-                "the checkpoint's weight-offload layers differ from this model's: "
+                "the checkpoint's weight-offload modules differ from this model's: "
                 f"{state['layout']} against {layout}"
             )
         self.steps = int(state["steps"])
@@ -457,9 +487,9 @@ class WeightOffload:
         pointed at the host arrays again on exit."""
         self.finish()
         moved = []
-        for layer in self.layers:
-            for i, p in enumerate(layer.params):
-                view = self._host_view(self.weights, layer, i)
+        for unit in self.units:
+            for i, p in enumerate(unit.params):
+                view = self._host_view(self.weights, unit, i)
                 p.data = view.clone()
                 moved.append((p, view))
         try:
@@ -475,10 +505,10 @@ class WeightOffload:
 
     @property
     def offloaded_params(self) -> int:
-        return sum(layer.numel for layer in self.layers)
+        return sum(unit.numel for unit in self.units)
 
     def metrics(self) -> dict:
-        return {"weight_offload_layers": len(self.layers),
+        return {"weight_offload_layers": self.layer_count,
                 "weight_offload_params": self.offloaded_params,
                 "weight_offload_ring_gb": (self.ring.weights.nbytes + self.ring.grads.nbytes)
                 / 1024**3}  # fmt: skip
@@ -492,19 +522,19 @@ class WeightOffload:
 
 @functools.cache
 def _after_backward():
-    """Identity on a layer's input whose backward runs once the layer's backward is done (an
+    """Identity on a unit's input whose backward runs once the unit's backward is done (an
     autograd Function, built on first use: torch is imported lazily here)."""
     import torch
 
     class AfterBackward(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, hidden, owner, layer):
-            ctx.owner, ctx.layer = owner, layer
+        def forward(ctx, hidden, owner, unit):
+            ctx.owner, ctx.unit = owner, unit
             return hidden.view_as(hidden)
 
         @staticmethod
         def backward(ctx, grad):
-            ctx.owner.after_backward(ctx.layer)
+            ctx.owner.after_backward(ctx.unit)
             return grad, None, None
 
     return AfterBackward
