@@ -83,12 +83,16 @@ def overrides_of(command: list[str]) -> list[str]:
 def is_whole_states(result: dict) -> bool:
     """A run of the first state offload, since removed, which moved whole tensors: runs of
     offload/optimizer=states from before the windowed engine (their summaries have no
-    ``states_offloaded_params``), and the whole-tensor cases measured beside it."""
+    ``states_offloaded_params``; runs that failed or offloaded weights, which came later, are
+    none), and the whole-tensor cases measured beside it."""
     overrides = overrides_of(result["command"])
     if not any(o.startswith("offload/optimizer=states") for o in overrides):
         return False
-    return ("offload/optimizer=states_whole" in overrides
-            or "states_offloaded_params" not in (result.get("summary") or {}))  # fmt: skip
+    summary = result.get("summary") or {}
+    later = not summary or "weight_offload_params" in summary
+    return "offload/optimizer=states_whole" in overrides or (
+        not later and "states_offloaded_params" not in summary
+    )
 
 
 def ran_before_gpu_share(result: dict) -> bool:

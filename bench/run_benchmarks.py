@@ -609,6 +609,8 @@ WEIGHT_CAP_CASES = [
 SUITES: dict[str, list[Case]] = {
     "weight-offload": WEIGHT_CASES,
     "weight-offload-caps": WEIGHT_CAP_CASES,
+    # its proxy rows alone, for a call the llama3_8b rows leave too short
+    "weight-offload-caps-proxy": WEIGHT_CAP_CASES[2:],
     "bf16-moments": _bf16_moment_cases(),
     "cost-32": [
         replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))
@@ -1231,6 +1233,8 @@ def _scale_lines(results: list[dict]) -> list[str]:
 HEADLINE = [
     ("weight-offload", "dense 8 layers, states + weights of 8"),
     ("weight-offload", "proxy, states + weights of 4"),
+    ("weight-offload-caps", "llama3_8b under 48 GB, weights of 31 layers"),
+    ("weight-offload-caps-proxy", "proxy under 12 GB, weights of 4 layers"),
     ("capacity-auto-28", "28 layers, no offload"),
     ("capacity-auto-28", "28 layers, auto"),
     ("capacity-auto-31", "31 layers, auto"),
@@ -1371,10 +1375,19 @@ def render(files: list[Path]) -> str:
             lines += ["", "</details>"]
         failed = [r for r in results if r["status"] != "ok"]
         for r in failed:
-            lines += ["", f"`{r['case']['name']}` output tail:", "", "```",
-                      r["error_tail"][-1500:], "```"]  # fmt: skip
+            lines += ["", f"`{r['case']['name']}` ended:", "", "```",
+                      failure_lines(r["error_tail"]), "```"]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
+
+
+def failure_lines(tail: str) -> str:
+    """What the user saw of a failed run (our error and fix lines) and the rank log's exception
+    line; the whole tail where neither is there."""
+    lines = tail.splitlines()
+    said = [line for line in lines if line.startswith(("error:", "  fix:"))]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+    return "\n".join([*said, *raised[-1:]]) if said else tail[-1500:]
 
 
 def main() -> int:

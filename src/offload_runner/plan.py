@@ -75,9 +75,11 @@ PARAM_REMAINDER_BYTES = 2
 # H100): 5.7-6.0 GB with the OS's ~2 GB before the run; the planner's margin_gb keeps the OS's.
 HOST_PROCESS_BYTES = int(3.7 * GiB)
 WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitted: tiny recipe)
-# Part of an offloaded layer's saved tensors that TE's offload context actually moves (fitted on
-# the MoE proxy: 2 offloaded layers saved 0.61 GiB of 1.12 GiB).
-ACTIVATION_OFFLOAD_EFFICIENCY = 0.55
+# Part of an offloaded layer's saved tensors that TE's offload context actually moves, by layer
+# type: a MoE layer keeps its router's and token permutation's tensors (fitted on the MoE proxy: 2
+# offloaded layers saved 0.61 GiB of 1.12 GiB), a dense one mostly TE modules' (fitted on
+# llama3_8b at seq 8192 with 31 layers offloaded: 36.28 GB peak, suite weight-offload-caps).
+ACTIVATION_OFFLOAD_EFFICIENCY = {"moe": 0.55, "dense": 0.65}
 ASSUMED_GPU_GB = 80.0  # when no GPU is visible and planner.gpu_memory_gb is unset
 
 
@@ -408,7 +410,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     offloaded_layers = (
         m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0
     )
-    offloaded = int(offloaded_layers * per_layer * ACTIVATION_OFFLOAD_EFFICIENCY)
+    moved = ACTIVATION_OFFLOAD_EFFICIENCY["moe" if m.num_moe_experts else "dense"]
+    offloaded = int(offloaded_layers * per_layer * moved)
     model_level = MODEL_ACTIVATION_HIDDEN_COPIES * hidden
     vpp = m.virtual_pipeline_model_parallel_size or 1
     if vpp > 1:  # interleaved 1F1B: stage s warms up 2(PP-s-1) + (VPP-1)PP chunks of L/(PP VPP)
