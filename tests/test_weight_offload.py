@@ -272,3 +272,23 @@ def test_megatron_bridge_offload_lines_dry_run(lines, code: int, tmp_path, capsy
     assert main([*BRIDGE, *lines, f"output_dir={tmp_path}/run", "--dry-run"]) == code
     if code:
         assert "fix: add offload/optimizer=states" in capsys.readouterr().err
+
+
+def test_its_metrics_say_what_the_worker_did() -> None:
+    """The worker's team (the rank's cores less the training thread's), its adds' time and
+    backward's waits for them: what a slow accumulation shows as."""
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        offload.begin_step(3)
+        for _ in range(3):
+            model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
+        offload.grads_ready()
+        offload.update((H, {**H, "weight_decay": 0.0}), 1.0)
+        found = offload.metrics()
+        assert found["weight_offload_worker_threads"] >= 1
+        assert found["weight_offload_host_add_s"] > 0
+        assert found["weight_offload_backward_wait_s"] >= 0
+        assert found["weight_offload_layers"] == 2
+    finally:
+        offload.close()

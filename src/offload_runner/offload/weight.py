@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -159,6 +160,8 @@ class WeightOffload:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-offload",
                                         initializer=_host_team)  # fmt: skip
         self._adds: list[Future] = []
+        self.worker_threads = self._pool.submit(_team_size).result()
+        self.seconds = {"host_add": 0.0, "backward_wait": 0.0}  # over the run, for metrics
         self.ring = _Ring(
             torch.empty(SLOTS, widest, dtype=torch.bfloat16, device=device),
             torch.zeros(GRAD_SLOTS[grad_dtype.itemsize], widest, dtype=grad_dtype, device=device),
@@ -332,7 +335,9 @@ class WeightOffload:
         k = unit.slot  # the staging buffer
         if not first:
             if self._adding[k] is not None:
+                began = time.perf_counter()
                 self._adding[k].result()  # the staging buffer's last add has read it
+                self.seconds["backward_wait"] += time.perf_counter() - began
             staged = self.staging[k][: unit.numel]
         source = self.ring.grads[slot][: unit.numel]
         event = None
@@ -347,7 +352,8 @@ class WeightOffload:
                 event.record(d2h)
             self.ring.drained[slot] = event
         if not first:
-            self._adding[k] = self._pool.submit(_add_when_down, target, staged, event)
+            self._adding[k] = self._pool.submit(_add_when_down, target, staged, event,
+                                                self.seconds)  # fmt: skip
             self._adds.append(self._adding[k])
         if unit.backwards == self.micro_batches:  # its sum is final: its norm, off the path
             unit.sq_norm = self._pool.submit(_sq_norm_when_down, target, event)
@@ -508,10 +514,18 @@ class WeightOffload:
         return sum(unit.numel for unit in self.units)
 
     def metrics(self) -> dict:
-        return {"weight_offload_layers": self.layer_count,
-                "weight_offload_params": self.offloaded_params,
-                "weight_offload_ring_gb": (self.ring.weights.nbytes + self.ring.grads.nbytes)
-                / 1024**3}  # fmt: skip
+        """What it holds, and per step: the worker's adds, and how long backward waited for
+        them (a staging buffer still being added)."""
+        steps = max(self.steps, 1)
+        ring = self.ring.weights.nbytes + self.ring.grads.nbytes
+        return {
+            "weight_offload_layers": self.layer_count,
+            "weight_offload_params": self.offloaded_params,
+            "weight_offload_ring_gb": ring / 1024**3,
+            "weight_offload_worker_threads": self.worker_threads,
+            "weight_offload_host_add_s": self.seconds["host_add"] / steps,
+            "weight_offload_backward_wait_s": self.seconds["backward_wait"] / steps,
+        }
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -559,10 +573,18 @@ def _host_team() -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - RESERVED_CORES_DELAYED))
 
 
-def _add_when_down(target, staged, event) -> None:
+def _team_size() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _add_when_down(target, staged, event, seconds: dict) -> None:
     if event is not None:
         event.synchronize()
+    began = time.perf_counter()
     target.add_(staged)
+    seconds["host_add"] += time.perf_counter() - began
 
 
 def _sq_norm_when_down(grads, event) -> float:
