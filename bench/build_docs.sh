@@ -282,7 +282,8 @@ PY
   echo
   echo "Delayed mode's bound, max(baseline step, CPU Adam), leaves out its copies: this step's"
   echo "gradients down and the last update's masters up, 4 B/param each way at once. At the step"
-  echo "boundary (\`optimizer.cpu_adam_copy_during_backward=false\`, and wherever Megatron-Core edits"
+  echo "boundary (the measured row's \`optimizer.cpu_adam_copy_during_backward=false\`, since removed;"
+  echo "and wherever Megatron-Core edits"
   echo "gradients after the backward: data, tensor, pipeline or context parallelism) they wait for"
   echo "\`step()\`; on one GPU they run during the last micro-batch's backward, each piece as soon as"
   echo "its gradients are final, with the CPU applying the clip factor. Each delayed run's rest of the"

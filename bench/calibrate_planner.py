@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.auto import choose_offload  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
+from offload_runner.config.schema import REMOVED_KEYS  # noqa: E402
 from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
 from offload_runner.report import fmt, markdown_table  # noqa: E402
 
@@ -60,7 +61,7 @@ def _retired(arg: str) -> str | None:
     """A recorded override in today's keys (None: nothing the planner reads): the keys removed
     since the run, with the suites that showed their default as good."""
     key, _, value = arg.partition("=")
-    if key == "optimizer.cpu_adam_land_during_forward":  # cpu-adam-landing
+    if key == "optimizer.cpu_adam_land_during_forward" or key in REMOVED_KEYS:  # cpu-adam-landing
         return None
     if key == "optimizer.offload_states_window_mb":  # states: 4 pieces of a chunk
         return f"optimizer.optimizer_state_offload_chunk_size_mb={int(value) // 4}"

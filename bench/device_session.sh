@@ -126,9 +126,6 @@ delayed and not 50 and not all)" cpu-adam-split ;;
   cpu-adam-landing)  # exact mode landing during the next forward against within the step
     python bench/run_benchmarks.py run --suite cpu-adam-landing --iters 12 --time-limit 570 \
       --out "$OUT/results-cpu-adam-landing.json" --work-dir "$WORK/bench" ;;
-  cpu-adam-4-backward)  # delayed mode copying during the last backward against at the boundary
-    python bench/run_benchmarks.py run --suite cpu-adam-4-backward --iters 12 --time-limit 560 \
-      --out "$OUT/results-cpu-adam-4-backward.json" --work-dir "$WORK/bench" ;;
   cpu-adam-4-pieces)  # delayed mode in 256 MiB pieces against 64 MiB ones
     python bench/run_benchmarks.py run --suite cpu-adam-4-pieces --iters 12 --time-limit 560 \
       --out "$OUT/results-cpu-adam-4-pieces.json" --work-dir "$WORK/bench" ;;

@@ -438,17 +438,6 @@ ADAM_PARITY = [
 ]  # fmt: skip
 
 
-def _boundary_cases(gbs: int) -> list[Case]:
-    """Delayed mode copying during the last backward (the default on one GPU) against copying at
-    the step boundary, with the hidden fraction and the baseline twice."""
-    cases = _cpu_adam_cases(gbs)
-    at_boundary = Case(f"GBS{gbs} cpu_adam_delayed 100%, copies at the step boundary",
-                       PROXY_RECIPE, (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
-                                      "optimizer.cpu_adam_copy_during_backward=false"),
-                       f"GBS{gbs} no offload")  # fmt: skip
-    return [cases[0], cases[3], at_boundary, cases[4], cases[5]]
-
-
 def _pieces_cases(gbs: int) -> list[Case]:
     """Delayed mode (copying during the last backward) in 256 MiB pieces and in 64 MiB ones,
     with its hidden fraction and the baseline twice. (Its run at 224b535 had 256 MiB pieces in
@@ -628,8 +617,6 @@ SUITES: dict[str, list[Case]] = {
     # cpu-adam-4's delayed-mode bars alone (baseline, delayed 100%, its hidden fraction, the
     # baseline again), for a call too short for the whole suite
     "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
-    # delayed mode's step-boundary copies during the last backward against at the boundary
-    "cpu-adam-4-backward": _boundary_cases(4),
     # delayed mode's pieces: 256 MiB against 64 MiB, copying during the backward
     "cpu-adam-4-pieces": _pieces_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),

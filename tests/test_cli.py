@@ -343,6 +343,19 @@ def test_unknown_keys_are_refused_however_spelled(override: str, tmp_path: Path,
     assert not (tmp_path / "o").exists()
 
 
+def test_a_removed_key_says_why_it_went(tmp_path: Path, capsys) -> None:
+    """A knob cut for a derived default: the message names the bench row behind the cut."""
+    removed = "optimizer.cpu_adam_copy_during_backward=false"
+    args = ["--recipe", "tiny", "offload/optimizer=cpu_adam_delayed", removed,
+            f"output_dir={tmp_path}/o"]  # fmt: skip
+    assert main([*args, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert "optimizer.cpu_adam_copy_during_backward was removed" in text
+    assert "suite cpu-adam-4-backward" in text and "fix: drop it" in text
+    assert "Traceback" not in text and not (tmp_path / "o").exists()
+
+
 def test_unknown_key_in_a_recipe_file_is_refused(tmp_path: Path, capsys) -> None:
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("defaults:\n  - tiny\nmodel:\n  num_layer: 2\n")

@@ -50,7 +50,7 @@ from offload_runner.config.compose import (
     unknown_keys,
 )
 from offload_runner.config.overrides import OverrideError, check_overrides
-from offload_runner.config.schema import MIXED_PRECISION_RECIPES, RunConfig
+from offload_runner.config.schema import MIXED_PRECISION_RECIPES, REMOVED_KEYS, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import GiB, make_plan
@@ -194,6 +194,9 @@ def _check_override_key(arg: str) -> None:
 
 
 def _unknown_key_message(key: str) -> tuple[str, str]:
+    if key in REMOVED_KEYS:
+        why, fix = REMOVED_KEYS[key]
+        return f"{key} was removed: {why}", fix
     close = closest_key(key, schema_keys())
     return (
         f"unknown key {key}" + (f" (did you mean {close}?)" if close else ""),

@@ -71,7 +71,7 @@ the order their gradients came down (``_update_order``: backward-ready, the last
 and the next step lands them in that order, so each landing waits for its own piece only. The
 GPU share of Adam stays exact. This step's
 gradients must be down before the grad buffer is zeroed and the last update up before the next
-forward (4 B/param each way, both at once). On one GPU (``optimizer.cpu_adam_copy_during_backward``,
+forward (4 B/param each way, both at once). On one GPU (``backward_copies_allowed``,
 ``watch_backward``) both run during the last micro-batch's backward, each piece as soon as its
 gradients are final (they are unclipped then: the worker applies Megatron-Core's clip factor,
 ``grads_clipped``), so ``step()`` only hands the update over; elsewhere at ``step()``. The
@@ -1111,12 +1111,11 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
                  "after the step land within step() (the all-gather needs them whole); "
                  "the others land during the next forward")  # fmt: skip
-    if o.cpu_adam_delayed_update and o.cpu_adam_copy_during_backward:
+    if o.cpu_adam_delayed_update:
         log.info("cpu_adam: delayed steps copy %s", "during the last micro-batch's backward "
                  "(the CPU applies the clip factor)" if all(in_backward) else "at the step "
                  "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
-                 "pipeline or context parallelism); optimizer.cpu_adam_copy_during_backward "
-                 "acts on one GPU")  # fmt: skip
+                 "pipeline or context parallelism)")  # fmt: skip
     return built
 
 
