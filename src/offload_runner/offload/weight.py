@@ -564,8 +564,8 @@ def _add_to_main_grad(p) -> None:
 
 def _host_team() -> None:
     """The weight offload's worker: an OpenMP team of the rank's cores but those the training
-    thread and data loading keep (a new thread starts with OpenMP's default team: with one
-    core the MoE proxy's backward waited on its adds, the GPU busy 5% of the step, H100)."""
+    thread and data loading keep, whatever another engine set for its own threads (its adds
+    and norms run during backward, which waits for them where they fall behind the link)."""
     import os
 
     import torch
