@@ -257,5 +257,18 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
       python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" | tee "$OUT/trace-$name.txt" | head -20
     done ;;
+  weight-tests)  # weight offload's gpu tests (6 in parallel), their whole output
+    timeout 400 python -m pytest -v -m gpu -k weight tests/test_gpu_training.py -n 6 \
+      --basetemp=/tmp/wt -p no:cacheprovider > "$OUT/pytest-gpu-weight-offload.txt" 2>&1 || true
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/pytest-gpu-weight-offload.txt" | tail -8 ;;
+  weight-profile)  # weight offload on the proxy, iteration 4 profiled, and its summary.json (the
+    # worker's team, its adds' time, backward's waits for them)
+    python run_recipe.py "${PROXY[@]}" offload/optimizer=states offload/weight=enabled \
+      model.cpu_offloading_num_layers=4 train.train_iters=5 output_dir="$WORK/profile-weights" \
+      profiling.use_pytorch_profiler=true profiling.profile_step_start=4 \
+      profiling.profile_step_end=4 > "$OUT/profile-weights.log" 2>&1 || true
+    cp "$WORK/profile-weights/summary.json" "$OUT/summary-weights.json" || true
+    python bench/profile_summary.py "$WORK/profile-weights/profile/rank0.json.gz" \
+      | tee "$OUT/trace-weights.txt" | head -20 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
