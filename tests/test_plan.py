@@ -157,6 +157,29 @@ def test_the_largest_module_is_the_dense_mlps_fc1_or_all_experts_fc1() -> None:
     assert largest_module(proxy) < 0.7 * sum(layer_params(proxy))
 
 
+def test_the_link_note_counts_activation_offload_beside_weight_offload() -> None:
+    """Both on one link: the weights' bytes and the activations' (what activation offload takes
+    off the GPU per micro-batch, down and up again) in one bound; activations alone say so."""
+    from offload_runner.step_cost import weight_offload_link_bytes, weight_offload_note
+
+    both = compose_run("recipe=llama3_8b", "train.global_batch_size=8",
+                       "offload/optimizer=states", "offload/weight=enabled",
+                       "offload/activation=enabled",
+                       "model.cpu_offloading_num_layers=8")  # fmt: skip
+    plan = make_plan(both)
+    rank = plan.ranks[0]
+    up, down = weight_offload_link_bytes(both, rank.weight_offload_params)
+    activations = 8 * rank.activations_offloaded  # eight micro-batches
+    note = weight_offload_note(both, plan)
+    assert f"activation offload {activations / 1e9:.3g} GB each way" in note
+    assert f"+{(max(up, down) + activations) / 50.8e9:.2f} s" in note
+    alone = compose_run("recipe=llama3_8b", "offload/activation=enabled",
+                        "model.cpu_offloading_num_layers=8")  # fmt: skip
+    assert weight_offload_note(alone, make_plan(alone)).startswith("activation offload moves")
+    plain = compose_run("recipe=tiny")
+    assert weight_offload_note(plain, make_plan(plain)) is None
+
+
 def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:
     """The proxy held to 16 GB: no optimizer setting fits, state offload with weight offload of
     the fewest layers does, and the choice says what the weights cost on the link."""

@@ -292,15 +292,38 @@ def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, flo
     return up, down
 
 
+def activation_offload_link_bytes(run: RunConfig, plan: Plan) -> float:
+    """Bytes activation offload moves each way per step on its busiest rank: what it takes off
+    the GPU per micro-batch, down in forward and up in backward."""
+    t, m = run.train, run.model
+    model_parallel = (m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+                      * m.context_parallel_size)  # fmt: skip
+    dp = max(1, len(plan.ranks) // model_parallel)
+    micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    return max(r.activations_offloaded for r in plan.ranks) * micro_batches
+
+
 def weight_offload_note(run: RunConfig, plan: Plan) -> str | None:
-    """--plan's line on the link time weight offload adds (its bound: both directions at once)."""
+    """--plan's line on the link time weight offload adds (its bound: both directions at once),
+    activation offload's traffic on the same link included; activation offload's alone."""
     params = max(r.weight_offload_params for r in plan.ranks)
-    if not params:
+    activations = activation_offload_link_bytes(run, plan)
+    up, down = weight_offload_link_bytes(run, params) if params else (0.0, 0.0)
+    if not up and not activations:
         return None
-    up, down = weight_offload_link_bytes(run, params)
     rate = run.planner.host_link_gb_per_s * 1e9
-    return (
+    moved = (
         f"weight offload: {param_count(params)} params on the host move {up / 1e9:.1f} GB up "
-        f"and {down / 1e9:.1f} GB down per step, at least +{max(up, down) / rate:.2f} s over "
-        f"{run.planner.host_link_gb_per_s:.0f} GB/s where compute does not hide them"
+        f"and {down / 1e9:.1f} GB down per step"
+        if params
+        else "activation offload moves"
+    )
+    if activations:
+        moved += (
+            f"{', and activation offload' if params else ''} {activations / 1e9:.3g} GB each way"
+        )
+    bound = max(up, down) + activations
+    return (
+        f"{moved}, at least +{bound / rate:.2f} s over {run.planner.host_link_gb_per_s:.0f} "
+        "GB/s where compute does not hide them"
     )
