@@ -5,6 +5,7 @@ norm's clipping, Adam), and checkpoint their masters and moments."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -292,3 +293,62 @@ def test_its_metrics_say_what_the_worker_did() -> None:
         assert found["weight_offload_layers"] == 2
     finally:
         offload.close()
+
+
+class _Chunk:
+    """What the engines read of a DDP-wrapped chunk: its weight offload and its buffers (none:
+    the toy's resident parameters are updated by the optimizer's own gradients)."""
+
+    def __init__(self, offload) -> None:
+        self.weight_offload, self.buffers, self.expert_parallel_buffers = offload, [], []
+
+
+class _Optimizer:
+    """Megatron-Core's optimizer as the loop sees it: param groups, step() -> (ok, norm, zeros)."""
+
+    def __init__(self) -> None:
+        self.param_groups = [{"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8,
+                              "weight_decay": 0.1, "wd_mult": 1.0}]  # fmt: skip
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        return True, 0.0, 0
+
+
+def test_the_training_loop_calls_the_engines_through_one_object() -> None:
+    """Engines: built after the optimizer (weight offload armed), a step (the global norm is
+    the host's where the GPU holds no gradient, the offloaded layers updated), the save and end
+    calls, metrics, and close."""
+    from types import SimpleNamespace
+
+    from offload_runner.offload.engines import Engines
+
+    model = _bf16_model()
+    modules = weight.offloaded_layers(model, 2)
+    for module in modules:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    offload = weight.WeightOffload(modules, torch.device("cpu"))
+    run = SimpleNamespace(optimizer=SimpleNamespace(clip_grad=0.0), planner=None,
+                          model=SimpleNamespace(tensor_model_parallel_size=1,
+                                                pipeline_model_parallel_size=1,
+                                                context_parallel_size=1))  # fmt: skip
+    optimizer = _Optimizer()
+    engines = Engines(run, [_Chunk(offload)], optimizer)
+    try:
+        assert engines.weights == [offload] and engines.cpu_adam == []
+        before = model.decoder.layers[0].up.weight.detach().clone()
+        engines.begin_step(2)
+        for _ in range(2):
+            model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
+        norm = engines.step()
+        assert optimizer.steps == 1 and offload.steps == 1
+        assert norm == pytest.approx(math.sqrt(float(offload.grads.double().pow(2).sum())))
+        assert not torch.equal(model.decoder.layers[0].up.weight.detach(), before)
+        engines.before_save()
+        engines.flush()
+        assert engines.pinned_bytes == offload.pinned_bytes
+        assert engines.metrics(None, 2, 1, is_writer=True)["weight_offload_layers"] == 2
+    finally:
+        engines.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from offload_runner.config.schema import RunConfig, backward_copies_allowed
+from offload_runner.config.schema import RunConfig
 from offload_runner.metrics import (
     GB,
     MetricsReporter,
@@ -28,6 +28,7 @@ from offload_runner.metrics import (
     host_pinned_bytes,
 )
 from offload_runner.model_size import training_flops_per_token
+from offload_runner.offload.engines import Engines
 from offload_runner.rundir import resolved_config
 
 log = logging.getLogger("offload_runner")
@@ -165,7 +166,7 @@ class Rank:
     model: list
     optimizer: object
     scheduler: object
-    engines: list  # the host engines (CPU Adam, windowed states, weight offload): closed at the end
+    engines: Engines  # the host engines (CPU Adam, windowed states, weight offload)
     data: list
     micro_batches: int
     dp_size: int
@@ -179,8 +180,7 @@ def train(run: RunConfig, run_dir: Path) -> dict:
     try:  # the engines' threads and host memory go on failure and Ctrl-C too
         return loop(rank, run_dir)
     finally:
-        for engine in rank.engines:
-            engine.close()
+        rank.engines.close()
 
 
 def build(run: RunConfig) -> Rank:
@@ -191,7 +191,6 @@ def build(run: RunConfig) -> Rank:
     from offload_runner.mcore.megatron_config import build_transformer_config
     from offload_runner.mcore.model import build_model
     from offload_runner.mcore.optimizer import build_optimizer, build_scheduler
-    from offload_runner.offload import cpu_adam, host_adam, optimizer_states, weight
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     startup = Startup(is_node_sampler=local_rank == 0)
@@ -201,25 +200,18 @@ def build(run: RunConfig) -> Rank:
     model = build_model(run, config)
     startup.phase("model")
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    offloads = weight.of(model)
-    engines = [*host_adam.engines(optimizer), *offloads]
-    for offload in offloads:
-        offload.arm()  # its layers' gradients on, outside DDP's buffers and the optimizer
+    engines = Engines(run, model, optimizer)
     try:
         scheduler = build_scheduler(run, optimizer)
         startup.phase("optimizer")
         config.finalize_model_grads_func = finalize_model_grads
-        # delayed CPU Adam copying during the last micro-batch's backward arms at no_sync's exit
-        config.no_sync_func = cpu_adam.arming(per_chunk([chunk.no_sync for chunk in model]),
-                                              cpu_adam.engines(optimizer))  # fmt: skip
         config.grad_scale_func = optimizer.scale_loss
         start = _resume(run, model, optimizer, scheduler, startup)
-        optimizer_states.attach(optimizer, config)
+        engines.attach(config, per_chunk([chunk.no_sync for chunk in model]))
         return Rank(run, model, optimizer, scheduler, engines, *_data(run, model, start), start,
                     startup)  # fmt: skip
     except BaseException:
-        for engine in engines:
-            engine.close()
+        engines.close()
         raise
 
 
@@ -286,16 +278,14 @@ def loop(rank: Rank, run_dir: Path) -> dict:
         profiler.close()
         if run.checkpoint.save and rank.start < t.train_iters and saved_at != t.train_iters:
             _save(rank, t.train_iters)
-        for engine in rank.engines:
-            engine.flush()  # the last delayed update lands: the model in memory is final
+        rank.engines.flush()
     return reporter.write_summary(_summary_extra(rank, reporter, step.peak, is_writer))
 
 
 def _save(rank: Rank, iteration: int) -> None:
     from offload_runner import checkpoint
 
-    for engine in rank.engines:
-        engine.finish()  # host masters and states complete (a delayed update: not landed)
+    rank.engines.before_save()
     checkpoint.save_checkpoint(rank.run.checkpoint.save, iteration, rank.model, rank.optimizer,
                                rank.scheduler, rank.run.checkpoint.fully_parallel_save)  # fmt: skip
 
@@ -307,12 +297,8 @@ class Step:
     def __init__(self, rank: Rank) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from offload_runner.offload import cpu_adam, weight
-
         self.rank = rank
         self.forward_backward = get_forward_backward_func()
-        self.cpu_engines = cpu_adam.engines(rank.optimizer)
-        self.weight_offloads = weight.of(rank.model)
         m, t = rank.run.model, rank.run.train
         self.tokens = t.global_batch_size * m.seq_length
         self.flops = training_flops_per_token(m) * self.tokens / dist.get_world_size()
@@ -321,8 +307,7 @@ class Step:
     def __call__(self, iteration: int) -> StepMetrics:
 
         r, m, t = self.rank, self.rank.run.model, self.rank.run.train
-        for offload in self.weight_offloads:
-            offload.begin_step(r.micro_batches)
+        r.engines.begin_step(r.micro_batches)
         # The compute stream only: offload copies on side streams may run on.
         torch.cuda.current_stream().synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -340,7 +325,7 @@ class Step:
         phase[1].record()
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
         torch.cuda.reset_peak_memory_stats()
-        grad_norm = self._step_optimizer()
+        grad_norm = r.engines.step()
         r.scheduler.step(increment=t.global_batch_size)
         loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
         torch.cuda.current_stream().synchronize()
@@ -352,7 +337,7 @@ class Step:
         r.startup.sample_host()
         pinned = host_pinned_bytes()
         if pinned is not None:  # registered with cudaHostRegister, not torch's
-            pinned += sum(engine.pinned_bytes for engine in r.engines)
+            pinned += r.engines.pinned_bytes
         return StepMetrics(
             iteration=iteration, loss=loss, lr=r.optimizer.param_groups[0]["lr"],
             grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=elapsed,
@@ -363,47 +348,13 @@ class Step:
             host_pinned_gb=None if pinned is None else pinned / 1024**3,
         )  # fmt: skip
 
-    def _step_optimizer(self):
-        """Megatron-Core's optimizer step (and the host engines'); returns the gradient norm.
-        With weight offload the norm takes in the offloaded layers' gradients on the host: the
-        GPU's gradients are clipped by the global factor first (so Megatron-Core's own clipping
-        finds nothing to do), the offloaded layers' in their update."""
-        from offload_runner.offload import cpu_adam, weight
-
-        r = self.rank
-        if self.weight_offloads:
-            sq = [
-                weight.gpu_grad_sq_norm(r.model),
-                *(o.grads_ready() for o in self.weight_offloads),
-            ]
-            norm, factor = weight.clip_factor(sq, r.run.optimizer.clip_grad)
-            weight.scale_gpu_grads(r.model, factor)
-        _, grad_norm, _ = r.optimizer.step()
-        if self.weight_offloads:
-            hypers = weight.hypers_of(r.optimizer)
-            for offload in self.weight_offloads:
-                offload.update(hypers, factor)
-            grad_norm = norm
-        cpu_adam.grads_clipped(self.cpu_engines, grad_norm)  # gradients taken before clipping
-        return grad_norm
-
 
 def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer: bool) -> dict:
     """summary.json beyond the step metrics: world, optimizer, startup and memory gathered from
     every rank, the engines' own metrics."""
-    from offload_runner.offload import cpu_adam, optimizer_states, weight
-
-    run = rank.run
     extra = {"world_size": dist.get_world_size(), "optimizer": type(rank.optimizer).__name__}
     extra.update(rank.startup.gathered(peak))
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
-    # delayed mode's copies would run during the last backward here (its hidden fraction)
-    window = rank.micro_batches if backward_copies_allowed(run, rank.dp_size) else None
-    found = cpu_adam.metrics(rank.optimizer, forward_backward_s, run.planner, window)
-    if is_writer:
-        cpu_adam.report_hidden_fraction(found, run.planner)
-    extra.update(found)
-    extra.update(optimizer_states.metrics(rank.optimizer))
-    for offload in weight.of(rank.model):
-        extra.update(offload.metrics())
+    extra.update(rank.engines.metrics(forward_backward_s, rank.micro_batches, rank.dp_size,
+                                      is_writer))  # fmt: skip
     return extra
