@@ -26,7 +26,7 @@ from offload_runner.hardware import (
     rank_cpus,
     worker_cpus,
 )
-from offload_runner.plan import Plan, RankPlan, grad_bytes, predicting_weights
+from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_weights
 
 # --- step time: what an optimizer offload adds to each step ---------------------------------
 
@@ -295,10 +295,8 @@ def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, flo
 def activation_offload_link_bytes(run: RunConfig, plan: Plan) -> float:
     """Bytes activation offload moves each way per step on its busiest rank: what it takes off
     the GPU per micro-batch, down in forward and up in backward."""
-    t, m = run.train, run.model
-    model_parallel = (m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-                      * m.context_parallel_size)  # fmt: skip
-    dp = max(1, len(plan.ranks) // model_parallel)
+    t = run.train
+    dp = Layout.of(run, len(plan.ranks)).dp
     micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
     return max(r.activations_offloaded for r in plan.ranks) * micro_batches
 

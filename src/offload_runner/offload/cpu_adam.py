@@ -1086,7 +1086,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
         balance=shared[i] and balanced_share(run),
         worker=worker, moment_dtypes=optimizer_states.moment_dtypes(run),
-        grad_dtype=_grad_dtype(run),
+        grad_dtype=host_adam.grad_dtype(run),
     ))  # fmt: skip
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:
@@ -1170,13 +1170,6 @@ def _data_parallel_size() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 1
     return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-
-
-def _grad_dtype(run: RunConfig):
-    """The DDP gradient buffer's dtype: fp32 with ddp.grad_reduce_in_fp32, else bf16."""
-    import torch
-
-    return torch.float32 if run.ddp.grad_reduce_in_fp32 else torch.bfloat16
 
 
 def _current_device():

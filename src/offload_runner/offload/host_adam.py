@@ -395,6 +395,14 @@ def _merge(bounds: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return merged
 
 
+def grad_dtype(run):
+    """The DDP gradient buffer's dtype: fp32 with ddp.grad_reduce_in_fp32, else bf16 (what the
+    engines' host copies of the gradients are kept in)."""
+    import torch
+
+    return torch.float32 if run.ddp.grad_reduce_in_fp32 else torch.bfloat16
+
+
 def hyper(group: dict) -> dict:
     beta1, beta2 = group["betas"]
     return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),

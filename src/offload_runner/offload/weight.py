@@ -638,12 +638,10 @@ def take(run: RunConfig, layers: list, device) -> WeightOffload | None:
     """After DDP broadcast the parameters: ``layers``' weights to the host (None: no layers)."""
     if not layers:
         return None
-    import torch
-
+    from offload_runner.offload.host_adam import grad_dtype
     from offload_runner.offload.optimizer_states import moment_dtypes
 
-    grads = torch.float32 if run.ddp.grad_reduce_in_fp32 else torch.bfloat16
-    return WeightOffload(layers, device, moment_dtypes(run)[0], grads)
+    return WeightOffload(layers, device, moment_dtypes(run)[0], grad_dtype(run))
 
 
 def of(model: list) -> list[WeightOffload]:
