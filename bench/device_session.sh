@@ -270,5 +270,24 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     cp "$WORK/profile-weights/summary.json" "$OUT/summary-weights.json" || true
     python bench/profile_summary.py "$WORK/profile-weights/profile/rank0.json.gz" \
       | tee "$OUT/trace-weights.txt" | head -20 ;;
+  two-gpu-smoke)  # (two GPUs) both exact host engines on tiny DP2, 4 iterations each: the loop and
+    # the engines' facade run before the full model spends minutes
+    for e in states cpu_adam; do
+      python run_recipe.py --recipe tiny offload/optimizer=$e train.train_iters=4 \
+        output_dir="$WORK/smoke-$e" > "$OUT/smoke-$e.log" 2>&1 || { tail -30 "$OUT/smoke-$e.log"; exit 1; }
+      grep -E "summary|step_time" "$OUT/smoke-$e.log" | tail -2
+    done ;;
+  two-gpu-full-1|two-gpu-full-2)  # (two H200) the full Qwen3-30B-A3B, EP2, GBS 8: no offload (-1,
+    # oom), offload/optimizer=auto over 22 iterations (-2)
+    python bench/run_benchmarks.py run --suite "$1" --iters 22 --time-limit 560 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  two-gpu-engines)  # (two GPUs) the proxy DP2 and EP2: no offload, cpu_adam, states (GBS 8)
+    python bench/run_benchmarks.py run --suite two-gpu-engines --iters 10 --time-limit 540 \
+      --out "$OUT/results-two-gpu-engines.json" --work-dir "$WORK/bench" ;;
+  two-gpu-resume)  # (two GPUs) resume of both exact host engines on DP2 (tiny) and EP2 (tiny_moe)
+    timeout 560 python -m pytest -v -s -m gpu -n 4 --basetemp=/tmp/rt -p no:cacheprovider \
+      -k "(resume_continues and (states or cpu-adam]) and not 50 and not cp2) or resume_under_expert" \
+      tests/test_gpu_training.py > "$OUT/pytest-gpu-resume-2gpu.txt" 2>&1 || true
+    grep -E "PASSED|FAILED|ERROR|passed|failed|max" "$OUT/pytest-gpu-resume-2gpu.txt" | tail -12 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

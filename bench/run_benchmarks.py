@@ -522,7 +522,7 @@ CAPACITY = (
     "planner.gpu_memory_gb=139",
     "planner.host_memory_gb=125",
 )
-MEANT_NOT_TO_FIT = ("full EP4 no offload", "28 layers, no offload",
+MEANT_NOT_TO_FIT = ("full EP4 no offload", "full EP2 no offload", "28 layers, no offload",
                     "llama3_8b under 48 GB, no weight offload",
                     "proxy under 12 GB, no weight offload")  # fmt: skip
 
@@ -595,8 +595,46 @@ WEIGHT_CAP_CASES = [
 ]  # fmt: skip
 
 
+# The full 48-layer Qwen3-30B-A3B on one two-GPU box (nvidia-h200-x2: 2 x 139 GB, ~250 GB RAM),
+# EP2, GBS 8: no offload runs out of GPU memory, offload/optimizer=auto picks what fits both the
+# GPUs and the host (one device call each: the model takes minutes to build and pin).
+FULL_2 = ("parallel=ep2", *_batch(8), "scheduler.lr_warmup_iters=2", "planner.gpu_memory_gb=139",
+          "planner.host_memory_gb=250")  # fmt: skip
+FULL_2GPU = [
+    Case("full EP2 no offload", "qwen3_30b_a3b", FULL_2, "full EP2 no offload", nproc=2),
+    Case("full EP2 auto", "qwen3_30b_a3b", (*FULL_2, "offload/optimizer=auto"),
+         "full EP2 no offload", nproc=2),
+]  # fmt: skip
+
+
+def _two_gpu_engine_cases(gbs: int) -> list[Case]:
+    """The exact host engines on two GPUs of one node (the ranks share its cores and its link):
+    the proxy data parallel (DP2) and expert parallel (EP2), each beside its own no-offload row."""
+    cases = []
+    for layout, extra in (("DP2", ()), ("EP2", ("parallel=ep2",))):
+        base = f"proxy {layout} GBS{gbs} no offload"
+        for name, offload in (
+            ("no offload", ()),
+            ("cpu_adam", ("offload/optimizer=cpu_adam",)),
+            ("states", ("offload/optimizer=states",)),
+        ):
+            cases.append(
+                Case(
+                    f"proxy {layout} GBS{gbs} {name}",
+                    PROXY_RECIPE,
+                    (*_batch(gbs), *extra, *offload),
+                    base,
+                    nproc=2,
+                )
+            )
+    return cases  # fmt: skip
+
+
 SUITES: dict[str, list[Case]] = {
     "weight-offload": WEIGHT_CASES,
+    "two-gpu-full-1": FULL_2GPU[:1],
+    "two-gpu-full-2": FULL_2GPU[1:],
+    "two-gpu-engines": _two_gpu_engine_cases(8),
     "weight-offload-caps": WEIGHT_CAP_CASES,
     # its proxy rows alone, for a call the llama3_8b rows leave too short
     "weight-offload-caps-proxy": WEIGHT_CAP_CASES[2:],
