@@ -150,7 +150,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         peak = last.worst.gpu_peak / GiB
         raise ValueError(
             f"no offload setting fits: the last one tried needs {peak:.1f} GB + "
-            f"{last.margin_gb:.1f} GB margin of a {last.gpu_capacity_gb:.1f} GB GPU and "
+            f"{last.gpu_kept_free_gb:.1f} GB kept free of a {last.gpu_capacity_gb:.1f} GB GPU and "
             f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
         )
     cost = step_cost(run, fitting[0][4].gpus_per_node) if p.auto_optimizer else None
@@ -169,7 +169,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     if overrides.get("model.cpu_offloading_weights"):
         parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
     peak = plan.worst.gpu_peak / GiB
-    why = (f"peak {peak:.1f} GB + {plan.margin_gb:.1f} GB margin fits "
+    why = (f"peak {peak:.1f} GB + {plan.gpu_kept_free_gb:.1f} GB kept free fits "
            f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
            f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
     if tier:

@@ -137,7 +137,8 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
     console.print(
         f"host per node: {', '.join(f'node {n} {gb:.1f} GB' for n, gb in nodes.items())} "
         f"of {plan.host_capacity_gb:.0f} GB; GPU {plan.gpu_capacity_gb:.1f} GB "
-        f"({plan.gpu_capacity_source}), margin {plan.margin_gb:.1f} GB",
+        f"({plan.gpu_capacity_source}), kept free {plan.gpu_kept_free_gb:.1f} GB"
+        + (" (margin + NCCL)" if plan.gpu_kept_free_gb > plan.margin_gb else ""),
         highlight=False,
     )
     for note in plan.notes:

@@ -117,6 +117,10 @@ def launch(
         f"run directory [bold]{run_dir}[/]"
     )
     os.environ[LAUNCHED_AT_ENV] = str(time.time())  # workers count time to first step from here
+    # torch's cache grows segments in place instead of keeping freed blocks of fixed sizes: at
+    # the edge of a GPU's memory its slack is what runs out (3.4 GiB cached, unallocated, when
+    # the full model ran out on two H200); the user's own setting wins
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         torchrun(parse_args(torchrun_args(run.launcher, nproc, run_dir)))
     except ChildFailedError as err:

@@ -116,7 +116,7 @@ class Startup:
 
         mine = {"gpu_peak": gpu_peak_gb, "node": int(os.environ.get("GROUP_RANK", 0)),
                 "host_before": self.host_before, "host_max": self.host_max,
-                "first_step": self.first_step_s}  # fmt: skip
+                "first_step": self.first_step_s, **gpu_beside_allocated()}  # fmt: skip
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, mine)
         nodes = {r["node"]: r for r in everyone if r["host_max"] is not None}
@@ -127,6 +127,8 @@ class Startup:
             ),
             "startup_s": {k: round(v, 2) for k, v in self.phases.items()},
             "gpu_peak_per_rank_gb": [r["gpu_peak"] for r in everyone],
+            "gpu_reserved_peak_per_rank_gb": [r["reserved_peak"] for r in everyone],
+            "gpu_outside_torch_per_rank_gb": [r["outside_torch"] for r in everyone],
             "host_used_gb_before_per_node": [nodes[n]["host_before"] / GB for n in sorted(nodes)],
             "host_used_gb_max_per_node": [nodes[n]["host_max"] / GB for n in sorted(nodes)],
         }
@@ -135,6 +137,18 @@ class Startup:
 def _median(values) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def gpu_beside_allocated() -> dict[str, float | None]:
+    """This GPU's memory beyond what torch allocated, in GB: torch's reserved peak (allocated plus
+    its cache's slack) and what is in use outside torch (the CUDA context, NCCL's buffers)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"reserved_peak": None, "outside_torch": None}
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    return {"reserved_peak": torch.cuda.max_memory_reserved() / GB, "outside_torch": outside / GB}
 
 
 def gpu_memory() -> tuple[float, float]:

@@ -80,6 +80,11 @@ WORKSPACE_BYTES = int(0.1 * GiB)  # cuBLAS/TE workspaces, allocator slack (fitte
 # offloaded layers saved 0.61 GiB of 1.12 GiB), a dense one mostly TE modules' (fitted on
 # llama3_8b at seq 8192 with 31 layers offloaded: 36.28 GB peak, suite weight-offload-caps).
 ACTIVATION_OFFLOAD_EFFICIENCY = {"moe": 0.55, "dense": 0.65}
+# GPU memory a rank of a multi-GPU job holds outside torch's allocator (NCCL's communicators and
+# buffers beside the CUDA context), kept free beside planner.margin_gb (sized on one GPU): 3.9 GiB
+# per rank on two H200, EP2, the full Qwen3-30B-A3B (suite two-gpu-full-2, first try: out of
+# memory at 130.2 GiB allocated + 3.4 cached + 3.9 outside torch of 139.8).
+COMMUNICATOR_GB = 4.0
 ASSUMED_GPU_GB = 80.0  # when no GPU is visible and planner.gpu_memory_gb is unset
 
 
@@ -536,9 +541,14 @@ class Plan:
         return self.max_node_host_gb + self.margin_gb
 
     @property
+    def gpu_kept_free_gb(self) -> float:
+        """GPU memory kept free beside the planned peak: the margin, and NCCL's with several ranks."""
+        return self.margin_gb + (COMMUNICATOR_GB if len(self.ranks) > 1 else 0.0)
+
+    @property
     def limiting(self) -> str | None:
         """Which resource runs out first (None: both fit)."""
-        gpu_use = (self.worst.gpu_peak / GiB + self.margin_gb) / self.gpu_capacity_gb
+        gpu_use = (self.worst.gpu_peak / GiB + self.gpu_kept_free_gb) / self.gpu_capacity_gb
         host_use = self.host_needed_gb / self.host_capacity_gb
         if gpu_use <= 1 and host_use <= 1:
             return None
@@ -551,6 +561,7 @@ class Plan:
             "gpu_capacity_gb": self.gpu_capacity_gb,
             "gpu_capacity_source": self.gpu_capacity_source,
             "gpu_margin_gb": self.margin_gb,
+            "gpu_kept_free_gb": self.gpu_kept_free_gb,
             "host_capacity_gb": self.host_capacity_gb,
             "fits": self.limiting is None,
             "limiting": self.limiting,
