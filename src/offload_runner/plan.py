@@ -542,7 +542,7 @@ class Plan:
 
     @property
     def gpu_kept_free_gb(self) -> float:
-        """GPU memory kept free beside the planned peak: the margin, and NCCL's with several ranks."""
+        """GPU memory kept free beside the planned peak: the margin, and NCCL's (several ranks)."""
         return self.margin_gb + (COMMUNICATOR_GB if len(self.ranks) > 1 else 0.0)
 
     @property
