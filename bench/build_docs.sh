@@ -36,9 +36,10 @@ cd "$(dirname "$0")/.."
   echo
   echo "## What fits on one and two H200 boxes, from \`--plan\`"
   echo
-  echo "The planner's answer (not a measurement) for Qwen3-30B-A3B at GBS 8, MB 1, with"
-  echo "\`offload/optimizer=auto\` on 139 GB GPUs and 125 GB of RAM per GPU: the largest slice"
-  echo "(\`--plan --largest\`) and the whole model."
+  echo "The planner's answer for Qwen3-30B-A3B at GBS 8, MB 1, with \`offload/optimizer=auto\` on"
+  echo "139 GB GPUs and 125 GB of RAM per GPU: the largest slice (\`--plan --largest\`) and the whole"
+  echo "model. Measured: 31 layers on one H200 (suite \`capacity-auto-31\`) and the whole model on two"
+  echo "(suite \`two-gpu-full\`, whose no-offload run ran out of GPU memory)."
   echo
   echo "| box | layout | largest slice | whole model (48 layers) |"
   echo "|---|---|---|---|"
@@ -713,10 +714,10 @@ PY
   echo "The bars set for it: on the proxy at GBS 4, peak at most 0.55x the baseline's and overhead"
   echo "at most 1.2x the bound. The forward+backward phase of this launch-bound proxy moves by about"
   echo "100 ms from run to run (see the CPU-Adam section), so the rest of the step (the optimizer"
-  echo "phase) is the steadier measure of what the window costs. On DP2 both ranks stream at once and"
-  echo "each reached about 33 GB/s each way, not 50.8: the two GPUs' copies meet somewhere in the host"
-  echo "(a shared PCIe switch uplink or memory); their concurrent copy rate was not measured, so DP2 has"
-  echo "no bound of its own here."
+  echo "phase) is the steadier measure of what the window costs. On two GPUs both ranks stream at once"
+  echo "and each reached 33-40 GB/s each way, not 50.8: the GPUs of a node share its host memory's"
+  echo "bandwidth. Their bound takes each rank's share (\`hardware.rank_link_gb_per_s\`: the node moves"
+  echo "78 GB/s each way, fitted on suites two-gpu-full and two-gpu-engines), as the planner does."
   echo
   echo "## Verify reports"
   echo

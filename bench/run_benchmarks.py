@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from calibrate_planner import is_whole_states, plan_of  # noqa: E402
 
-from offload_runner.hardware import fused_adamw_rate  # noqa: E402
+from offload_runner.hardware import fused_adamw_rate, rank_link_gb_per_s  # noqa: E402
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
 from offload_runner.report import fmt, markdown_table, max_abs_delta, ratio, saved  # noqa: E402
 from offload_runner.rundir import STATUS_FILE, SUMMARY_FILE, read_json  # noqa: E402
@@ -635,6 +635,8 @@ SUITES: dict[str, list[Case]] = {
     "two-gpu-full-1": FULL_2GPU[:1],
     "two-gpu-full-2": FULL_2GPU[1:],
     "two-gpu-engines": _two_gpu_engine_cases(8),
+    # its EP2 states row, which its call's time left out, beside EP2's baseline again
+    "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     "weight-offload-caps": WEIGHT_CAP_CASES,
     # its proxy rows alone, for a call the llama3_8b rows leave too short
     "weight-offload-caps-proxy": WEIGHT_CAP_CASES[2:],
@@ -952,8 +954,9 @@ def _states_line(r: dict, base: dict) -> str | None:
         how = f"2 x {moved:.1f} GB / {HOST_LINK_GB_PER_S:.0f} GB/s"
     else:
         moved = 12 * s["states_offloaded_params"] / 1e9
-        bound = moved / BOTH_WAYS_GB_PER_S * 1000
-        how = f"{moved:.1f} GB each way at once / {BOTH_WAYS_GB_PER_S} GB/s"
+        link = rank_link_gb_per_s(BOTH_WAYS_GB_PER_S, r["case"].get("nproc", 1))
+        bound = moved / link * 1000
+        how = f"{moved:.1f} GB each way at once / {link:.1f} GB/s"
     overhead = (s["step_time_s_median"] - base["step_time_s_median"]) * 1000
     fwd_bwd = (s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]) * 1000
     rest = (s["optimizer_time_s_median"] - base["optimizer_time_s_median"]) * 1000
@@ -975,7 +978,7 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
     into forward+backward (whole tensors: copies out overlap it) and the rest of the step."""
     lines = []
     for r in results:
-        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        base = _baseline(r, by_name)
         states = any(o.startswith("offload/optimizer=states") for o in r["case"]["overrides"])
         if states and r["status"] == "ok" and (line := _states_line(r, base)):
             lines.append(line)
@@ -994,7 +997,7 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
     lines = []
     for r in results:
         s = r["summary"]
-        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        base = _baseline(r, by_name)
         if r["status"] != "ok" or not s.get("weight_offload_params") or not base:
             continue
         run = to_run_config(compose_config([f"recipe={r['case']['recipe']}",
@@ -1013,10 +1016,16 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
     return lines
 
 
+def _baseline(r: dict, by_name: dict) -> dict:
+    """The summary of ``r``'s baseline run: of its own call where render found one."""
+    return (r.get("base") or by_name.get(r["case"]["baseline"], {})).get("summary", {})
+
+
 def case_label(r: dict) -> str:
     """The case name; state-offload runs that moved whole tensors under the old meaning of
     offload/optimizer=states say so."""
     name = r["case"]["name"]
+    name += r.get("call", "")  # which call, where a family's calls share a case
     if is_whole_states(r) and "whole" not in name:
         return f"{name} [whole tensors]"
     return name
@@ -1125,7 +1134,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         s = r["summary"]
         if r["status"] != "ok" or not s.get("cpu_adam_params_per_s"):
             continue
-        base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+        base = _baseline(r, by_name)
         base_step = base.get("step_time_s_median")
         if not base_step or base.get("cpu_adam_params_per_s"):  # no bound without a no-offload run
             continue
@@ -1263,6 +1272,12 @@ HEADLINE = [
     ("capacity-auto-28", "28 layers, no offload"),
     ("capacity-auto-28", "28 layers, auto"),
     ("capacity-auto-31", "31 layers, auto"),
+    ("two-gpu-full-1", "full EP2 no offload"),
+    ("two-gpu-full-2", "full EP2 auto"),
+    ("two-gpu-engines", "proxy DP2 GBS8 cpu_adam"),
+    ("two-gpu-engines", "proxy DP2 GBS8 states"),
+    ("two-gpu-engines", "proxy EP2 GBS8 cpu_adam"),
+    ("two-gpu-engines-2", "proxy EP2 GBS8 states"),
     ("cpu-adam-split-1", "GBS1 cpu_adam 100%"),
     ("cpu-adam-split-4", "GBS4 cpu_adam 100%"),
     ("cpu-adam-split-4", "GBS4 HDO 100% + overlap"),
@@ -1274,6 +1289,10 @@ HEADLINE = [
     ("bf16-moments", "states, bf16 moments"),
     ("bf16-moments", "cpu_adam, bf16 moments"),
 ]
+
+
+def _gpus(n: int) -> str:
+    return f" x{n}" if n > 1 else ""
 
 
 def _headline(files: list[Path]) -> list[str]:
@@ -1291,7 +1310,8 @@ def _headline(files: list[Path]) -> list[str]:
         step = s.get("step_time_s_median")
         fb, base_fb = s.get("fwd_bwd_time_s_median"), base.get("fwd_bwd_time_s_median")
         rows.append([
-            r["case"]["name"], f"`{key[0]}`", d["environment"]["gpu"].replace("NVIDIA ", ""),
+            r["case"]["name"], f"`{key[0]}`",
+            d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
             r["status"], fmt(step * 1000 if step else None, ".0f"),
             fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
             fmt(ratio(fb, base_fb), ".2f", "x"), fmt(s.get("gpu_peak_allocated_gb")),
@@ -1332,8 +1352,15 @@ def render(files: list[Path]) -> str:
         *_headline(files),
     ]
     for suite, group in _families(files).items():
-        results = [{**r, "environment": d["environment"]} for _, d in group for r in d["results"]]
+        results = [{**r, "environment": d["environment"], "source": path.name}
+                   for path, d in group for r in d["results"]]  # fmt: skip
         by_name = {r["case"]["name"]: r for r in results}
+        for r in results:  # the baseline of its own call where it has one, else the family's
+            mine = [b for b in results if b["source"] == r["source"]
+                    and b["case"]["name"] == r["case"]["baseline"]]  # fmt: skip
+            r["base"] = mine[0] if mine else by_name.get(r["case"]["baseline"], {})
+            if sum(b["case"]["name"] == r["case"]["name"] for b in results) > 1:
+                r["call"] = f" ({r['source'].removeprefix('results-').removesuffix('.json')})"
         iters = sorted({d["iters"] for _, d in group})
         lines += [f"## Suite `{suite}` ({' / '.join(map(str, iters))} iterations)", ""]
         for path, d in group:  # a family's files may come from different calls or machines
@@ -1349,7 +1376,7 @@ def render(files: list[Path]) -> str:
         rows = []
         for r in results:
             s = r["summary"]
-            base = by_name.get(r["case"]["baseline"], {}).get("summary", {})
+            base = _baseline(r, by_name)
             step, peak = s.get("step_time_s_median"), s.get("gpu_peak_allocated_gb")
             same = r["case"]["name"] == r["case"]["baseline"]
             phases = (

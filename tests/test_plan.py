@@ -693,3 +693,26 @@ def test_plan_largest_finds_the_most_layers_that_fit(capsys) -> None:
     assert main(["--recipe", "qwen3_30b_a3b", *common[1:], "--plan", "--largest"]) == EXIT_OK
     assert f"model.num_layers={plain.layers}," in capsys.readouterr().out
     assert main(["--recipe", "tiny", "--largest"]) == EXIT_USAGE
+
+
+def test_two_ranks_keep_room_for_nccl_and_share_the_hosts_link() -> None:
+    """The full model on two H200 (EP2): auto's first pick, states at 90%, planned 133.3 GB and
+    ran out of memory beside NCCL's 3.9 GiB (suite two-gpu-full-2); with NCCL's room kept free it
+    picks every state on the host, and each rank's link is its share of the node's."""
+    from offload_runner.hardware import NODE_HOST_LINKS, rank_link_gb_per_s
+    from offload_runner.plan import COMMUNICATOR_GB, make_plan
+
+    full = ("recipe=qwen3_30b_a3b", "parallel=ep2", "train.global_batch_size=8",
+            "train.micro_batch_size=1", "planner.gpu_memory_gb=139",
+            "planner.host_memory_gb=250", "launcher.nproc_per_node=2")  # fmt: skip
+    choice = choose_offload(compose_run(*full, "offload/optimizer=auto"))
+    assert choice.overrides["optimizer.offload_optimizer_states"] is True
+    assert choice.overrides.get("optimizer.optimizer_state_offload_fraction", 1.0) == 1.0
+    assert "kept free" in choice.description and "over 39 GB/s" in choice.description
+    plan = make_plan(compose_run(*full, "offload/optimizer=states"))
+    assert plan.gpu_kept_free_gb == plan.margin_gb + COMMUNICATOR_GB
+    single = make_plan(compose_run("recipe=tiny", "planner.gpu_memory_gb=80"))
+    assert single.gpu_kept_free_gb == single.margin_gb
+    assert rank_link_gb_per_s(50.8, 1) == 50.8
+    assert rank_link_gb_per_s(50.8, 2) == pytest.approx(50.8 * NODE_HOST_LINKS / 2)
+    assert rank_link_gb_per_s(50.8, 8) == pytest.approx(78.0 / 8)

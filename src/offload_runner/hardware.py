@@ -60,6 +60,19 @@ def host_state_bytes(run: RunConfig) -> int:
 HDO_RATE_SHARE = 0.27
 
 
+# The GPUs of one node share its host memory's bandwidth: while every rank copies at once, the
+# node moves this many single links' worth each way (planner.host_link_gb_per_s one GPU's link).
+# State offload's pass streamed 40.0 and 37.1-37.5 GB/s per rank on two H200 (suites
+# two-gpu-full-2, two-gpu-engines) where one alone streamed 49.3 (capacity-auto-31): 78 GB/s
+# over the 50.8 of one link. Four H200 of another host streamed 23.6 per rank (full-4gpu-2).
+NODE_HOST_LINKS = 78.0 / 50.8
+
+
+def rank_link_gb_per_s(gpu_link_gb_per_s: float, ranks_per_node: int) -> float:
+    """One rank's host link each way while every rank of its node copies at once."""
+    return gpu_link_gb_per_s * min(1.0, NODE_HOST_LINKS / max(1, ranks_per_node))
+
+
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
 # Fused CPU AdamW's rate while the link streams states both ways, over its rate alone: the two
 # share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one H200, the median

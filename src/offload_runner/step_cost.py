@@ -24,6 +24,7 @@ from offload_runner.hardware import (
     measured_rate,
     moment_bytes,
     rank_cpus,
+    rank_link_gb_per_s,
     worker_cpus,
 )
 from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_weights
@@ -260,7 +261,7 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
         )  # fmt: skip
     return StepCost(
         rate,
-        p.host_link_gb_per_s,
+        rank_link_gb_per_s(p.host_link_gb_per_s, gpus_per_node),
         p.forward_backward_s,
         p.delayed_max_overhead,
         p.cpu_adam_launch_slowdown,
