@@ -62,6 +62,19 @@ cd "$(dirname "$0")/.."
   echo
   python bench/calibrate_planner.py bench/results/*.json
   echo
+  echo "## Step-time model against the measured steps"
+  echo
+  echo "What \`--plan\` and \`auto\` price an exact host engine at (all of Adam offloaded:"
+  echo "\`step_cost.StepCost\`), added to the no-offload step of the run's own suite file, with that"
+  echo "suite's fused CPU AdamW rate at the run's thread count and each rank's share of the node's"
+  echo "link (\`python bench/calibrate_planner.py --steps bench/results/*.json\`). State offload's"
+  echo "rows hold within about 10%; exact CPU Adam's run 15-20% slower than priced: the model"
+  echo "leaves forward+backward alone, and under that engine it is not (its landing during the"
+  echo "next forward and its threads beside the launching thread: section \"Where exact offload's"
+  echo "forward+backward time goes\")."
+  echo
+  python bench/calibrate_planner.py --steps bench/results/*.json
+  echo
   echo "## Sweep: HybridDeviceOptimizer fraction on the Qwen3-30B-A3B proxy (one H200)"
   echo
   echo "\`python run_recipe.py -m --recipe qwen3_30b_a3b_proxy train.global_batch_size=4"

@@ -138,6 +138,82 @@ def calibrate(files: list[Path]) -> list[Calibration]:
     return rows
 
 
+@dataclass
+class StepCalibration:
+    suite: str
+    case: str
+    gpu: str
+    baseline_s: float
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def _exact_engine(overrides: list[str]) -> bool:
+    """offload/optimizer=cpu_adam (exact) or states, all of it: what the step-time model prices
+    without a forward+backward of its own to hide in."""
+    exact = {"offload/optimizer=cpu_adam", "offload/optimizer=states"}
+    others = [o for o in overrides if "offload_fraction=" in o or o.startswith("offload/weight")]
+    return bool(exact & set(overrides)) and not others
+
+
+def predicted_step(result: dict, baseline_s: float, reference: dict) -> float:
+    """The step-time model's step for a recorded run: its suite's no-offload step plus what
+    step_cost prices the offload at, with the suite's fused CPU AdamW rate at the run's thread
+    count (``reference``: the suite's cpu_adam_reference_params_per_s) and each rank's share of
+    the node's host link."""
+    from offload_runner.hardware import REFERENCE_CPU_ADAM_PARAMS_PER_S, rank_link_gb_per_s
+    from offload_runner.step_cost import StepCost
+
+    nproc = result["case"].get("nproc", 1)
+    run = to_run_config(compose_config(overrides_of(result["command"])))
+    threads = str(result["summary"].get("cpu_adam_threads"))
+    rate = reference.get(threads) or max(reference.values(), default=0) or (
+        REFERENCE_CPU_ADAM_PARAMS_PER_S
+    )  # fmt: skip
+    cost = StepCost(rate, rank_link_gb_per_s(run.planner.host_link_gb_per_s, nproc))
+    worst = max(plan_of(result).ranks, key=lambda r: cost.seconds(run, r))
+    return baseline_s + cost.seconds(run, worst)
+
+
+def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
+    """The exact host engines' runs (all of Adam offloaded) beside a no-offload run of their
+    own suite file: measured step against the model's."""
+    rows = []
+    for path in files:
+        data = json.loads(path.read_text())
+        by_name = {r["case"]["name"]: r for r in data["results"]}
+        reference = data["environment"].get("cpu_adam_reference_params_per_s", {})
+        for result in data["results"]:
+            base = by_name.get(result["case"]["baseline"])
+            overrides = overrides_of(result["command"])
+            if (result["status"] != "ok" or base is None or base is result
+                    or base["status"] != "ok" or not _exact_engine(overrides)
+                    or is_whole_states(result) or ran_before_gpu_share(result)
+                    or any("=" in o and "offload" not in o and o not in
+                           overrides_of(base["command"]) for o in overrides)):  # fmt: skip
+                continue  # only the offload differs from the baseline
+            base_s = base["summary"]["step_time_s_median"]
+            rows.append(StepCalibration(
+                data["suite"], result["case"]["name"],
+                data["environment"]["gpu"].replace("NVIDIA ", ""), base_s,
+                result["summary"]["step_time_s_median"],
+                predicted_step(result, base_s, reference),
+            ))  # fmt: skip
+    return rows
+
+
+def render_steps(rows: list[StepCalibration]) -> str:
+    return "\n".join(markdown_table(
+        ["suite", "case", "GPU", "no offload s", "measured s", "predicted s", "error"],
+        [[r.suite, r.case, r.gpu, f"{r.baseline_s:.3f}", f"{r.measured_s:.3f}",
+          f"{r.predicted_s:.3f}", f"{r.error:+.1%}"] for r in rows],
+    ))  # fmt: skip
+
+
 def render(rows: list[Calibration], min_gb: float) -> str:
     table = markdown_table(
         ["suite", "case", "GPUs", "measured peak GB", "planned GB", "error", "held out",
@@ -158,7 +234,11 @@ def main() -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--max-error", type=float, default=None)
     parser.add_argument("--min-gb", type=float, default=0.1)
+    parser.add_argument("--steps", action="store_true", help="the step-time model instead")
     args = parser.parse_args()
+    if args.steps:
+        print(render_steps(calibrate_steps(args.files)))
+        return 0
     rows = calibrate(args.files)
     print(render(rows, args.min_gb))
     held = [r for r in rows if r.measured_gb >= args.min_gb]

@@ -23,7 +23,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload_runner.offload.cpu_adam import HOST_BYTES_PER_PARAM, CpuAdam, part_fractions
+from offload_runner.offload.cpu_adam import (
+    HOST_BYTES_PER_PARAM,
+    CpuAdam,
+    Delayed,
+    Exact,
+    part_fractions,
+)
 from tests.conftest import compose_run
 
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -74,8 +80,12 @@ def lr_at(step: int) -> float:
     return 1e-3 * (0.5 + 0.5 * step / STEPS)  # a changing learning rate
 
 
-def engine(buffers: Buffers, fraction: float, kind: type = CpuAdam, **kwargs) -> CpuAdam:
-    kwargs = {"chunk_bytes": 4 * 1500, **kwargs}
+def engine(buffers: Buffers, fraction: float, kind: type = CpuAdam, *, delayed: bool = False,
+           exact_steps: int = 0, predict: bool = False, copy_during_backward: bool = False,
+           **kwargs) -> CpuAdam:  # fmt: skip
+    """A CpuAdam over ``buffers``' groups, its mode from the flags (Delayed where ``delayed``)."""
+    mode = Delayed(exact_steps, predict, copy_during_backward) if delayed else Exact()
+    kwargs = {"chunk_bytes": 4 * 1500, "mode": mode, **kwargs}
     return kind(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
                 betas=BETAS, eps=EPS, **kwargs)  # fmt: skip
 

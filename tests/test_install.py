@@ -50,6 +50,13 @@ def test_wheel_carries_the_configs_and_recipes(wheel_site: Path) -> None:
     }
 
 
+def test_wheel_carries_every_module(wheel_site: Path) -> None:
+    """Every module of the source tree, subpackages too (setuptools lists packages by name)."""
+    source = PROJECT_ROOT / "src"
+    modules = {p.relative_to(source) for p in (source / "offload_runner").rglob("*.py")}
+    assert {m for m in modules if not (wheel_site / m).is_file()} == set()
+
+
 def test_installed_cli_runs_outside_the_checkout(wheel_site: Path, tmp_path: Path) -> None:
     listed = cli(wheel_site, "--list-recipes", cwd=tmp_path)
     assert listed.returncode == 0 and "qwen3_30b_a3b_proxy" in listed.stdout, listed.stderr

@@ -92,7 +92,7 @@ class CpuOffloadEngine(str, Enum):
     """Who runs the CPU share of Adam when ``optimizer.optimizer_cpu_offload`` is on."""
 
     hybrid = "hybrid"  # Megatron-Core's HybridDeviceOptimizer
-    cpu_adam = "cpu_adam"  # offload-runner's pipelined CPU-Adam engine (offload/cpu_adam.py)
+    cpu_adam = "cpu_adam"  # offload-runner's pipelined CPU-Adam engine (offload/cpu_adam/)
 
 
 class DelayedScope(str, Enum):

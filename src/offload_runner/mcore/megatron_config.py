@@ -87,7 +87,7 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
     if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
-        # GPU); offload/cpu_adam.py then puts its engine in as the inner optimizer.
+        # GPU); offload/cpu_adam/ then puts its engine in as the inner optimizer.
         values["optimizer_cpu_offload"] = False
     if optimizer.offload_optimizer_states or optimizer.chunked_optimizer_state_offload:
         # ... and offload/optimizer_states.py puts its windowed engine in the same place.

@@ -1,0 +1,163 @@
+"""Delayed mode of the CPU-Adam engine: the order the worker takes a delayed update's pieces in,
+the step boundary's copies during the last micro-batch's backward (with the clip factor applied
+on the CPU afterwards), and weight prediction's extrapolation."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+from offload_runner.offload.cpu_adam.update import Update
+from offload_runner.offload.host_adam import hyper
+
+LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last update
+GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
+
+
+class DelayedUpdates:
+    """CpuAdam's delayed mode (the engine's state lives in CpuAdam)."""
+
+    def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
+        """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
+        the next forward waits for them), the CPU's share of them (``_on_cpu``). Delayed: the
+        order their gradients went down during the backward (``crossed``), then backward-ready
+        order: the worker starts on the gradients that are down first, and the next step lands
+        its pieces in that order again (during the backward, or at ``step()``, which follows
+        this order too); in forward order it would start on the first layers' gradients, the
+        last to come down, and every landing of the next backward would wait for the update's
+        end."""
+        pieces = range(len(self._pieces))
+        if not delayed:
+            return list(pieces[: self._on_cpu])
+        backward = pieces[::-1] if self.land_during_forward else pieces  # the DDP buffer's order
+        seen = set(crossed)
+        return crossed + [i for i in backward if i not in seen]
+
+    def watch_backward(self, chunks) -> None:
+        """Copy during the last micro-batch's backward: a hook after each parameter's gradient
+        accumulation (registered after Megatron-Core DDP's own, on the same autograd node, so the
+        DDP buffer holds the gradient when it runs) counts the parameters of each piece whose
+        gradients are final; when a piece's are, its gradients go down and the last update's
+        masters come up into its parameters, which no later part of the backward reads. Armed by
+        ``arm`` (the schedule's ``no_sync`` exit: the last micro-batch follows); only on a shard
+        whose gradients nothing edits after the backward (``cpu_adam_copies_during_backward``);
+        the CPU applies the clip factor (``grads_clipped``)."""
+        import torch
+
+        with torch.enable_grad():
+            for chunk in chunks:
+                for param in chunk.parameters():
+                    if not param.requires_grad:
+                        continue
+                    node = param.expand_as(param).grad_fn.next_functions[0][0]
+                    hook = functools.partial(self._after_grad, id(param))
+                    self._grad_hooks.append((node, node.register_hook(hook)))
+                    self._hooked[id(param)] = param
+
+    def arm(self) -> None:
+        """The last micro-batch's backward follows: copy during it where the coming step is
+        delayed (the exact steps before need their gradients clipped at ``step()``)."""
+        self._early.clear()
+        if not (self._grad_hooks and self._pieces and self.mode.delayed_at(self.steps_taken + 1)):
+            self._remaining = None
+            return
+        if self._param_pieces is None:
+            self._param_pieces = {key: self._pieces_of(p) for key, p in self._hooked.items()}
+            self._piece_params = [0] * len(self._pieces)
+            for pieces in self._param_pieces.values():
+                for i in pieces:
+                    self._piece_params[i] += 1
+        self._previous = self._pending
+        self._remaining = list(self._piece_params)
+
+    def _after_grad(self, key: int, *unused) -> None:
+        """A parameter's gradient is accumulated: the pieces it completes start their copies."""
+        remaining = self._remaining
+        if remaining is None:
+            return
+        for i in self._param_pieces.get(key, ()):
+            remaining[i] -= 1
+            if remaining[i] == 0:
+                event = None
+                if self._streams is not None:  # the backward so far, on this thread's stream
+                    import torch
+
+                    event = torch.cuda.Event()
+                    event.record()
+                self._early[i] = self._lander.submit(self._cross, i, self._previous, event)
+
+    def _cross(self, i: int, previous: Update | None, after=None) -> None:
+        """Piece ``i`` across the step boundary: the last update's masters up once the worker
+        has them (``previous``: the update not landed, if any), this step's gradients down, both
+        after the CUDA event ``after`` where given (the landing thread during the backward, else
+        ``step()``)."""
+        piece = self._pieces[i]
+        if previous is not None:
+            previous.done[i].wait()
+            if previous.failed:
+                return  # step() raises the worker's error
+            self._land(piece, previous.guess, after)
+        self._fetch(piece, after)
+
+    def grads_clipped(self, grad_norm: float | None) -> None:
+        """After Megatron-Core's step (whose clipping scaled the GPU gradients by clip_grad /
+        (grad_norm + 1e-6) where that is below 1): the gradients copied during the backward
+        were taken before, so the worker divides them by the inverse of that factor."""
+        update = self._pending
+        if update is None or update.scaled.is_set():
+            return
+        coeff = (self.clip_grad / (float(grad_norm) + 1.0e-6)
+                 if self.clip_grad > 0 and grad_norm is not None else 1.0)  # fmt: skip
+        if coeff < 1.0:
+            import torch
+
+            update.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32)
+        update.scaled.set()
+
+    def _guess_from_states(self) -> None:
+        """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
+        before the last update are gone): the last update recomputed from exp_avg, exp_avg_sq,
+        the step count and the param groups' hyperparameters, added once more."""
+        step = self.steps_taken
+        if step < 1:
+            self.host_guess.copy_(self.host_master)
+        else:  # the learning rate of that update: the scheduler has moved the groups' since
+            hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in self.param_groups]
+            for gi, p in self.offloaded:
+                a = self._flat[id(p)]
+                self._extrapolate(a, a + p.numel(), hypers[gi], step)
+        self._guessed = True
+
+    def _extrapolate(self, a: int, b: int, h: dict, step: int) -> None:
+        """host_guess[a:b] = master - lr wd master - lr / (1 - beta1^t) m / (sqrt(v / (1 -
+        beta2^t)) + eps): torch's AdamW update of step t applied once more."""
+        guess, master = self.host_guess[a:b], self.host_master[a:b]
+        bias1, bias2 = 1 - h["beta1"] ** step, 1 - h["beta2"] ** step
+        guess.copy_(self.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
+        guess.reciprocal_().mul_(self.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
+        guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
+
+
+def arming(no_sync, built: list):
+    """Megatron-Core's ``config.no_sync_func`` for the schedules: DDP's ``no_sync``, and on its
+    exit (the last micro-batch follows, as DDP's own grad sync reads it) the engines that copy
+    during the backward arm (``CpuAdam.arm``); ``no_sync`` itself where none does."""
+    armed = [e for e in built if e.mode.copy_during_backward]
+    if not armed:
+        return no_sync
+
+    @contextlib.contextmanager
+    def no_sync_then_arm():
+        with no_sync():
+            yield
+        for engine in armed:
+            engine.arm()
+
+    return no_sync_then_arm
+
+
+def grads_clipped(built: list, grad_norm: float | None) -> None:
+    """After Megatron-Core's ``optimizer.step()``: its grad norm to the engines whose gradients
+    went down before the clipping (``CpuAdam.grads_clipped``)."""
+    for engine in built:
+        engine.grads_clipped(grad_norm)

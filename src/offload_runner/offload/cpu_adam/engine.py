@@ -1,0 +1,403 @@
+"""The CPU-Adam engine: Adam for one DistributedOptimizer's shard, a fraction of it on the CPU
+(the package's docstring says what lives where). Its concerns are mixed in from their own
+modules: the link and landing during the forward (landing.py), the GPU share (gpu_share.py),
+delayed mode (delayed.py); its mode is an object (modes.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import statistics
+import threading
+import time
+
+from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES
+from offload_runner.offload.cpu_adam.cores import cpu_worker, init_thread
+from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, DelayedUpdates
+from offload_runner.offload.cpu_adam.gpu_share import GPU_SHARE, GpuShare
+from offload_runner.offload.cpu_adam.landing import Landing
+from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
+from offload_runner.offload.cpu_adam.update import Update
+from offload_runner.offload.host_adam import HostAdam, Piece, adamw, torch_adamw
+from offload_runner.offload.optimizer_states import StatesWindow
+
+log = logging.getLogger("offload_runner")
+
+HOST_BYTES_PER_PARAM = CPU_ADAM_PINNED_BYTES + CPU_ADAM_PAGEABLE_BYTES  # the planner's figures
+HISTORY = 500  # CPU updates kept for the metrics
+EXACT = Exact()
+
+
+class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
+    """Adam for one DistributedOptimizer's shard, ``fraction`` of it on the CPU, in ``mode``
+    (see the package's docstring and host_adam.HostAdam for the layout and checkpoints)."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        fraction: float,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        mode: Mode = EXACT,
+        threads: int | None = None,
+        cpus: list[int] | None = None,
+        chunk_bytes: int = 64 * 1024**2,
+        order_key=None,
+        land_during_forward: bool = False,
+        clip_grad: float = 0.0,
+        gpu_share: float = 0.0,
+        balance: bool = False,
+        worker: concurrent.futures.ThreadPoolExecutor | None = None,
+        moment_dtypes: tuple = (),
+        grad_dtype=None,
+    ) -> None:
+        import torch
+
+        # the DDP buffer's: bf16 with ddp.grad_reduce_in_fp32=false (2 B/param down, upcast here)
+        self.grad_dtype = grad_dtype or torch.float32
+        super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
+                         betas=betas, eps=eps, chunk_bytes=chunk_bytes,
+                         order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
+        self.mode = mode
+        self._guessed = False  # host_guess holds the next weights' extrapolation
+        self.threads = threads
+        self.land_during_forward = land_during_forward
+        self._inflight: tuple[Update, concurrent.futures.Future] | None = None  # see watch()
+        self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
+        self._spans: list[tuple[int, int]] | None = None  # see _pieces_of
+        self._hooks: list = []
+        self.clip_grad = clip_grad
+        # the GPU share (see prefetch and _late_pass): Adam on the GPU, the states streamed
+        # (weight prediction extrapolates on the CPU: none there)
+        self.gpu_share = 0.0 if mode.predict else gpu_share
+        self.balance = balance and not mode.predict
+        self._share = self.gpu_share  # the share now (the balance moves it)
+        self._fixed = not self.balance  # the share moves no more (BALANCE_STEPS, or loaded)
+        self._window: StatesWindow | None = None
+        self._late: concurrent.futures.ThreadPoolExecutor | None = None  # issues late passes
+        self._late_stream = None  # ... on this side stream
+        self._on_cpu = 0  # exact: pieces [0, _on_cpu) run on the CPU, the rest through the window
+        self._streamed: list[Piece] = []  # this step's GPU share: _pieces[_on_cpu:]
+        self._balanced_at = 0  # the step whose timing last moved the split
+        self._grad_hooks: list = []
+        self._hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
+        self._param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
+        self._piece_params: list[int] = []  # per piece: how many hooked params touch it
+        self._remaining: list[int] | None = None  # armed: per piece, params not yet final
+        self._previous: Update | None = None  # armed: the update the backward lands
+        self._early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
+        self._pending: Update | None = None  # a delayed update, not landed
+        self._jobs: list[concurrent.futures.Future] = []
+        self._unlanded = False  # the host masters are newer than the bf16 params
+        self._announced_delay = False
+        self.history: list[Update] = []
+        self._land_lock = threading.Lock()  # the GPU ring: the worker and step() both land
+        self._worker = worker or cpu_worker(cpus, threads, self.device)
+        self._worker.submit(self._allocate).result()
+        # Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
+        # (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
+        # enqueues them while the worker runs Adam on the next piece.
+        self._lander = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="cpu-adam-land", initializer=init_thread,
+            initargs=(None, None, self.device),
+        )  # fmt: skip
+
+    def _allocate(self) -> None:
+        """In the worker, so its own threads touch the host pages first (NUMA placement): the
+        masters and a gradient staging array page-locked (the copy engines read and write them),
+        the moments pageable where only the CPU touches them (page-locked, and a state window,
+        with a GPU share), with weight prediction the
+        page-locked guess the landings read; a ring of two pieces of fp32 masters on the GPU,
+        rounded into the bf16 params there."""
+        import torch
+
+        streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
+        self._allocate_states(pin_moments=streams, what="cpu_adam")
+        self.host_grad = self._host_array(self.grad_dtype, self.on_cuda, "cpu_adam")
+        if streams:  # the copy engines read and write the moments of the GPU share
+            self._window = StatesWindow(
+                (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
+                min(self.chunk_numel, self.offloaded_numel),
+                host_grad=self.host_grad if self.delayed else None,
+            )  # fmt: skip
+            if self.delayed:  # late passes: issued from a thread of their own, on a side stream
+                self._late = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="cpu-adam-late", initializer=init_thread,
+                    initargs=(None, None, self.device),
+                )  # fmt: skip
+                self._late_stream = torch.cuda.Stream() if self.on_cuda else None
+        if self.mode.predict:  # delayed mode lands the masters extrapolated by their last update
+            self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+        ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0  # see
+        # plan.cpu_adam_ring_bytes
+        self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
+        self._landings = 0
+
+    def step(self, closure=None):
+        import torch
+
+        began = time.perf_counter()
+        self._complete()  # the last exact update, where the forward did not wait for all of it
+        early, self._early, self._remaining = self._early, {}, None  # copied during the backward
+        if self._pieces is None:
+            self._pieces = self._plan()
+            if self.land_during_forward:  # forward order: the buffer is in backward order
+                self._pieces.reverse()
+            self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
+            self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
+        self.prefetch()
+        step, hypers = self._next_step()
+        delayed = self.mode.delayed_at(step)
+        order = self._update_order(delayed, list(early))
+        if delayed and self._hooks:  # only exact steps land during the forward
+            self._unwatch()
+        if delayed and not self._announced_delay:
+            self._announced_delay = True
+            log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
+                     "were exact): the CPU update of step t lands before step t+2%s", step,
+                     step - 1, ", extrapolated by its own change (weight prediction)"
+                     if self.mode.predict else "")  # fmt: skip
+        self._start_fetch()
+        if delayed and self.mode.predict and self._unlanded and not self._guessed:
+            self._worker.submit(self._guess_from_states).result()  # after a checkpoint load
+        # Delayed mode lands the guess from the first delayed step on (the last exact update
+        # made one); masters loaded or finished without a guess land as they are.
+        guess = delayed and self._guessed
+        # The worker extrapolates in delayed mode, and at the last exact step for the first
+        # delayed one. It is handed the update first and takes each piece as soon as its copy
+        # is enqueued (enqueueing hundreds of copies takes the training thread a while).
+        guess_next = self.mode.predict and self.mode.delayed_at(step + 1)
+        update = Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
+                         on_cpu=self._on_cpu, params=sum(self._pieces[i].numel for i in order),
+                         order=order, late_share=delayed and self._window is not None,
+                         ready=[threading.Event() for _ in self._pieces],
+                         done=[threading.Event() for _ in self._pieces],
+                         landed=[threading.Event() for _ in self._pieces],
+                         unclipped=[False] * len(self._pieces))  # fmt: skip
+        in_forward = self.land_during_forward and not delayed
+        job = self._worker.submit(self._run_update, update)
+        previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
+        self._hand_over(update, early, previous, guess, began)
+        self._unlanded = False
+        if self._window is not None and not delayed:  # the GPU share, on the compute stream
+            self._window.run(self._streamed, step, hypers)
+        self._gpu_step(step, hypers)
+        if delayed:
+            self._pending = update
+            self._jobs.append(job)
+        elif in_forward:
+            self._inflight = (update, job)  # the forward waits for it, module by module
+        else:
+            job.result()
+        if not in_forward:
+            self._wait_for_landings()
+        if self._streams is not None:  # the grad buffer may be zeroed
+            torch.cuda.current_stream().wait_stream(self._streams[0])
+        self._end_step(step)
+        for group, h in zip(self.param_groups, hypers, strict=True) if self.mode.predict else ():
+            group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
+        for group in self.param_groups if self._window is not None and self._fixed else ():
+            group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
+        return None
+
+    def _hand_over(self, update: Update, early: dict, previous: Update | None, guess: bool,
+                   began: float) -> None:  # fmt: skip
+        """Each piece of this step's update to the worker, in its order: its gradients down
+        (unless they went during the backward: ``early``), the last delayed update's masters
+        up as the worker finishes them (``previous``, whose errors raise here), or loaded
+        masters landed first. A failure here cancels the update, so no worker waits for what
+        will not come."""
+        try:
+            for i in update.order:
+                piece, copied = self._pieces[i], early.pop(i, None)
+                if copied is not None:  # down (and the last update up) during the backward
+                    copied.result()
+                    update.unclipped[i] = True
+                if previous is None and (self._unlanded or guess):
+                    self._land(piece, guess)
+                if copied is None:  # as the worker finishes the last update, fetching behind it
+                    self._cross(i, previous)
+                update.ready[i].set()
+            if not any(update.unclipped):
+                update.scaled.set()  # every gradient went down clipped
+            update.boundary_s = time.perf_counter() - began
+            if previous is not None:
+                self._jobs.pop(0).result()
+        except BaseException:
+            update.cancelled = True
+            update.scaled.set()
+            for ready in update.ready:
+                ready.set()
+            raise
+
+    def _run_update(self, update: Update) -> None:
+        """The worker: Adam on each piece as its gradients arrive (landed from here in exact
+        mode; by ``step()`` in delayed mode, as each piece's ``done`` is set)."""
+        try:
+            self._update_pieces(update)
+        except BaseException:
+            update.failed = True
+            for event in update.landed + update.done:  # nothing waits for what will not come
+                event.set()
+            raise
+
+    def _update_pieces(self, update: Update) -> None:
+        import torch
+
+        began = time.perf_counter()
+        late = None
+        if update.late_share:  # the last update and its pass are done: this one's split
+            self._window.finish()
+            self._rebalance()
+            update.on_gpu = self._late_pieces(update.order)
+            update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
+            if update.on_gpu:
+                late = self._late.submit(self._late_pass, update)
+        steps = torch.tensor(float(update.step))
+        landings: list[concurrent.futures.Future] = []
+        on_gpu = set(update.on_gpu)
+        for i in update.order:
+            if i in on_gpu:
+                continue
+            piece, ready, done = self._pieces[i], update.ready[i], update.done[i]
+            t0 = time.perf_counter()
+            ready.wait()
+            if update.cancelled:
+                return
+            if piece.fetched is not None:
+                piece.fetched.synchronize()
+            if piece.landed is not None:
+                piece.landed.synchronize()  # the last update's masters have gone up
+            scale = None
+            if update.unclipped[i]:  # taken before the clipping: Megatron-Core's factor
+                update.scaled.wait()
+                scale = update.grad_scale
+                if update.cancelled:
+                    return
+            t1 = time.perf_counter()
+            for a, b, gi in piece.groups:
+                if not update.guess:
+                    self._adam(a, b, update.hyper[gi], steps, scale)
+                    continue
+                # in blocks whose arrays stay in the caches between the three passes
+                for c in range(a, b, GUESS_BLOCK):
+                    d = min(c + GUESS_BLOCK, b)
+                    self.host_guess[c:d].copy_(self.host_master[c:d])
+                    self._adam(c, d, update.hyper[gi], steps, scale)
+                    self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
+            if update.guess:
+                self._guessed = True
+            t2 = time.perf_counter()
+            update.wait_s += t1 - t0
+            update.busy_s += t2 - t1
+            if update.land_in_worker:
+                landings.append(self._lander.submit(self._land_marked, piece, update, i))
+            done.set()
+        for landing in landings:  # enqueued (and errors raised) before step() waits on them
+            landing.result()
+        update.wall_s = time.perf_counter() - began  # the CPU's part (the balance compares it)
+        if late is not None:
+            late.result()
+        self.history.append(update)
+        if len(self.history) > 2 * HISTORY:
+            del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
+
+    def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
+        """torch's fused AdamW on elements [a, b) of the host arrays (the gradients divided by
+        ``grad_scale`` first, where given)."""
+        adamw(
+            [self.host_master[a:b]],
+            [self.host_grad[a:b]],
+            [self.host_exp_avg[a:b]],
+            [self.host_exp_avg_sq[a:b]],
+            torch_adamw(steps, h, grad_scale),
+        )
+
+    def finish(self) -> None:
+        """Wait for a delayed update (checkpoints: masters and states consistent; not landed)
+        or an exact one landing during the forward, and the GPU share's copies out."""
+        self._complete()
+        if self._window is not None:
+            self._window.finish()
+        if self._pending is not None and not self._pending.scaled.is_set():
+            raise RuntimeError(
+                "cpu_adam: an update whose gradients went down during the "
+                "backward waits for grads_clipped(grad_norm) after the step"
+            )
+        while self._jobs:
+            self._jobs.pop(0).result()
+        if self._pending is not None:
+            self._pending = None
+            self._unlanded = True
+
+    def flush(self) -> None:
+        """Wait for and land a delayed update: the bf16 parameters are the newest."""
+        self.finish()
+        if self._pieces is None or not self._unlanded:
+            return
+        for piece in self._pieces:
+            self._land(piece)
+        self._unlanded = False
+        self._wait_for_landings()
+
+    def restore_after_load(self) -> None:
+        """... and a GPU share the saved run had fixed: the resumed run splits as it did."""
+        super().restore_after_load()
+        saved = self.param_groups[0].get(GPU_SHARE) if self.param_groups else None
+        if saved is not None and self._window is not None:
+            self._share, self._fixed = float(saved), True
+
+    def _land_loaded_masters(self) -> None:
+        """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
+        the uninterrupted run would."""
+        if self.delayed:
+            self._unlanded, self._guessed = True, False
+            return
+        super()._land_loaded_masters()
+        self._unlanded = False
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pending.scaled.is_set():
+            self._pending.cancelled = True  # a run that stopped between step and clip factor
+            self._pending.scaled.set()
+        self.finish()
+        self._unwatch()
+        for _, hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks.clear()
+        self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
+        self._lander.shutdown(wait=True)
+        if self._late is not None:
+            self._late.shutdown(wait=True)
+        self._arenas.release()
+
+    def metrics(self, skip: int = 2) -> dict:
+        steady = self.history[skip:] or self.history
+        if not steady:
+            return {}
+        busy = statistics.median(u.busy_s for u in steady)
+        on_cpu = statistics.median(u.params for u in steady)
+        passes = self._window.timing()[skip:] if self._window is not None else []
+        return {
+            "cpu_offloaded_params": self.offloaded_numel,
+            "cpu_adam_params_on_cpu": on_cpu,
+            "cpu_adam_params_per_s": on_cpu / busy if busy else None,
+            "cpu_adam_busy_s_median": busy,
+            "cpu_adam_params_on_gpu": statistics.median(n for _, n in passes) if passes else 0,
+            "cpu_adam_stream_s_median": statistics.median(t for t, _ in passes) if passes else 0.0,
+            "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
+            "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
+            "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),
+            "cpu_adam_boundary_s_median": statistics.median(u.boundary_s for u in steady),
+            "cpu_adam_pieces_in_backward": statistics.median(sum(u.unclipped) for u in steady),
+            "cpu_adam_threads": self.threads,
+            "cpu_adam_pieces": len(self._pieces or []),
+        }
+
+    @property
+    def delayed(self) -> bool:
+        """Delayed mode (its first exact steps included)."""
+        return isinstance(self.mode, Delayed)
