@@ -359,7 +359,6 @@ def test_delayed_mode_keeps_whole_cores_for_the_training_thread(
     run.optimizer.cpu_adam_delayed_update = True
     kept = hardware.worker_cpus(run, cpus)
     assert kept == expected
-    assert cpu_adam.default_threads(run, kept) == len(expected)
     assert cpu_adam.cpu_ranges(kept) == ("1-3,5-7" if siblings else "2-7")
 
 

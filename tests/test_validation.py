@@ -334,12 +334,6 @@ CASES = [
         "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's",
     ),
     Case(
-        "cpu_adam_threads_positive",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_threads=0"),
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_threads=4"),
-        "optimizer.cpu_adam_threads must be at least 1",
-    ),
-    Case(
         "cpu_adam_chunk_positive",
         ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=0"),
         ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=16"),

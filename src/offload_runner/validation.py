@@ -461,12 +461,6 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
-        "cpu_adam_threads_positive",
-        lambda c, e: c.optimizer.cpu_adam_threads is not None and c.optimizer.cpu_adam_threads < 1,
-        "optimizer.cpu_adam_threads must be at least 1 (null: this rank's share of the cores)",
-        "e.g. optimizer.cpu_adam_threads=14, or optimizer.cpu_adam_threads=null",
-    ),
-    Rule(
         "cpu_adam_chunk_positive",
         lambda c, e: c.optimizer.cpu_adam_chunk_mb < 1,
         "optimizer.cpu_adam_chunk_mb must be at least 1 (MiB of gradients per pipeline piece)",
@@ -1101,7 +1095,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
 
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
 # Fields whose range has a row of its own in RULES, with a message of its own, are left out:
-# optimizer.optimizer_offload_fraction, cpu_adam_threads, cpu_adam_chunk_mb, cpu_adam_exact_steps,
+# optimizer.optimizer_offload_fraction, cpu_adam_chunk_mb, cpu_adam_exact_steps,
 # optimizer_state_offload_chunk_size_mb.
 RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("model", "num_layers"): (1, None),

@@ -303,9 +303,6 @@ class OptimizerConfig:
     # the experts' runs under forward+backward). Needs expert parallelism (EP >= 2): only then
     # does Megatron-Core give the experts an optimizer part of their own.
     cpu_adam_delayed_scope: DelayedScope = DelayedScope.all
-    # CPU threads of one rank's Adam (null: its share of the node's cores, less 2 in delayed mode
-    # for the training thread and data loading)
-    cpu_adam_threads: Optional[int] = None
     # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
     cpu_adam_chunk_mb: int = 64
     # Exact mode: this share of the offloaded params has its Adam on the GPU instead, its
@@ -628,6 +625,13 @@ REMOVED_KEYS = {
         "gradients alone (one GPU), at the step boundary elsewhere: 1.10 s against 1.19 s at "
         "the boundary (suite cpu-adam-4-backward); exact mode never read it",
         "drop it",
+    ),
+    "optimizer.cpu_adam_threads": (
+        "the CPU-Adam team takes the rank's share of the node's cores (in delayed mode less whole "
+        "cores for the training thread); over 37 suites fused CPU AdamW at 2 threads fewer ran "
+        "0.96x the rate at all of them (median; 0.59-1.26x, the hosts' noise: the reference "
+        "rates in bench/results), and no suite set it",
+        "drop it (launcher.nproc_per_node and the cores the job is given set the team)",
     ),
 }
 

@@ -24,7 +24,6 @@ landing during the forward), ``gpu_share``, ``delayed``, ``cores`` (the worker a
 from offload_runner.offload.cpu_adam.cores import (
     cpu_ranges,
     cpu_worker,
-    default_threads,
     runtime_environment,
 )
 from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, arming, grads_clipped
@@ -49,7 +48,7 @@ from offload_runner.plan import part_delays, part_fractions
 __all__ = [
     "BALANCE_STEPS", "DISABLED", "GPU_SHARE", "GUESS_BLOCK", "HOST_BYTES_PER_PARAM", "LAST_LR",
     "CpuAdam", "Delayed", "Exact", "arming", "attach", "balanced_share", "cpu_ranges",
-    "cpu_worker", "default_threads", "delayed_dense_warning", "describe", "engines",
+    "cpu_worker", "delayed_dense_warning", "describe", "engines",
     "exact_steps", "grads_clipped", "launch_slowdown", "metrics", "mode_name", "mode_of",
     "part_delays", "part_fractions", "report_hidden_fraction", "runtime_environment",
 ]  # fmt: skip

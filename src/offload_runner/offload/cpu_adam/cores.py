@@ -19,11 +19,6 @@ def runtime_environment(run: RunConfig) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def default_threads(run: RunConfig, cpus: list[int]) -> int:
-    """One OpenMP thread per core the team may use (``worker_cpus``), unless configured."""
-    return run.optimizer.cpu_adam_threads or len(cpus)
-
-
 def cpu_worker(cpus: list[int] | None, threads: int | None, device=None):
     """The thread that runs CPU Adam, pinned to ``cpus`` with an OpenMP team of ``threads``. One
     per rank, shared by its engines (a MoE model's dense and expert shards): their updates take

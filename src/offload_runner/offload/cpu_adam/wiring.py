@@ -18,7 +18,7 @@ from offload_runner.hardware import rank_cpus, worker_cpus
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, optimizer_states
 from offload_runner.offload.base import OffloadSummary
-from offload_runner.offload.cpu_adam.cores import cpu_ranges, cpu_worker, default_threads
+from offload_runner.offload.cpu_adam.cores import cpu_ranges, cpu_worker
 from offload_runner.offload.cpu_adam.engine import CpuAdam
 from offload_runner.offload.cpu_adam.gpu_share import BALANCE_STEPS, balanced_share
 from offload_runner.offload.cpu_adam.modes import (
@@ -82,7 +82,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     if warning:
         log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
-    threads = default_threads(run, cpus)
+    threads = len(cpus)  # one OpenMP thread per core the team may use
     # exact updates land during the next forward, module by module, where no data-parallel
     # parameter all-gather follows the step (suite cpu-adam-landing: faster than within the step)
     in_forward = [not _gathers_params(p) for p in parts]
