@@ -468,6 +468,33 @@ def _profile_cases(gbs: int) -> list[Case]:
                                 ("states", ("offload/optimizer=states",)))]  # fmt: skip
 
 
+def _cost_cases(gbs: int) -> list[Case]:
+    """Exact optimizer offload's cost at one global batch (issue: cost that does not grow with the
+    batch): no offload, both exact host engines, and at GBS 4 and 8 HybridDeviceOptimizer 100% and
+    delayed mode beside them for comparison; no offload again last (the baseline's own spread)."""
+    base = f"cost GBS{gbs} no offload"
+    rows = [
+        ("no offload", ()),
+        ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
+        ("states", ("offload/optimizer=states",)),
+    ]
+    if gbs <= 8:
+        rows += [
+            ("HDO 100% + overlap", ("offload/optimizer=cpu_100",)),
+            ("cpu_adam_delayed 100%", ("offload/optimizer=cpu_adam_delayed", *DELAY)),
+        ]
+    rows.append(("no offload (repeat)", ()))
+    return [Case(f"cost GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
+            for name, extra in rows]  # fmt: skip
+
+
+# The held-out dense shape of the exact-offload issue: llama3_8b at seq 8192, GBS 8, MB 1, with
+# offload/optimizer=auto on one H200 (its step and peak beside the GBS 4 run's 4.49 s, 121.7 GB).
+LLAMA_AUTO = Case("llama3_8b seq 8192 GBS 8, auto", "llama3_8b",
+                  (*_batch(8), "scheduler.lr_warmup_iters=2", "planner.gpu_memory_gb=139",
+                   "planner.host_memory_gb=125",
+                   "offload/optimizer=auto"), "llama3_8b seq 8192 GBS 8, auto")  # fmt: skip
+
 DETERMINISTIC = (*_batch(4), "model.deterministic_mode=true")
 
 
@@ -635,6 +662,9 @@ SUITES: dict[str, list[Case]] = {
     "two-gpu-full-1": FULL_2GPU[:1],
     "two-gpu-full-2": FULL_2GPU[1:],
     "two-gpu-engines": _two_gpu_engine_cases(8),
+    # exact offload's cost against the batch, one call per batch (issue: GBS 4 / 8 / 32 bars)
+    **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
+    "llama3-8b-auto": [LLAMA_AUTO],
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     "weight-offload-caps": WEIGHT_CAP_CASES,
