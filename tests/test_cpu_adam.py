@@ -703,6 +703,60 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
     at_boundary.close()
 
 
+def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() -> None:
+    """Resumed at a delayed step, the first backward after the load copies during the backward
+    as the uninterrupted run does (its pieces are planned there, not at the first step()), so
+    the worker divides the same unclipped gradients and the masters stay the uninterrupted run's
+    bit for bit (the first landing, predicted from Adam's state, within bf16 rounding)."""
+    from offload_runner.offload import cpu_adam
+
+    def build(buffers: Buffers):
+        eng = engine(buffers, 1.0, delayed=True, exact_steps=2, predict=True,
+                     copy_during_backward=True, clip_grad=CLIP)  # fmt: skip
+        model = Trainable(buffers)
+        eng.watch_backward([model])
+        return eng, model, cpu_adam.arming(contextlib.nullcontext, [eng])
+
+    def train_step(eng, model, no_sync, buffers: Buffers, step: int) -> int:
+        """One step; how many pieces crossed during its last backward."""
+        raw = unclipped(step)
+        buffers.set_grads(raw)
+        with no_sync():
+            model().backward()
+        model().backward()
+        crossed = dict(eng._early)
+        for job in crossed.values():
+            job.result()
+        for group in eng.param_groups:
+            group["lr"] = lr_at(step)
+        buffers.grad.mul_(CLIP / (raw.norm().item() + 1e-6))
+        eng.step()
+        cpu_adam.grads_clipped([eng], raw.norm().item())
+        return len(crossed)
+
+    a_buf = Buffers()
+    a = build(a_buf)
+    for step in range(1, 7):
+        train_step(*a, a_buf, step)
+    a[0].finish()
+    b_buf = Buffers(seed=1)
+    b_buf.param.copy_(a_buf.param)
+    b = build(b_buf)
+    b[0].load_state_dict(copy.deepcopy(a[0].state_dict()))
+    b[0].restore_after_load()
+    for step in range(7, 12):
+        train_step(*a, a_buf, step)
+        crossed = train_step(*b, b_buf, step)
+        assert crossed == len(b[0]._pieces), f"step {step}: copied at the boundary"
+    a[0].finish()
+    b[0].finish()
+    assert all(torch.equal(x, y) for x, y in zip(masters(a[0], a_buf), masters(b[0], b_buf),
+                                                 strict=True))  # fmt: skip
+    assert torch.equal(a_buf.param, b_buf.param)
+    a[0].close()
+    b[0].close()
+
+
 def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> None:
     """Without grads_clipped the worker must not run: finish() says what is missing instead of
     hanging, and close() gives the update up."""

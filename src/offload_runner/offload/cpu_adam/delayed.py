@@ -58,9 +58,10 @@ class DelayedUpdates:
         """The last micro-batch's backward follows: copy during it where the coming step is
         delayed (the exact steps before need their gradients clipped at ``step()``)."""
         self._early.clear()
-        if not (self._grad_hooks and self._pieces and self.mode.delayed_at(self.steps_taken + 1)):
+        if not (self._grad_hooks and self.mode.delayed_at(self.steps_taken + 1)):
             self._remaining = None
             return
+        self._ensure_pieces()  # a run resumed into a delayed step copies during its first backward
         if self._param_pieces is None:
             self._param_pieces = {key: self._pieces_of(p) for key, p in self._hooked.items()}
             self._piece_params = [0] * len(self._pieces)

@@ -142,12 +142,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         began = time.perf_counter()
         self._complete()  # the last exact update, where the forward did not wait for all of it
         early, self._early, self._remaining = self._early, {}, None  # copied during the backward
-        if self._pieces is None:
-            self._pieces = self._plan()
-            if self.land_during_forward:  # forward order: the buffer is in backward order
-                self._pieces.reverse()
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
-            self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
+        self._ensure_pieces()
         self.prefetch()
         step, hypers = self._next_step()
         delayed = self.mode.delayed_at(step)
@@ -202,6 +197,19 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         for group in self.param_groups if self._window is not None and self._fixed else ():
             group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
         return None
+
+    def _ensure_pieces(self) -> None:
+        """The pieces (forward order where updates land during the forward), the side streams
+        and the CPU's share of the pieces, at the first step or the first armed backward."""
+        import torch
+
+        if self._pieces is not None:
+            return
+        self._pieces = self._plan()
+        if self.land_during_forward:  # forward order: the buffer is in backward order
+            self._pieces.reverse()
+        self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
+        self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
 
     def _hand_over(self, update: Update, early: dict, previous: Update | None, guess: bool,
                    began: float) -> None:  # fmt: skip
