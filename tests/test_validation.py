@@ -773,6 +773,21 @@ def test_documented_messages_are_not_repeated_by_megatron_core() -> None:
     )
 
 
+def test_a_bare_megatron_core_assert_is_named_or_left_to_our_own_error() -> None:
+    """Megatron-Core's ``assert`` without a message (an empty offload_modules list under
+    fine-grained offload): our rule's error alone, not a second, empty ``error: AssertionError``;
+    where no rule of ours speaks, its own source line."""
+    run = compose_run("recipe=tiny", "model.fine_grained_activation_offloading=true",
+                      "model.offload_modules=[]")  # fmt: skip
+    found = errors(validate(run, WITH_TE))
+    assert [v.message for v in found] == [
+        "fine_grained_activation_offloading needs at least one module in model.offload_modules"
+    ]
+    bare = megatron_checks(run, WITH_TE)
+    assert len(bare) == 1 and bare[0].message.startswith("Megatron-Core's check failed (")
+    assert "transformer_config.py:" in bare[0].message and "offload_modules" in bare[0].message
+
+
 @pytest.mark.parametrize(
     "override",
     ["train.global_batch_size=-8", "train.micro_batch_size=-1", "train.micro_batch_size=0",

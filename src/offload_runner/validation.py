@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from offload_runner.config.schema import (
     CpuOffloadEngine,
@@ -1081,7 +1082,7 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
                 warnings.simplefilter("ignore")
                 build()
         except (AssertionError, ValueError, TypeError, RuntimeError) as err:
-            message = str(err) or type(err).__name__
+            message = str(err) or _failed_check(err)
             found.append(
                 Violation(
                     f"megatron_core.{section}",
@@ -1091,6 +1092,21 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
                 )
             )
     return found
+
+
+BARE = "Megatron-Core's check failed"  # how a check without a message of its own is reported
+
+
+def _failed_check(err: BaseException) -> str:
+    """A check Megatron-Core raised without a message (a bare ``assert``): its own source line,
+    where it stands."""
+    import linecache
+    import traceback
+
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    where = f"{Path(frame.filename).name}:{frame.lineno}"
+    return f"{BARE} ({where}): {line or type(err).__name__}"
 
 
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
@@ -1216,7 +1232,9 @@ def validate(run: RunConfig, env: Environment) -> list[Violation]:
         return ranges
     found = check_rules(run, env)
     seen = {v.message for v in found}
-    found += [v for v in megatron_checks(run, env) if v.message not in seen]
+    ours = bool(errors(found))  # a bare assert of Megatron-Core's adds nothing to our own error
+    found += [v for v in megatron_checks(run, env)
+              if v.message not in seen and not (ours and v.message.startswith(BARE))]  # fmt: skip
     return found
 
 
