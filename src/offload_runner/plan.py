@@ -323,7 +323,7 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
     resident, step_only = adam - on_cpu, 0
     offloaded, delayed = offloaded_parts(run, parts, hdo)
     if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
-        staging = 4 if run.ddp.grad_reduce_in_fp32 else 2  # the gradients' host copy
+        staging = grad_bytes(run)  # the gradients' host copy, in the DDP buffer's dtype
         pinned = shard * hdo * (CPU_ADAM_PINNED_BYTES - 4 + staging)
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * moment_bytes(run))
