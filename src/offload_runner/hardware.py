@@ -169,7 +169,16 @@ def worker_cpus(run: RunConfig, cpus: list[int]) -> list[int]:
     launches come from one Python thread (on the MoE proxy the GPU waits for them over half of
     forward+backward), so whole physical cores (every SMT sibling) are kept out of the team for
     that thread and data loading: at least RESERVED_CORES_DELAYED logical CPUs."""
-    if not run.optimizer.cpu_adam_delayed_update or len(cpus) <= RESERVED_CORES_DELAYED:
+    if not run.optimizer.cpu_adam_delayed_update:
+        return cpus
+    return beside_training(cpus)
+
+
+def beside_training(cpus: list[int]) -> list[int]:
+    """``cpus`` less whole physical cores (every SMT sibling) for the training thread and data
+    loading, at least RESERVED_CORES_DELAYED logical CPUs: a host team that runs while the
+    training thread launches kernels (delayed CPU Adam, weight offload's adds and norms)."""
+    if len(cpus) <= RESERVED_CORES_DELAYED:
         return cpus
     reserved: set[int] = set()
     for cpu in cpus:

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 from offload_runner.config.schema import RunConfig, weights_offloaded
 from offload_runner.hardware import (
-    RESERVED_CORES_DELAYED,
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
+    beside_training,
 )
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
@@ -570,7 +570,7 @@ def _host_team() -> None:
 
     import torch
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - RESERVED_CORES_DELAYED))
+    torch.set_num_threads(len(beside_training(sorted(os.sched_getaffinity(0)))))
 
 
 def _team_size() -> int:
