@@ -189,12 +189,14 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
         reference = data["environment"].get("cpu_adam_reference_params_per_s", {})
         for result in data["results"]:
             base = by_name.get(result["case"]["baseline"])
-            overrides = overrides_of(result["command"])
             if (result["status"] != "ok" or base is None or base is result
-                    or base["status"] != "ok" or not _exact_engine(overrides)
-                    or is_whole_states(result) or ran_before_gpu_share(result)
-                    or any("=" in o and "offload" not in o and o not in
-                           overrides_of(base["command"]) for o in overrides)):  # fmt: skip
+                    or base["status"] != "ok"):  # fmt: skip
+                continue
+            overrides, shared = overrides_of(result["command"]), overrides_of(base["command"])
+            if (not _exact_engine(overrides) or is_whole_states(result)
+                    or ran_before_gpu_share(result)
+                    or any("=" in o and "offload" not in o and o not in shared
+                           for o in overrides)):  # fmt: skip
                 continue  # only the offload differs from the baseline
             base_s = base["summary"]["step_time_s_median"]
             rows.append(StepCalibration(

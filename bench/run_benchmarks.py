@@ -458,14 +458,20 @@ PROFILE_AT = (
 )
 
 
+# No offload and both exact host engines at 100%: the rows the exact-offload suites compare.
+EXACT_ROWS = (
+    ("no offload", ()),
+    ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
+    ("states", ("offload/optimizer=states",)),
+)
+
+
 def _profile_cases(gbs: int) -> list[Case]:
     """Iteration 5 of no offload and of both exact host engines under the torch profiler: what
     forward+backward spends where the engines slow it (issue: exact offload's cost)."""
     base = f"GBS{gbs} no offload"
     return [Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *PROFILE_AT, *extra), base)
-            for name, extra in (("no offload", ()),
-                                ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
-                                ("states", ("offload/optimizer=states",)))]  # fmt: skip
+            for name, extra in EXACT_ROWS]  # fmt: skip
 
 
 def _cost_cases(gbs: int) -> list[Case]:
@@ -473,11 +479,7 @@ def _cost_cases(gbs: int) -> list[Case]:
     batch): no offload, both exact host engines, and at GBS 4 and 8 HybridDeviceOptimizer 100% and
     delayed mode beside them for comparison; no offload again last (the baseline's own spread)."""
     base = f"cost GBS{gbs} no offload"
-    rows = [
-        ("no offload", ()),
-        ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
-        ("states", ("offload/optimizer=states",)),
-    ]
+    rows = list(EXACT_ROWS)
     if gbs <= 8:
         rows += [
             ("HDO 100% + overlap", ("offload/optimizer=cpu_100",)),
@@ -502,10 +504,7 @@ def _determinism_cases() -> list[Case]:
     """Two identical runs each of no offload and of both exact host engines, deterministic mode:
     each pair's per-iteration losses must be identical."""
     return [Case(f"{name}{again}", PROXY_RECIPE, (*DETERMINISTIC, *extra), "no offload")
-            for name, extra in (("no offload", ()),
-                                ("cpu_adam 100%", ("offload/optimizer=cpu_adam",)),
-                                ("states", ("offload/optimizer=states",)))
-            for again in ("", " (repeat)")]  # fmt: skip
+            for name, extra in EXACT_ROWS for again in ("", " (repeat)")]  # fmt: skip
 
 
 BF16_MOMENTS = ("optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16")
@@ -654,7 +653,7 @@ def _two_gpu_engine_cases(gbs: int) -> list[Case]:
                     nproc=2,
                 )
             )
-    return cases  # fmt: skip
+    return cases
 
 
 SUITES: dict[str, list[Case]] = {

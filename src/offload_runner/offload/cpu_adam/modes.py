@@ -14,7 +14,6 @@ from offload_runner.config.schema import RunConfig
 class Exact:
     """Every update lands before the next forward needs it."""
 
-    name = "exact"
     predict = False  # weight prediction is delayed mode's
     copy_during_backward = False  # exact steps clip their gradients first, at step()
 
@@ -33,7 +32,6 @@ class Delayed:
     exact_steps: int
     predict: bool = False
     copy_during_backward: bool = False
-    name = "delayed"
 
     def delayed_at(self, step: int) -> bool:
         return step > self.exact_steps
