@@ -62,10 +62,19 @@ class Buffers:
 
     def set_grads(self, values: torch.Tensor) -> None:
         self.grad.copy_(values)
+        self.bind_grads()
+
+    def bind_grads(self) -> None:
+        """The optimizer's params' gradients, views of the grad buffer (Megatron-Core's step
+        binds them; its zero_grad unbinds them: ``unbind_grads``)."""
         start = 0
         for view, n in zip(self.views, SIZES, strict=True):
             view.decoupled_grad = self.grad[start : start + n]
             start += n
+
+    def unbind_grads(self) -> None:
+        for view in self.views:
+            view.decoupled_grad = None
 
 
 def gradients(step: int) -> torch.Tensor:
@@ -630,6 +639,10 @@ class Trainable(torch.nn.Module):
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(v, requires_grad=True) for v in reversed(buffers.views)
         )
+        start = 0
+        for w in reversed(self.weights):  # DDP's: each parameter's view of the grad buffer
+            w.main_grad = buffers.grad[start : start + w.numel()]
+            start += w.numel()
 
     def forward(self) -> torch.Tensor:
         return sum(w.float().sum() for w in self.weights)
@@ -719,9 +732,12 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
         return eng, model, cpu_adam.arming(contextlib.nullcontext, [eng])
 
     def train_step(eng, model, no_sync, buffers: Buffers, step: int) -> int:
-        """One step; how many pieces crossed during its last backward."""
+        """One step; how many pieces crossed during its last backward. As under Megatron-Core,
+        the optimizer's params have no gradient bound during the backward (zero_grad unbinds
+        them, its step binds them): a resumed run plans from the model's main_grad views."""
         raw = unclipped(step)
-        buffers.set_grads(raw)
+        buffers.grad.copy_(raw)
+        buffers.unbind_grads()
         with no_sync():
             model().backward()
         model().backward()
@@ -731,6 +747,7 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
         for group in eng.param_groups:
             group["lr"] = lr_at(step)
         buffers.grad.mul_(CLIP / (raw.norm().item() + 1e-6))
+        buffers.bind_grads()
         eng.step()
         cpu_adam.grads_clipped([eng], raw.norm().item())
         return len(crossed)

@@ -168,8 +168,9 @@ class HostAdam(HybridDeviceOptimizer):
         buffer and in the parameter buffer, so each moves with one copy each way."""
         runs: list[list[tuple[int, object]]] = []
         for gi, p in self.offloaded:
-            grad = grad_of(p)
-            if runs and _follows(runs[-1][-1][1], p) and _follows(grad_of(runs[-1][-1][1]), grad):
+            grad = self._grad(p)
+            if runs and _follows(runs[-1][-1][1], p) and _follows(self._grad(runs[-1][-1][1]),
+                                                                  grad):  # fmt: skip
                 runs[-1].append((gi, p))
             else:
                 runs.append([(gi, p)])
@@ -182,7 +183,7 @@ class HostAdam(HybridDeviceOptimizer):
             for gi, p in run:
                 bounds.append((offset, offset + p.numel(), gi))
                 offset += p.numel()
-            grad0, param0 = grad_of(first), first
+            grad0, param0 = self._grad(first), first
             for a in range(base, base + numel, self.chunk_numel):
                 b = min(a + self.chunk_numel, base + numel)
                 groups = _merge([(max(s, a), min(e, b), gi) for s, e, gi in bounds
@@ -190,6 +191,10 @@ class HostAdam(HybridDeviceOptimizer):
                 pieces.append(Piece(a, b, _window(grad0, a - base, b - a),
                                     _window(param0, a - base, b - a), groups))  # fmt: skip
         return pieces
+
+    def _grad(self, p):
+        """``p``'s gradient (a view of the DDP buffer, bound by Megatron-Core's step)."""
+        return grad_of(p)
 
     @property
     def steps_taken(self) -> int:
@@ -351,6 +356,34 @@ def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_ad
                 m[a:b].copy_(m32)
             if v.dtype != fp32:
                 v[a:b].copy_(v32)
+
+
+def main_grad_views(shards, model_params) -> dict:
+    """id(shard) -> its gradient before Megatron-Core's optimizer binds it at its step: the same
+    elements of the ``main_grad`` (DDP's gradient buffer) of the model parameter whose data the
+    shard views, as the distributed optimizer's own binding takes them (shards no parameter of
+    ``model_params`` holds are left out)."""
+    import bisect
+
+    by_storage: dict[int, list] = {}
+    for p in model_params:
+        if getattr(p, "main_grad", None) is not None:
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+    starts = {}
+    for ptr, params in by_storage.items():
+        params.sort(key=lambda q: q.storage_offset())
+        starts[ptr] = [q.storage_offset() for q in params]
+    views = {}
+    for shard in shards:
+        ptr, lo = shard.untyped_storage().data_ptr(), shard.storage_offset()
+        i = bisect.bisect_right(starts.get(ptr, []), lo) - 1
+        if i < 0:
+            continue
+        p = by_storage[ptr][i]
+        start = lo - p.storage_offset()
+        if start + shard.numel() <= p.numel():
+            views[id(shard)] = p.main_grad.view(-1)[start : start + shard.numel()]
+    return views
 
 
 def _typed(arena, dtype, numel: int):

@@ -18,7 +18,14 @@ from offload_runner.offload.cpu_adam.gpu_share import GPU_SHARE, GpuShare
 from offload_runner.offload.cpu_adam.landing import Landing
 from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import HostAdam, Piece, adamw, torch_adamw
+from offload_runner.offload.host_adam import (
+    HostAdam,
+    Piece,
+    adamw,
+    grad_of,
+    main_grad_views,
+    torch_adamw,
+)
 from offload_runner.offload.optimizer_states import StatesWindow
 
 log = logging.getLogger("offload_runner")
@@ -84,6 +91,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._balanced_at = 0  # the step whose timing last moved the split
         self._grad_hooks: list = []
         self._hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
+        self._unbound: dict | None = None  # see _grad
         self._param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
         self._piece_params: list[int] = []  # per piece: how many hooked params touch it
         self._remaining: list[int] | None = None  # armed: per piece, params not yet final
@@ -210,6 +218,17 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             self._pieces.reverse()
         self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
+
+    def _grad(self, p):
+        """... or, before the first ``step()`` bound it (a run resumed into a delayed step plans
+        its pieces at its first backward), its model parameter's ``main_grad`` view."""
+        grad = grad_of(p)
+        if grad is None and self._hooked:
+            if self._unbound is None:
+                self._unbound = main_grad_views([q for _, q in self.offloaded],
+                                                self._hooked.values())  # fmt: skip
+            grad = self._unbound.get(id(p))
+        return grad
 
     def _hand_over(self, update: Update, early: dict, previous: Update | None, guess: bool,
                    began: float) -> None:  # fmt: skip
