@@ -96,9 +96,11 @@ WEIGHT_PREDICTION_CPU_FACTOR = 1.84
 
 @cache
 def measured_rate(threads: int) -> float:
-    """fused_adamw_rate on a small shard, once per process: the planner's CPU Adam rate where
-    planner.cpu_adam_params_per_s is unset."""
-    return fused_adamw_rate(threads, numel=16 * 1024**2, repeats=3)
+    """fused_adamw_rate on a shard past the caches (1 GiB of states), once per process: the
+    planner's CPU Adam rate where planner.cpu_adam_params_per_s is unset. A 16M-param shard
+    stayed in the caches and read 9.39 G/s on an H200 host where the engine ran at 2.68 beside
+    its streams (suite llama3-8b-auto; 512M params: 4.3-4.8 G/s there)."""
+    return fused_adamw_rate(threads, numel=64 * 1024**2, repeats=3)
 
 
 # fused AdamW at 16 threads on the GPU machines' hosts (2026-11: 4.05 G/s on one H100 host,
