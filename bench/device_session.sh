@@ -257,6 +257,18 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
       python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" | tee "$OUT/trace-$name.txt" | head -20
     done ;;
+  profile-mb)  # GBS 8: no offload, cpu_adam, states, iteration 6 profiled: each micro-batch's
+    # host span and GPU busy time (bench/profile_summary.py), where forward+backward slows
+    for c in "base|" "cpu_adam|offload/optimizer=cpu_adam" "states|offload/optimizer=states"; do
+      name=${c%%|*}; extra=${c#*|}
+      python run_recipe.py --recipe qwen3_30b_a3b_proxy train.global_batch_size=8 \
+        train.micro_batch_size=1 train.train_iters=7 $extra output_dir="$WORK/profile-$name" \
+        profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=6 \
+        2>&1 | grep -E "error|summary" || true
+      cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
+      python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" > "$OUT/trace-$name.txt"
+      grep -A12 "micro-batches" "$OUT/trace-$name.txt"
+    done ;;
   weight-tests)  # weight offload's gpu tests (6 in parallel), their whole output
     timeout 400 python -m pytest -v -m gpu -k weight tests/test_gpu_training.py -n 6 \
       --basetemp=/tmp/wt -p no:cacheprovider > "$OUT/pytest-gpu-weight-offload.txt" 2>&1 || true

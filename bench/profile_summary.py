@@ -3,7 +3,9 @@
     python bench/profile_summary.py RUN_DIR/profile/rank0.json.gz [...]
 
 Prints, per trace: the window's wall span, the union of kernel time (GPU busy), the idle rest,
-the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time.
+the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time;
+then each micro-batch (from one forward's embedding lookup to the next, the last to the window's
+end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step.
 """
 
 from __future__ import annotations
@@ -46,7 +48,23 @@ def summarize(path: str, top: int = 12) -> str:
             count[e["name"][:90]] += 1
         lines.append(f"-- {title} by total ms")
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
+    lines += _micro_batches(ops, kernels, end)
     return "\n".join(lines)
+
+
+def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
+    """Per micro-batch (a forward's ``aten::embedding`` to the next): host ms, GPU busy ms."""
+    starts = sorted(e["ts"] for e in ops if e["name"] == "aten::embedding")
+    if not starts:
+        return []
+    spans = list(zip(starts, [*starts[1:], end], strict=True))
+    lines = ["-- micro-batches: host ms / GPU busy ms (forward start to the next; the last to "
+             "the window's end)"]  # fmt: skip
+    for i, (a, b) in enumerate(spans):
+        busy = _union([(max(k["ts"], a), min(k["ts"] + k["dur"], b)) for k in kernels
+                       if k["ts"] < b and k["ts"] + k["dur"] > a])  # fmt: skip
+        lines.append(f"{i:3d} {(b - a) / 1e3:9.1f} {busy / 1e3:9.1f}")
+    return lines
 
 
 if __name__ == "__main__":
