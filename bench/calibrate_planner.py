@@ -4,6 +4,8 @@ planner's GPU peak for the same command line next to the run's torch.cuda.max_me
 
     python bench/calibrate_planner.py bench/results/*.json            # Markdown table
     python bench/calibrate_planner.py --max-error 0.10 bench/results/*.json  # exit 1 if worse
+    python bench/calibrate_planner.py --steps bench/results/*.json          # the step-time model
+    python bench/calibrate_planner.py --engine-rates bench/results/*.json   # its two factors
 
 Runs on any machine (the planner needs no GPU). Runs below ``--min-gb`` are listed but not held to
 the error bound: there fixed allocator and library overheads, not the model, set the peak.
@@ -208,6 +210,63 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
     return rows
 
 
+@dataclass
+class EngineRate:
+    suite: str
+    case: str
+    gpu: str
+    cpu_ratio: float  # the engine's CPU Adam rate over fused AdamW alone at its thread count
+    link_gb_per_s: float  # the pass's bytes each way (the GPU share's states, the landings)
+    bf16_moments: bool = False
+
+
+def engine_rates(files: list[Path]) -> list[EngineRate]:
+    """Exact CPU Adam with a GPU share (fp32 moments, one GPU): its CPU rate beside the streams
+    over its suite's fused CPU AdamW rate, and the link's rate during its pass (the share's 12
+    B/param and the CPU part's 4 B/param landings, over the pass's time): the step-time model's
+    hardware.CPU_ADAM_RATE_BESIDE_STREAMS and LINK_BESIDE_CPU_ADAM."""
+    rows = []
+    for path in files:
+        data = json.loads(path.read_text())
+        reference = data["environment"].get("cpu_adam_reference_params_per_s", {})
+        for r in data["results"]:
+            s = r.get("summary") or {}
+            rate = reference.get(str(s.get("cpu_adam_threads")))
+            if (s.get("cpu_adam_mode") != "exact" or not s.get("cpu_adam_gpu_share") or not rate
+                    or r["case"].get("nproc", 1) != 1):  # fmt: skip
+                continue
+            low = any("exp_avg" in o and "bf16" in o for o in overrides_of(r["command"]))
+            window = 8 if low else 12  # the GPU share's states each way, per param
+            moved = s["cpu_adam_params_on_gpu"] * window + s["cpu_adam_params_on_cpu"] * 4
+            rows.append(EngineRate(
+                data["suite"], r["case"]["name"], data["environment"]["gpu"].replace("NVIDIA ", ""),
+                s["cpu_adam_params_per_s"] / rate, moved / s["cpu_adam_stream_s_median"] / 1e9,
+                low,
+            ))  # fmt: skip
+    return rows
+
+
+def render_engine_rates(rows: list[EngineRate]) -> str:
+    import statistics
+
+    table = markdown_table(
+        ["suite", "case", "GPU", "moments", "CPU rate / fused AdamW alone",
+         "link during the pass GB/s"],
+        [[r.suite, r.case, r.gpu, "bf16" if r.bf16_moments else "fp32", f"{r.cpu_ratio:.2f}",
+          f"{r.link_gb_per_s:.1f}"] for r in rows],
+    )  # fmt: skip
+    lines = [*table, ""]
+    for low in (False, True):
+        some = [r for r in rows if r.bf16_moments == low]
+        if some:
+            kind = "bf16" if low else "fp32"
+            lines.append(f"median, {kind} moments ({len(some)} runs): CPU rate "
+                         f"{statistics.median(r.cpu_ratio for r in some):.2f} of fused AdamW "
+                         f"alone, link {statistics.median(r.link_gb_per_s for r in some):.1f} GB/s "
+                         "each way")  # fmt: skip
+    return "\n".join(lines)
+
+
 def render_steps(rows: list[StepCalibration]) -> str:
     return "\n".join(markdown_table(
         ["suite", "case", "GPU", "no offload s", "measured s", "predicted s", "error"],
@@ -237,7 +296,12 @@ def main() -> int:
     parser.add_argument("--max-error", type=float, default=None)
     parser.add_argument("--min-gb", type=float, default=0.1)
     parser.add_argument("--steps", action="store_true", help="the step-time model instead")
+    parser.add_argument("--engine-rates", action="store_true",
+                        help="exact CPU Adam's CPU and link rates beside each other")  # fmt: skip
     args = parser.parse_args()
+    if args.engine_rates:
+        print(render_engine_rates(engine_rates(args.files)))
+        return 0
     if args.steps:
         print(render_steps(calibrate_steps(args.files)))
         return 0

@@ -382,8 +382,8 @@ def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> 
     pcie = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=50.8"))
     assert pcie.overrides["optimizer.offload_optimizer_states"] is False
     assert pcie.overrides["optimizer.optimizer_offload_fraction"] == 0.25
-    assert "predicted +0.13 s per step" in pcie.description and "states +0.74 s" in pcie.description
-    assert "Adam on 47% of them on the CPU" in pcie.description  # the balanced GPU share
+    assert "predicted +0.15 s per step" in pcie.description and "states +0.74 s" in pcie.description
+    assert "Adam on 44% of them on the CPU" in pcie.description  # the balanced GPU share
     c2c = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=450"))
     assert c2c.overrides["optimizer.optimizer_offload_fraction"] == 0.25
     assert "Adam on 7% of them on the CPU" in c2c.description and "states +0.08 s" in (
@@ -397,12 +397,13 @@ def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> 
 def test_step_cost_model() -> None:
     from offload_runner.hardware import CPU_ADAM_RATE_BESIDE_STREAMS as K
     from offload_runner.hardware import HDO_RATE_SHARE
+    from offload_runner.hardware import LINK_BESIDE_CPU_ADAM as L
     from offload_runner.step_cost import StepCost
 
     cost = StepCost(cpu_adam_params_per_s=4e9, host_link_gb_per_s=50.0)
     # exact mode's balanced GPU share x: the CPU's (1 - x) at 4e9 K params/s and the link's
-    # 12 x + 4 (1 - x) B/param at 50 GB/s take as long
-    on_cpu = (12 / 50e9) / (1 / (4e9 * K) + 8 / 50e9)
+    # 12 x + 4 (1 - x) B/param at 50 L GB/s take as long
+    on_cpu = (12 / (50e9 * L)) / (1 / (4e9 * K) + 8 / (50e9 * L))
     balanced = on_cpu / (4e9 * K)
     for option, expected in (("cpu_adam", balanced), ("cpu_adam optimizer.cpu_adam_gpu_share=0",
                              1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
@@ -523,6 +524,7 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
         CPU_ADAM_PAGEABLE_BYTES,
         CPU_ADAM_RATE_BESIDE_STREAMS,
         LATE_BYTES,
+        LINK_BESIDE_CPU_ADAM,
     )
     from offload_runner.step_cost import StepCost
 
@@ -534,7 +536,7 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
     assert b.host_pinned - a.host_pinned == a.cpu_adam_params * CPU_ADAM_PAGEABLE_BYTES
     assert b.optimizer_gpu > a.optimizer_gpu and b.optimizer_step_only == a.optimizer_step_only
     cost = StepCost(4e9, 50.0, forward_backward_s=1.0)
-    k, per_byte = 4e9 * CPU_ADAM_RATE_BESIDE_STREAMS, 1 / 50e9  # params/s, s/B
+    k, per_byte = 4e9 * CPU_ADAM_RATE_BESIDE_STREAMS, 1 / (50e9 * LINK_BESIDE_CPU_ADAM)
     share = cost.gpu_share(shared)  # the link also carries every param's landing, 4 B
     assert share == pytest.approx((1 / k - 4 * per_byte) / (1 / k + LATE_BYTES * per_byte))
     assert (1 - share) / k == pytest.approx((LATE_BYTES * share + 4) * per_byte)  # together
@@ -716,3 +718,25 @@ def test_two_ranks_keep_room_for_nccl_and_share_the_hosts_link() -> None:
     assert rank_link_gb_per_s(50.8, 1) == 50.8
     assert rank_link_gb_per_s(50.8, 2) == pytest.approx(50.8 * NODE_HOST_LINKS / 2)
     assert rank_link_gb_per_s(50.8, 8) == pytest.approx(78.0 / 8)
+
+
+def test_bf16_moments_move_the_balanced_gpu_share() -> None:
+    """With bf16 moments the GPU share's states move 8 B/param, not 12, and the engine's CPU Adam
+    runs at BF16_MOMENTS_CPU_FACTOR of its fp32-moment rate (suite bf16-moments: under
+    model.deterministic_mode the share, balanced as for fp32 moments, left the forward waiting
+    1.15 s for the CPU), so the balance moves towards the GPU."""
+    from offload_runner.hardware import BF16_MOMENTS_CPU_FACTOR
+    from offload_runner.hardware import CPU_ADAM_RATE_BESIDE_STREAMS as K
+    from offload_runner.hardware import LINK_BESIDE_CPU_ADAM as L
+    from offload_runner.step_cost import StepCost
+
+    cost = StepCost(4e9, 50.0)
+    fp32 = compose_run("recipe=tiny", "offload/optimizer=cpu_adam")
+    bf16 = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16",
+                       "optimizer.exp_avg_sq_dtype=bf16")  # fmt: skip
+    assert cost.moved(fp32) == (12, 4, 0) and cost.moved(bf16) == (8, 4, 0)
+    assert cost.exact_rate(bf16) == pytest.approx(4e9 * BF16_MOMENTS_CPU_FACTOR)
+    k, per_byte = 4e9 * BF16_MOMENTS_CPU_FACTOR * K, 1 / (50e9 * L)
+    share = cost.gpu_share(bf16)
+    assert (1 - share) / k == pytest.approx((8 * share + 4 * (1 - share)) * per_byte)
+    assert share > cost.gpu_share(fp32)

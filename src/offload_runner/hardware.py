@@ -74,10 +74,17 @@ def rank_link_gb_per_s(gpu_link_gb_per_s: float, ranks_per_node: int) -> float:
 
 
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
-# Fused CPU AdamW's rate while the link streams states both ways, over its rate alone: the two
-# share the host's memory bandwidth (`python bench/cpu_gpu_split_probe.py` on one H200, the median
-# of its split rows: docs/evidence/cpu-gpu-split-probe.txt).
-CPU_ADAM_RATE_BESIDE_STREAMS = 0.73
+# The engine's CPU Adam while the link streams states both ways, over fused CPU AdamW alone at the
+# same threads, and the link's rate beside it over its rate alone: the two share the host's memory
+# bandwidth, and the engine upcasts bf16 gradients block by block. Medians of nine exact runs with a
+# GPU share on H100 and H200 hosts (`python bench/calibrate_planner.py --engine-rates
+# bench/results/*.json`: 0.58 and 44.5 of 50.8 GB/s); fused AdamW alone beside a probe's streams
+# kept 0.73 (docs/evidence/cpu-gpu-split-probe.txt).
+CPU_ADAM_RATE_BESIDE_STREAMS = 0.58
+LINK_BESIDE_CPU_ADAM = 0.88
+# ... and with bf16 moments (upcast, updated and rounded back block by block) the CPU rate over the
+# fp32 moments' (the same script: 0.22 of fused AdamW alone, suite bf16-moments, against 0.58)
+BF16_MOMENTS_CPU_FACTOR = 0.38
 
 
 # Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went

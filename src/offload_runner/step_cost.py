@@ -14,13 +14,16 @@ from offload_runner.config.schema import (
     cpu_adam_streams,
 )
 from offload_runner.hardware import (
+    BF16_MOMENTS_CPU_FACTOR,
     CPU_ADAM_COPY_BYTES,
     CPU_ADAM_RATE_BESIDE_STREAMS,
     EXACT,
     HDO_RATE_SHARE,
     LATE,
+    LINK_BESIDE_CPU_ADAM,
     REFERENCE_CPU_ADAM_PARAMS_PER_S,
     WEIGHT_PREDICTION_CPU_FACTOR,
+    low_moments,
     measured_rate,
     moment_bytes,
     rank_cpus,
@@ -35,12 +38,13 @@ from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_w
 def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
                        bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
     """The GPU share x of the offloaded Adam at which the CPU and the link finish together: the
-    CPU's share at its rate beside the streams (a = 1 / (rate k)), the link (l = 1 / link)
-    carrying ``bytes_moved`` = (W, C, E), EXACT for exact updates, LATE for delayed ones:
+    CPU's share at its rate beside the streams (a = 1 / (rate k)), the link at its rate beside
+    CPU Adam (l = 1 / (link LINK_BESIDE_CPU_ADAM)) carrying ``bytes_moved`` = (W, C, E), EXACT
+    for exact updates, LATE for delayed ones (``StepCost.moved``: W with the moments' dtypes):
     (1 - x) a = (W x + C (1 - x) + E) l, so x = (a - (C + E) l) / (a + (W - C) l)."""
     window, copies, every = bytes_moved
     cpu = 1 / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
-    link = 1 / (host_link_gb_per_s * 1e9)
+    link = 1 / (host_link_gb_per_s * LINK_BESIDE_CPU_ADAM * 1e9)
     share = (cpu - (copies + every) * link) / (cpu + (window - copies) * link)
     return min(max(share, 0.0), 1.0)
 
@@ -50,13 +54,13 @@ def exact_update_seconds(params: float, cpu_params_per_s: float, host_link_gb_pe
                          bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
     """The update of ``params`` offloaded params with ``gpu_share`` of them on the GPU (exact,
     or with LATE ``bytes_moved`` a delayed one): the CPU's share at its rate (beside the
-    streams where there are any) or the link, whichever takes longer."""
+    streams where there are any) or the link (beside CPU Adam), whichever takes longer."""
     if gpu_share <= 0:
         return params / cpu_params_per_s
     window, copies, every = bytes_moved
     cpu = (1 - gpu_share) * params / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
     moved = window * gpu_share + copies * (1 - gpu_share) + every
-    return max(cpu, moved * params / (host_link_gb_per_s * 1e9))
+    return max(cpu, moved * params / (host_link_gb_per_s * LINK_BESIDE_CPU_ADAM * 1e9))
 
 
 def param_count(n: float) -> str:
@@ -124,9 +128,17 @@ class StepCost:
     launch_slowdown: float = 0.0  # planner.cpu_adam_launch_slowdown
 
     def exact_rate(self, run: RunConfig) -> float:
-        """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact."""
+        """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact (bf16 moments
+        upcast and rounded back block by block: BF16_MOMENTS_CPU_FACTOR)."""
         engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        return self.cpu_adam_params_per_s * (1.0 if engine else HDO_RATE_SHARE)
+        low = BF16_MOMENTS_CPU_FACTOR if low_moments(run) else 1.0
+        return self.cpu_adam_params_per_s * (low if engine else HDO_RATE_SHARE)
+
+    def moved(self, run: RunConfig) -> tuple[int, int, int]:
+        """(W, C, E) bytes per param each way of ``run``'s CPU Adam with a GPU share (see
+        balanced_gpu_share): EXACT or LATE, the share's states in their dtypes."""
+        window, copies, every = LATE if cpu_adam_late_share(run) else EXACT
+        return window - 8 + moment_bytes(run), copies, every
 
     def cpu_rate(self, run: RunConfig) -> float:
         """... its delayed updates (weight prediction adds CPU work), the CPU's alone."""
@@ -139,7 +151,7 @@ class StepCost:
         if not share:
             return self.cpu_rate(run)
         return 1.0 / exact_update_seconds(1.0, self.cpu_rate(run), self.host_link_gb_per_s,
-                                          share, LATE)  # fmt: skip
+                                          share, self.moved(run))  # fmt: skip
 
     def gpu_share(self, run: RunConfig) -> float:
         """The GPU share (0: none; null in the config: the balanced one), of the exact updates,
@@ -148,8 +160,8 @@ class StepCost:
             return 0.0
         share = run.optimizer.cpu_adam_gpu_share
         if share is None:
-            moved = LATE if cpu_adam_late_share(run) else EXACT
-            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s, moved)
+            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s,
+                                      self.moved(run))  # fmt: skip
         return share
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
@@ -161,7 +173,7 @@ class StepCost:
         exact = rank.cpu_adam_params - rank.delayed_params
         if cpu_adam_streams(run) and exact:
             return exact_update_seconds(exact, self.exact_rate(run), self.host_link_gb_per_s,
-                                        self.gpu_share(run))  # fmt: skip
+                                        self.gpu_share(run), self.moved(run))  # fmt: skip
         return exact / self.exact_rate(run)
 
     def delayed_seconds(self, run: RunConfig, rank: RankPlan) -> float:
