@@ -113,9 +113,13 @@ def plan_of(result: dict) -> Plan:
     overrides = overrides_of(result["command"])
     if ran_before_gpu_share(result) and "offload/optimizer=cpu_adam" in overrides:
         overrides.append("optimizer.cpu_adam_gpu_share=0")
+    chosen = ((result.get("summary") or {}).get("auto") or "").split(" (")[0]
+    if chosen and "," not in chosen:  # what auto chose for the run, where its overrides say all
+        # (auto times the CPU: here it could choose otherwise)
+        overrides = [o for o in overrides if not o.endswith("=auto")] + chosen.split()
     run = to_run_config(compose_config(overrides))
     if run.planner.auto_optimizer or run.planner.auto_activation:
-        return choose_offload(run, nproc).plan  # what auto chose for the run, as the launcher does
+        return choose_offload(run, nproc).plan  # what auto chooses, as the launcher does
     return make_plan(run, world=nproc, gpus_per_node=nproc)
 
 
