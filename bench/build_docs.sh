@@ -78,15 +78,26 @@ for name in ("base", "cpu_adam", "states"):
     rows[name] = [tuple(float(x) for x in line.split()[1:3]) for line in part if line.strip()]
 names = {"base": "no offload", "cpu_adam": "cpu_adam", "states": "states"}
 count = len(rows["base"])
-print("| run | " + " | ".join(f"MB {i}" for i in range(count)) + " |")
-print("|---|" + "---|" * count)
+print("| run | " + " | ".join(f"MB {i}" for i in range(count)) + " | mean host ms before the last |")
+print("|---|" + "---|" * (count + 1))
 for name, spans in rows.items():
-    print(f"| {names[name]} | " + " | ".join(f"{h:.0f} / {g:.0f}" for h, g in spans) + " |")
+    mean = sum(h for h, _ in spans[:-1]) / (len(spans) - 1)
+    print(f"| {names[name]} | " + " | ".join(f"{h:.0f} / {g:.0f}" for h, g in spans) +
+          f" | {mean:.0f} |")
+print()
+for name in rows:
+    text = pathlib.Path(f"docs/evidence/profile-mb/trace-{name}.txt").read_text()
+    launch = re.search(r"^\s*([\d.]+)\s+(\d+)\s+cudaLaunchKernel", text, re.M)
+    print(f"- {names[name]}: cudaLaunchKernel {launch[1]} ms over {launch[2]} calls in the step "
+          f"({float(launch[1]) * 1000 / int(launch[2]):.1f} us each)")
 PY
   echo
   echo "The GPU does the same work in every micro-batch of all three runs (68-70 ms busy); the host"
   echo "spans differ by run and by micro-batch, and the first micro-batch after a step is not slower"
   echo "under either engine. The last span holds the step: the update, and with it the engines' cost."
+  echo "Under the profiler exact CPU Adam's micro-batches took about a tenth longer on the host, and"
+  echo "its kernel launches cost twice as much over the whole profiled step, the update's own"
+  echo "launches (beside its CPU team) among them."
   echo "The proxy at MB 1 is bound by the thread that launches its kernels (the GPU is busy about a"
   echo "third of each span), so its forward+backward follows the host. In one later call, runs"
   echo "alternating on the same H200 (docs/evidence/fwd-bwd-order-h200.txt: step s, forward+backward s):"
@@ -96,10 +107,11 @@ PY
   echo '```'
   echo
   echo "No offload's forward+backward fell from 1.24 to 0.91 s within that call, and exact CPU Adam's"
-  echo "(1.03, then 0.94 s) sat inside that spread, with or without its forward hooks and with"
-  echo "libgomp's default wait policy: no cost of the engine's own shows in forward+backward beyond"
-  echo "the host's noise, which on these machines is larger than the issue's 3% bar (the two no-offload"
-  echo "runs of suite \`gbs-32\` differ by 8%)."
+  echo "(1.03, then 0.94 s) sat inside that spread, with or without its forward hooks (the local switch"
+  echo "landed the update within the step) and with libgomp's default wait policy. A cost of the"
+  echo "engine's own in forward+backward of the size the profile suggests (a tenth or less) cannot be"
+  echo "told from the host's noise on these machines, which is larger than the issue's 3% bar (the two"
+  echo "no-offload runs of suite \`gbs-32\` differ by 8%)."
   echo
   echo "## The held-out dense shape: llama3_8b at seq 8192, GBS 8, \`offload/optimizer=auto\` (suite \`llama3-8b-auto\`)"
   echo
