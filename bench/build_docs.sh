@@ -116,7 +116,7 @@ PY
   echo "## The held-out dense shape: llama3_8b at seq 8192, GBS 8, \`offload/optimizer=auto\` (suite \`llama3-8b-auto\`)"
   echo
   python - <<'PY'
-import json, pathlib
+import json, pathlib, re
 data = json.loads(pathlib.Path("bench/results/results-llama3-8b-auto.json").read_text())
 s = data["results"][0]["summary"]
 env = data["environment"]
@@ -128,7 +128,8 @@ print(f"One H200 ({env['date'][:10]}, commit {env['commit']}): auto chose `{s['a
       f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s beside a GPU share that settled at "
       f"{s['cpu_adam_gpu_share']:.2f}. The run planned its update at "
       f"{s['auto'].split('predicted ')[1].split(' per step')[0]} from fused AdamW timed on 16M params,"
-      " which stay in the caches (9.39 G/s there); the planner now times 64M params "
+      f" which stay in the caches ({re.search(r'at ([0-9.]+) G/s', s['auto'])[1]} G/s there); the"
+      " planner now times 64M params "
       "(docs/evidence/fused-adamw-rate-by-size-h200.txt) and prices the engine at its own rates "
       "beside the streams. Planned again that way, at that file's 64M-param rate:")
 PY
