@@ -191,10 +191,16 @@ PY
   echo "suite's fused CPU AdamW rate at the run's thread count and each rank's share of the node's"
   echo "link (\`python bench/calibrate_planner.py --steps bench/results/*.json\`). The model takes"
   echo "exact CPU Adam's CPU and link rates beside each other from the engine's own runs (below); the"
-  echo "rows' spread beyond that is their suites' no-offload runs (one per suite here; section \"Where"
-  echo "exact offload's forward+backward time goes\"). \`cpu_adam, bf16 moments\` ran before the model"
-  echo "knew bf16 moments' slower CPU Adam: its deterministic GPU share was balanced as for fp32"
-  echo "moments, and the forward waited 1.15 s for the CPU."
+  echo "no-offload step is the mean of the suite's no-offload runs, and the rows' spread beyond the"
+  echo "model is as wide as theirs (section \"Where exact offload's forward+backward time goes\")."
+  python - <<'PY'
+import json, pathlib
+data = json.loads(pathlib.Path("bench/results/results-bf16-moments.json").read_text())
+s = {r["case"]["name"]: r["summary"] for r in data["results"]}["cpu_adam, bf16 moments"]
+print("`cpu_adam, bf16 moments` ran before the model knew bf16 moments' slower CPU Adam: its "
+      "deterministic GPU share was balanced as for fp32 moments, and the forward waited "
+      f"{s['cpu_adam_forward_wait_s_median']:.2f} s for the CPU.")
+PY
   echo
   python bench/calibrate_planner.py --steps bench/results/*.json
   echo
