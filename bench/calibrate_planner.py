@@ -193,6 +193,7 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
         data = json.loads(path.read_text())
         by_name = {r["case"]["name"]: r for r in data["results"]}
         reference = data["environment"].get("cpu_adam_reference_params_per_s", {})
+        parsed = [(overrides_of(r["command"]), r) for r in data["results"] if r["status"] == "ok"]
         for result in data["results"]:
             base = by_name.get(result["case"]["baseline"])
             if (result["status"] != "ok" or base is None or base is result
@@ -204,8 +205,7 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
                     or any("=" in o and "offload" not in o and o not in shared
                            for o in overrides)):  # fmt: skip
                 continue  # only the offload differs from the baseline
-            same = [r["summary"]["step_time_s_median"] for r in data["results"]
-                    if r["status"] == "ok" and overrides_of(r["command"]) == shared]  # fmt: skip
+            same = [r["summary"]["step_time_s_median"] for o, r in parsed if o == shared]
             base_s = sum(same) / len(same)  # the baseline and its repeats in the suite
             rows.append(StepCalibration(
                 data["suite"], result["case"]["name"],

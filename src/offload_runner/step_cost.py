@@ -14,6 +14,7 @@ from offload_runner.config.schema import (
     cpu_adam_streams,
 )
 from offload_runner.hardware import (
+    ADAM_BYTES,
     BF16_MOMENTS_CPU_FACTOR,
     CPU_ADAM_COPY_BYTES,
     CPU_ADAM_RATE_BESIDE_STREAMS,
@@ -23,9 +24,9 @@ from offload_runner.hardware import (
     LINK_BESIDE_CPU_ADAM,
     REFERENCE_CPU_ADAM_PARAMS_PER_S,
     WEIGHT_PREDICTION_CPU_FACTOR,
+    host_state_bytes,
     low_moments,
     measured_rate,
-    moment_bytes,
     rank_cpus,
     rank_link_gb_per_s,
     worker_cpus,
@@ -138,7 +139,7 @@ class StepCost:
         """(W, C, E) bytes per param each way of ``run``'s CPU Adam with a GPU share (see
         balanced_gpu_share): EXACT or LATE, the share's states in their dtypes."""
         window, copies, every = LATE if cpu_adam_late_share(run) else EXACT
-        return window - 8 + moment_bytes(run), copies, every
+        return window - ADAM_BYTES + host_state_bytes(run), copies, every
 
     def cpu_rate(self, run: RunConfig) -> float:
         """... its delayed updates (weight prediction adds CPU work), the CPU's alone."""
@@ -298,7 +299,7 @@ def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, flo
     t = run.train
     micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
     grads = grad_bytes(run)
-    states = 4 + moment_bytes(run)
+    states = host_state_bytes(run)
     passes = 3 if run.model.recompute_granularity == "full" else 2  # full recompute: again
     up = params * (2 * passes * micro_batches + grads + states)
     down = params * (grads * micro_batches + states + 2)

@@ -167,13 +167,14 @@ class HostAdam(HybridDeviceOptimizer):
         """Pieces of at most ``chunk_numel`` elements, contiguous on the host, in the gradient
         buffer and in the parameter buffer, so each moves with one copy each way."""
         runs: list[list[tuple[int, object]]] = []
+        last_grad = None  # the gradient of the last parameter placed
         for gi, p in self.offloaded:
             grad = self._grad(p)
-            if runs and _follows(runs[-1][-1][1], p) and _follows(self._grad(runs[-1][-1][1]),
-                                                                  grad):  # fmt: skip
+            if runs and _follows(runs[-1][-1][1], p) and _follows(last_grad, grad):
                 runs[-1].append((gi, p))
             else:
                 runs.append([(gi, p)])
+            last_grad = grad
         pieces = []
         for run in runs:
             first = run[0][1]
