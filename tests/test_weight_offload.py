@@ -137,7 +137,7 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
     the two slots: each unit's backward must find its own weights again."""
     reference, offloaded = _bf16_model(recompute=recompute), _bf16_model(recompute=recompute)
     offload = _offload(offloaded, grad_dtype=grad_dtype)
-    assert len(offload.ring.grads) == (1 if grad_dtype == torch.float32 else 2)
+    assert offload.ring.grad_slots == (1 if grad_dtype == torch.float32 else 2)
     torch.manual_seed(1)
     data = [[torch.randn(3, HIDDEN, dtype=torch.bfloat16) for _ in range(3)] for _ in range(4)]
     ref_state, off_state = {}, {}
@@ -165,9 +165,9 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
 
 
 def test_the_ring_streams_modules_in_the_order_they_run() -> None:
-    """Two slots of the widest module, not of a layer; neighbours in the forward's order (not
-    the modules' registration order) in different slots, so the next one's copy never lands in
-    the slot of the one computing."""
+    """Two slots at the ends of one array of the two widest modules, not of a layer; neighbours
+    in the forward's order (not the modules' registration order) in different slots, so the
+    next one's copy never lands on the one computing."""
     model = _bf16_model()
     offload = _offload(model)
     try:
@@ -178,9 +178,68 @@ def test_the_ring_streams_modules_in_the_order_they_run() -> None:
         ran = [first.norm, first.up, first.out, second.norm, second.up, second.out]
         assert [u.module for u in offload.order] == ran
         assert [u.slot for u in offload.order] == [0, 1, 0, 1, 0, 1]
-        widest = max(sum(p.numel() for p in m.parameters()) for m in ran)
-        assert offload.ring.weights.shape == (2, widest)
-        assert widest < sum(p.numel() for p in first.parameters())
+        sizes = sorted((sum(p.numel() for p in m.parameters()) for m in ran[:3]), reverse=True)
+        assert offload.ring.weights.shape == (sizes[0] + sizes[1],)  # a layer's two widest
+        assert sizes[0] + sizes[1] < 2 * sizes[0]
+        for unit in offload.order:  # slot 0 from the array's start, slot 1 from its end
+            span = offload.ring.weight_span(unit)
+            at = span.data_ptr() - offload.ring.weights.data_ptr()
+            end = offload.ring.weights.numel() - unit.numel
+            assert at == (0 if unit.slot == 0 else end * span.element_size())
+    finally:
+        offload.close()
+
+
+def test_a_pair_wider_than_the_ring_is_not_prefetched_and_a_use_evicts() -> None:
+    """Two layers' fc1s (``up``) at opposite ends overlap (the ring is one layer's fc1 + fc2
+    wide): the prefetch of one beside the other is skipped, since that one may be computing;
+    its use evicts the other, which comes back whole when next used."""
+    model = _bf16_model()
+    offload = _offload(model)
+    try:
+        offload.begin_step(1)
+        model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
+        offload.grads_ready()
+        first, second = model.decoder.layers[:2]
+        up = [next(u for u in offload.order if u.module is layer.up) for layer in (first, second)]
+        assert up[0].slot != up[1].slot and offload.ring.crowds(*up)
+        offload._use(up[1])
+        offload._load(up[0], prefetch=True)
+        assert offload.ring.owner[up[0].slot] is not up[0]
+        assert offload.ring.owner[up[1].slot] is up[1]
+        offload._use(up[0])
+        assert offload.ring.owner[up[1].slot] is None
+        offload._use(up[1])
+        for unit in up:
+            host = offload.weights[unit.start : unit.start + unit.numel]
+            if offload.ring.owner[unit.slot] is unit:
+                assert torch.equal(offload.ring.weight_span(unit), host)
+        assert offload.ring.owner[up[0].slot] is None
+    finally:
+        offload.close()
+
+
+def test_bf16_gradient_slots_wait_for_an_overlapping_neighbours_copy_down() -> None:
+    """bf16 gradients take two slots from the ends of one array as the weights do: a unit's
+    slot is zeroed after its own slot's last copy down, and after the other slot's too where
+    that unit's gradients overlap its own."""
+    model = _bf16_model()
+    offload = _offload(model, grad_dtype=torch.bfloat16)
+    try:
+        offload.begin_step(1)
+        model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
+        offload.grads_ready()
+        ring = offload.ring
+        up = [next(u for u in offload.order if u.module is layer.up)
+              for layer in model.decoder.layers[:2]]  # fmt: skip
+        out = next(u for u in offload.order if u.module is model.decoder.layers[0].out)
+        assert ring.grads.numel() == ring.weights.numel()
+        ring.draining = [None] * 2
+        ring.draining[ring.grad_slot(up[1])] = up[1]
+        assert len(ring.drains_before(up[0])) == 2  # overlapping: both copies down
+        ring.draining[ring.grad_slot(up[1])] = out
+        assert ring.grad_slot(out) != ring.grad_slot(up[0])
+        assert len(ring.drains_before(up[0])) == 1  # side by side: its own slot's only
     finally:
         offload.close()
 

@@ -28,6 +28,17 @@ WEIGHT_OFFLOAD_PIECE = 1 << 24
 WEIGHT_OFFLOAD_IN_FLIGHT = 3
 
 
+def weight_ring_sizes(layers: list[list[int]], grad_bytes: int) -> tuple[int, int]:
+    """Elements of weight offload's GPU ring (offload/weight.py): its weight array and its
+    gradient array, for layers of streamed modules of these sizes. The two weight slots grow
+    from either end of one array as wide as a layer's two widest modules, so any two modules of
+    a layer fit side by side; fp32 gradients take one slot of the widest, bf16 ones two slots
+    as the weights do."""
+    pair = max(sum(sorted(sizes, reverse=True)[:2]) for sizes in layers)
+    widest = max(max(sizes) for sizes in layers)
+    return pair, widest if grad_bytes == 4 else pair
+
+
 def moment_bytes(run: RunConfig) -> int:
     """exp_avg + exp_avg_sq per param, in their configured dtypes (8 in fp32, 4 in bf16)."""
     o = run.optimizer

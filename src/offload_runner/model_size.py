@@ -83,10 +83,10 @@ def count_parameters(model: ModelConfig) -> ParamCount:
     )
 
 
-def largest_module(model: ModelConfig) -> int:
-    """Params of a transformer layer's largest module with weights of its own (weight offload
-    streams them one by one): the fused layernorm + QKV, the projection, or fc1 or fc2 of the
-    dense MLP or of all the routed experts together."""
+def largest_modules(model: ModelConfig) -> list[int]:
+    """Params of a transformer layer's modules with weights of their own that weight offload
+    streams one by one, widest first: the fused layernorm + QKV, the projection, and fc1 and fc2
+    of the dense MLP or of all the routed experts together."""
     h = model.hidden_size
     kv = kv_channels(model)
     groups = model.num_query_groups or model.num_attention_heads
@@ -97,7 +97,12 @@ def largest_module(model: ModelConfig) -> int:
     if model.num_moe_experts:
         ffn = model.moe_ffn_hidden_size or ffn
     qkv = h * (q_width + 2 * groups * kv) + 2 * h
-    return max(qkv, q_width * h, experts * h * ffn * up, experts * ffn * h)
+    return sorted([qkv, q_width * h, experts * h * ffn * up, experts * ffn * h], reverse=True)
+
+
+def largest_module(model: ModelConfig) -> int:
+    """Params of a transformer layer's largest streamed module (``largest_modules``)."""
+    return largest_modules(model)[0]
 
 
 def active_matmul_parameters(model: ModelConfig) -> int:

@@ -56,12 +56,14 @@ from offload_runner.hardware import (
     WINDOW_SLOTS,
     host_state_bytes,
     moment_bytes,
+    weight_ring_sizes,
     window_bytes_per_param,
 )
 from offload_runner.model_size import (
     count_parameters,
     kv_channels,
     largest_module,
+    largest_modules,
     padded_vocab_size,
 )
 
@@ -360,7 +362,7 @@ def grad_bytes(run: RunConfig) -> int:
 class WeightOffloadMemory:
     """What offload/weight moves off one rank's GPU (offload/weight.py): the offloaded layers'
     params leave DDP's weight and gradient buffers and the optimizer; the GPU keeps a ring of
-    two of the widest module (bf16 weights, 4 B of gradients) and, during the step, the update
+    modules (hardware.weight_ring_sizes: bf16 weights, gradients) and, during the step, the update
     pieces in flight."""
 
     dense: float  # offloaded params, outside the routed experts
@@ -382,10 +384,12 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     dense, experts = layer_params(m)
     layer = dense + experts
     widest = largest_module(m)  # the ring streams modules
-    ring = int(widest * (2 * 2 + 4))  # two bf16 weight slots, 4 B of gradient slots
+    grads = grad_bytes(run)
+    weight_slots, grad_slots = weight_ring_sizes([largest_modules(m)], grads)
+    ring = 2 * weight_slots + grads * grad_slots
     piece = min(widest, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
-    grads = grad_bytes(run)  # host gradients and the two staging buffers
+    # host gradients and the two staging buffers
     pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)) + 2 * widest * grads)
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 

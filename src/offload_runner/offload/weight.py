@@ -8,8 +8,10 @@ they are) and owned here in flat host arrays: bf16 weights, gradients (in DDP's 
 summed as its buffer sums them), fp32 masters and the two Adam moments.
 
 The ring streams *units*: each module of those layers with parameters of its own (the fused QKV,
-the projection, fc1 and fc2, or a MoE layer's routed experts' fc1 and fc2, the router, norms),
-so it holds two of the widest module, not two layers (a third of a MoE layer).
+the projection, fc1 and fc2, or a MoE layer's routed experts' fc1 and fc2, the router, norms).
+Its two slots share one array, one growing from each end, as wide as a layer's two widest units
+together (a gated MLP's fc1 + fc2: three quarters of two fc1s), so neighbours fit side by side;
+a pair wider than that (modules of two layers, in a recompute) is not prefetched.
 - Forward: a pre-hook on each unit waits for its weights in its slot and starts copying the
   next unit (the order the first forward ran them in) into the other slot on the side stream
   ``h2d``.
@@ -44,14 +46,15 @@ from offload_runner.hardware import (
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
     beside_training,
+    weight_ring_sizes,
 )
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
 
 SLOTS = 2  # weight slots: the unit in use and the next one coming in
-# gradient slots, by the DDP gradient dtype: one fp32 slot (a unit's backward waits for the last
-# unit's gradients to have gone down) or two bf16 ones, 4 B per param of the widest unit either
-# way, so the ring holds 8 B per param of one module where each offloaded layer frees 6 (or 4)
+# gradient slots, by the DDP gradient dtype: one fp32 slot of the widest unit (a unit's backward
+# waits for the last unit's gradients to have gone down) or two bf16 ones as the weight slots
+# (hardware.weight_ring_sizes)
 GRAD_SLOTS = {4: 1, 2: 2}
 STATE_FILE = "weight_offload_rank{rank}.pt"
 
@@ -100,16 +103,42 @@ class _Unit:
 
 @dataclass
 class _Ring:
-    """The GPU side: SLOTS weight slots and GRAD_SLOTS gradient slots of the widest unit."""
+    """The GPU side: the weight slots and the gradient slots, each set in one flat array, slot
+    0 at its start and slot 1 at its end (module doc)."""
 
     weights: object
     grads: object
+    grad_slots: int
     owner: list = field(default_factory=lambda: [None] * SLOTS)  # the unit in each slot
     loaded: list = field(default_factory=lambda: [None] * SLOTS)  # event: its copy in is done
     drained: list = field(default_factory=lambda: [None] * SLOTS)  # event: grads gone down
+    draining: list = field(default_factory=lambda: [None] * SLOTS)  # ... of this unit
 
     def grad_slot(self, unit: _Unit) -> int:
-        return unit.position % len(self.grads)
+        return unit.position % self.grad_slots
+
+    def crowds(self, unit: _Unit, other: _Unit | None) -> bool:
+        """The two units overlap in the weight array (at opposite ends, wider than it)."""
+        return other is not None and unit.numel + other.numel > self.weights.numel()
+
+    def drains_before(self, unit: _Unit) -> list:
+        """The copies down that must end before ``unit``'s gradient slot is zeroed: its slot's
+        last, and the other slot's where that unit's gradients overlap its own."""
+        slot = self.grad_slot(unit)
+        other = self.draining[1 - slot] if self.grad_slots == 2 else None
+        crowded = other is not None and unit.numel + other.numel > self.grads.numel()
+        return [self.drained[slot]] + ([self.drained[1 - slot]] if crowded else [])
+
+    def weight_span(self, unit: _Unit):
+        return _end(self.weights, unit.slot, unit.numel)
+
+    def grad_span(self, unit: _Unit):
+        return _end(self.grads, self.grad_slot(unit), unit.numel)
+
+
+def _end(array, slot: int, numel: int):
+    """Slot 0's ``numel`` elements from the start of ``array``, slot 1's from its end."""
+    return array[:numel] if slot == 0 else array[array.numel() - numel :]
 
 
 def offloaded_layers(model_chunk, count: int) -> list:
@@ -162,9 +191,14 @@ class WeightOffload:
         self._adds: list[Future] = []
         self.worker_threads = self._pool.submit(_team_size).result()
         self.seconds = {"host_add": 0.0, "backward_wait": 0.0}  # over the run, for metrics
+        weight_size, grad_size = weight_ring_sizes(
+            [[u.numel for u in self.units if u.layer == i] for i in range(len(modules))],
+            grad_dtype.itemsize,
+        )
         self.ring = _Ring(
-            torch.empty(SLOTS, widest, dtype=torch.bfloat16, device=device),
-            torch.zeros(GRAD_SLOTS[grad_dtype.itemsize], widest, dtype=grad_dtype, device=device),
+            torch.empty(weight_size, dtype=torch.bfloat16, device=device),
+            torch.zeros(grad_size, dtype=grad_dtype, device=device),
+            GRAD_SLOTS[grad_dtype.itemsize],
         )
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         self.steps = 0
@@ -230,28 +264,35 @@ class WeightOffload:
         """A unit's first forward: its place in the order, hence its slots and ``main_grad``."""
         unit.position = len(self.order)
         self.order.append(unit)
-        grads = self.ring.grads[self.ring.grad_slot(unit)]
+        grads = self.ring.grad_span(unit)
         for i, p in enumerate(unit.params):
             p.main_grad = self._slot_view(grads, unit, i)
 
     # --- the ring ----------------------------------------------------------------------------
 
-    def _load(self, unit: _Unit) -> None:
-        """``unit``'s weights into its slot on ``h2d``, after every queued use of the slot."""
+    def _load(self, unit: _Unit, prefetch: bool = False) -> None:
+        """``unit``'s weights into its slot on ``h2d``, after every queued use of the slot. A
+        unit that would overlap the other slot's (a pair wider than the ring was sized for) is
+        not prefetched, since that one may still be computing; loaded for use, it evicts it
+        (queued work has been issued and a later use loads it again)."""
         import torch
 
         slot = unit.slot
         if self.ring.owner[slot] is unit:
             return
+        if self.ring.crowds(unit, self.ring.owner[1 - slot]):
+            if prefetch:
+                return
+            self.ring.owner[1 - slot] = None
         self.ring.owner[slot] = unit
         span = self.weights[unit.start : unit.start + unit.numel]
         if self.streams is None:
-            self.ring.weights[slot][: unit.numel].copy_(span)
+            self.ring.weight_span(unit).copy_(span)
             return
         h2d = self.streams[0]
         h2d.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(h2d):
-            self.ring.weights[slot][: unit.numel].copy_(span, non_blocking=True)
+            self.ring.weight_span(unit).copy_(span, non_blocking=True)
             self.ring.loaded[slot] = torch.cuda.Event()
             self.ring.loaded[slot].record(h2d)
 
@@ -265,7 +306,7 @@ class WeightOffload:
         if self.streams is not None and self.ring.loaded[slot] is not None:
             torch.cuda.current_stream().wait_event(self.ring.loaded[slot])
         for i, p in enumerate(unit.params):
-            p.data = self._slot_view(self.ring.weights[slot], unit, i)
+            p.data = self._slot_view(self.ring.weight_span(unit), unit, i)
 
     def _neighbour(self, unit: _Unit, step: int, same_layer: bool = False):
         at = unit.position + step
@@ -281,7 +322,7 @@ class WeightOffload:
             self._use(unit)
             # the next unit comes in; in a recompute inside backward, only within the layer
             if (following := self._neighbour(unit, 1, _in_backward())) is not None:
-                self._load(following)
+                self._load(following, prefetch=True)
             if not torch.is_grad_enabled():
                 return None
             hidden = args[0] if args else kwargs.get("hidden_states")
@@ -315,11 +356,11 @@ class WeightOffload:
         self._use(unit)
         previous = self._neighbour(unit, -1)
         if previous is not None:
-            self._load(previous)
-        slot = self.ring.grad_slot(unit)
-        if self.streams is not None and self.ring.drained[slot] is not None:
-            torch.cuda.current_stream().wait_event(self.ring.drained[slot])
-        self.ring.grads[slot][: unit.numel].zero_()
+            self._load(previous, prefetch=True)
+        for event in self.ring.drains_before(unit):
+            if self.streams is not None and event is not None:
+                torch.cuda.current_stream().wait_event(event)
+        self.ring.grad_span(unit).zero_()
 
     def after_backward(self, unit: _Unit) -> None:
         """The unit's backward is done: its gradients go down (on the first micro-batch
@@ -339,7 +380,7 @@ class WeightOffload:
                 self._adding[k].result()  # the staging buffer's last add has read it
                 self.seconds["backward_wait"] += time.perf_counter() - began
             staged = self.staging[k][: unit.numel]
-        source = self.ring.grads[slot][: unit.numel]
+        source = self.ring.grad_span(unit)
         event = None
         if self.streams is None:
             (target if first else staged).copy_(source)
@@ -351,6 +392,7 @@ class WeightOffload:
                 event = torch.cuda.Event()
                 event.record(d2h)
             self.ring.drained[slot] = event
+        self.ring.draining[slot] = unit
         if not first:
             self._adding[k] = self._pool.submit(_add_when_down, target, staged, event,
                                                 self.seconds)  # fmt: skip
