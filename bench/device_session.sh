@@ -273,8 +273,12 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     timeout 400 python -m pytest -v -m gpu -k weight tests/test_gpu_training.py -n 6 \
       --basetemp=/tmp/wt -p no:cacheprovider > "$OUT/pytest-gpu-weight-offload.txt" 2>&1 || true
     grep -E "PASSED|FAILED|passed|failed" "$OUT/pytest-gpu-weight-offload.txt" | tail -8 ;;
-  weight-profile)  # weight offload on the proxy, iteration 4 profiled, and its summary.json (the
-    # worker's team, its adds' time, backward's waits for them)
+  weight-offload|weight-offload-caps-proxy|weight-offload-caps)  # weight offload against the
+    # same runs without it (dense 8 layers, the proxy); the proxy (llama3_8b) under a 12 (48) GB cap
+    python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
+  weight-profile)  # weight offload on the proxy, iteration 4 profiled, and its summary.json (what
+    # crossed the link each way)
     python run_recipe.py "${PROXY[@]}" offload/optimizer=states offload/weight=enabled \
       model.cpu_offloading_num_layers=4 train.train_iters=5 output_dir="$WORK/profile-weights" \
       profiling.use_pytorch_profiler=true profiling.profile_step_start=4 \

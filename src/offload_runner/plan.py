@@ -369,7 +369,7 @@ class WeightOffloadMemory:
     experts: float
     ring: int  # GPU bytes, always
     step_only: int  # GPU bytes, during the step (the update piece)
-    pinned: int  # host bytes: weights, gradients, masters, moments, staging
+    pinned: int  # host bytes: weights, gradients, masters, moments
 
     @property
     def params(self) -> float:
@@ -389,8 +389,7 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     ring = 2 * weight_slots + grads * grad_slots
     piece = min(widest, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
-    # host gradients and the two staging buffers
-    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)) + 2 * widest * grads)
+    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)))
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
 

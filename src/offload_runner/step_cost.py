@@ -293,15 +293,17 @@ def cost_note(run: RunConfig, plan: Plan) -> str | None:
 def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, float]:
     """Bytes weight offload of ``params`` moves per step, (up, down): its bf16 weights up twice
     per micro-batch (forward, backward; three times with full recompute, whose forward inside
-    backward brings them again) and the gradients' slot down once, then at the step the
-    gradients, masters and moments up and the masters, moments and rounded weights down (one
-    GPU: every micro-batch of the global batch runs on it)."""
+    backward brings them again), the gradients' sum so far up before each later micro-batch's
+    backward and the gradients' slot down after each, then at the step the gradients, masters
+    and moments up and the masters, moments and rounded weights down (one GPU: every
+    micro-batch of the global batch runs on it)."""
     t = run.train
     micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
     grads = grad_bytes(run)
     states = host_state_bytes(run)
     passes = 3 if run.model.recompute_granularity == "full" else 2  # full recompute: again
-    up = params * (2 * passes * micro_batches + grads + states)
+    sums = grads * (micro_batches - 1)
+    up = params * (2 * passes * micro_batches + sums + grads + states)
     down = params * (grads * micro_batches + states + 2)
     return up, down
 

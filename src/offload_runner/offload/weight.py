@@ -20,8 +20,11 @@ a pair wider than that (modules of two layers, in a recompute) is not prefetched
   the unit before it; its gradients accumulate in a GPU gradient slot (``param.main_grad``,
   where Transformer Engine's fused wgrad writes, or added from ``.grad`` by a post-accumulate
   hook, as Megatron-Core's DDP does), and when its backward ends (an identity on its input) they
-  go down on ``d2h``: into the host gradients on a step's first micro-batch, through a staging
-  buffer and a CPU add on the later ones (no GPU buffer holds them across micro-batches).
+  go down on ``d2h`` into the host gradients. A later micro-batch brings their sum back up into
+  the slot before the unit's backward, which adds to it on the GPU as DDP's buffer would: no
+  GPU buffer holds them across micro-batches and the host adds nothing (the CPU's adds of
+  2.5B fp32 gradients per micro-batch had kept the proxy's backward waiting; the link moves
+  them faster). On the last micro-batch their squared norm is taken on the GPU on the way.
 - Step: the gradients' norm joins the GPU's (``clip_factor``), then the masters, moments and
   gradients go up in pieces, Adam runs on the GPU (Transformer Engine's multi-tensor Adam, the
   kernel of Megatron-Core's own GPU Adam; torch's fused AdamW without TE) and the masters, moments
@@ -37,15 +40,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from offload_runner.config.schema import RunConfig, weights_offloaded
 from offload_runner.hardware import (
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
-    beside_training,
     weight_ring_sizes,
 )
 from offload_runner.offload.base import OffloadSummary
@@ -94,7 +94,8 @@ class _Unit:
     decays: list  # per param: weight decay applies (Megatron-Core's rule: not biases, not 1-D)
     position: int | None = None  # in the forward's order, once the first forward ran it
     backwards: int = 0  # backward passes this step (micro-batches)
-    sq_norm: object = None  # Future: its gradients' squared norm, once the last ones are summed
+    norm: object = None  # its final gradients' L2 norm (a GPU scalar), on the last one
+    down: object = None  # event: its gradients' last copy down is done
 
     @property
     def slot(self) -> int:  # neighbours in the forward's order alternate between the slots
@@ -166,7 +167,6 @@ class WeightOffload:
         self.units = self._lay_out(modules)
         self.order: list[_Unit] = []  # the units as the first forward ran them
         total = sum(unit.numel for unit in self.units)
-        widest = max(unit.numel for unit in self.units)
         moments = moment_dtype or torch.float32
         grad_dtype = grad_dtype or torch.float32
         self.arenas = HostArenas()
@@ -183,14 +183,7 @@ class WeightOffload:
         self.master = host(torch.float32, total, "fp32 masters")
         self.exp_avg = host(moments, total, "exp_avg")
         self.exp_avg_sq = host(moments, total, "exp_avg_sq")
-        self.staging = [host(grad_dtype, widest, "staging") for _ in range(SLOTS)]
-        self._adding: list[Future | None] = [None] * SLOTS
-        # the adds and norms run during backward, on an OpenMP team of the rank's cores
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-offload",
-                                        initializer=_host_team)  # fmt: skip
-        self._adds: list[Future] = []
-        self.worker_threads = self._pool.submit(_team_size).result()
-        self.seconds = {"host_add": 0.0, "backward_wait": 0.0}  # over the run, for metrics
+        self.moved = {"up": 0, "down": 0}  # bytes over the link, over the run, for metrics
         weight_size, grad_size = weight_ring_sizes(
             [[u.numel for u in self.units if u.layer == i] for i in range(len(modules))],
             grad_dtype.itemsize,
@@ -286,6 +279,7 @@ class WeightOffload:
             self.ring.owner[1 - slot] = None
         self.ring.owner[slot] = unit
         span = self.weights[unit.start : unit.start + unit.numel]
+        self.moved["up"] += span.nbytes
         if self.streams is None:
             self.ring.weight_span(unit).copy_(span)
             return
@@ -349,80 +343,96 @@ class WeightOffload:
 
     def _before_backward(self, unit: _Unit) -> None:
         """The unit's weights back in its slot (a recompute or a neighbour may have replaced
-        them), the previous unit's coming, its gradient slot zeroed once the last gradients in
-        it have gone down."""
+        them); once the last gradients in its gradient slot have gone down, the slot zeroed on
+        a step's first micro-batch, else the sum so far brought up into it; the previous unit's
+        weights coming."""
         import torch
 
         self._use(unit)
+        slot, drains = self.ring.grad_span(unit), self.ring.drains_before(unit)
+        if unit.backwards == 0:
+            for event in drains if self.streams is not None else ():
+                if event is not None:
+                    torch.cuda.current_stream().wait_event(event)
+            slot.zero_()
+        else:
+            self._bring_sum(unit, slot, [*drains, unit.down])
         previous = self._neighbour(unit, -1)
         if previous is not None:
             self._load(previous, prefetch=True)
-        for event in self.ring.drains_before(unit):
-            if self.streams is not None and event is not None:
-                torch.cuda.current_stream().wait_event(event)
-        self.ring.grad_span(unit).zero_()
+
+    def _bring_sum(self, unit: _Unit, slot, after: list) -> None:
+        """The unit's gradients summed so far on the host up into its slot on ``h2d``, after
+        the copies down in ``after``; the compute stream behind it."""
+        import torch
+
+        summed = self.grads[unit.start : unit.start + unit.numel]
+        self.moved["up"] += summed.nbytes
+        if self.streams is None:
+            slot.copy_(summed)
+            return
+        h2d = self.streams[0]
+        for event in after:
+            if event is not None:
+                h2d.wait_event(event)
+        with torch.cuda.stream(h2d):
+            slot.copy_(summed, non_blocking=True)
+            up = torch.cuda.Event()
+            up.record(h2d)
+        torch.cuda.current_stream().wait_event(up)
 
     def after_backward(self, unit: _Unit) -> None:
-        """The unit's backward is done: its gradients go down (on the first micro-batch
-        straight into the host gradients, else through staging and a CPU add)."""
+        """The unit's backward is done: its gradients (their sum over the step's micro-batches
+        so far) go down into the host gradients; on the last micro-batch their norm first."""
         import torch
 
         slot = self.ring.grad_slot(unit)
-        first = unit.backwards == 0
         unit.backwards += 1
         for p in unit.params:
             p.grad_added_to_main_grad = False
         target = self.grads[unit.start : unit.start + unit.numel]
-        k = unit.slot  # the staging buffer
-        if not first:
-            if self._adding[k] is not None:
-                began = time.perf_counter()
-                self._adding[k].result()  # the staging buffer's last add has read it
-                self.seconds["backward_wait"] += time.perf_counter() - began
-            staged = self.staging[k][: unit.numel]
         source = self.ring.grad_span(unit)
-        event = None
+        if unit.backwards == self.micro_batches:  # final: its norm, on the GPU
+            unit.norm = torch.linalg.vector_norm(source, dtype=torch.float32)
+        self.moved["down"] += target.nbytes
         if self.streams is None:
-            (target if first else staged).copy_(source)
+            target.copy_(source)
         else:
             d2h = self.streams[1]
             d2h.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(d2h):
-                (target if first else staged).copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(d2h)
-            self.ring.drained[slot] = event
+                target.copy_(source, non_blocking=True)
+                unit.down = torch.cuda.Event()
+                unit.down.record(d2h)
+            self.ring.drained[slot] = unit.down
         self.ring.draining[slot] = unit
-        if not first:
-            self._adding[k] = self._pool.submit(_add_when_down, target, staged, event,
-                                                self.seconds)  # fmt: skip
-            self._adds.append(self._adding[k])
-        if unit.backwards == self.micro_batches:  # its sum is final: its norm, off the path
-            unit.sq_norm = self._pool.submit(_sq_norm_when_down, target, event)
 
     # --- the step ----------------------------------------------------------------------------
 
     def begin_step(self, micro_batches: int) -> None:
         self.micro_batches = micro_batches
         for unit in self.units:
-            unit.backwards, unit.sq_norm = 0, None
+            unit.backwards, unit.norm = 0, None
 
     def grads_ready(self) -> float:
         """Every gradient on the host; returns their squared L2 norm (for the global norm)."""
 
+        import torch
+
         if self.streams is not None:
             self.streams[1].synchronize()
-        for done in self._adds:
-            done.result()
-        self._adds.clear()
-        self._adding = [None] * SLOTS
-        total = 0.0
+        norms = []
         for unit in self.units:
             grads = self.grads[unit.start : unit.start + unit.numel]
             if unit.backwards == 0:  # no backward reached it: no gradient (DDP's zeroed buffer)
                 grads.zero_()
-            total += unit.sq_norm.result() if unit.sq_norm else _sq_norm_when_down(grads, None)
-        return total
+            elif unit.norm is not None:
+                norms.append(unit.norm)
+            else:  # fewer backward passes than micro-batches: its sum is on the host
+                norms.append(torch.linalg.vector_norm(grads, dtype=torch.float32))
+        if not norms:
+            return 0.0
+        return float((torch.stack([n.cpu() for n in norms]).double() ** 2).sum())
 
     def update(self, hypers: tuple[dict, dict], clip: float) -> None:
         """Adam on the GPU for every offloaded unit, piece by piece (module doc): ``hypers``
@@ -432,6 +442,10 @@ class WeightOffload:
         import torch
 
         self.steps += 1
+        self.moved["up"] += self.grads.nbytes + self.master.nbytes + self.exp_avg.nbytes \
+            + self.exp_avg_sq.nbytes
+        self.moved["down"] += self.master.nbytes + self.exp_avg.nbytes + self.exp_avg_sq.nbytes \
+            + self.weights.nbytes
         adam = _gpu_adam(self.device)
         gone: list = []  # per piece: event, its copies down are done
         for unit in self.units:
@@ -556,24 +570,22 @@ class WeightOffload:
         return sum(unit.numel for unit in self.units)
 
     def metrics(self) -> dict:
-        """What it holds, and per step: the worker's adds, and how long backward waited for
-        them (a staging buffer still being added)."""
+        """What it holds, and what it moved over the link per step (forward and backward, and
+        the update), each way."""
         steps = max(self.steps, 1)
         ring = self.ring.weights.nbytes + self.ring.grads.nbytes
         return {
             "weight_offload_layers": self.layer_count,
             "weight_offload_params": self.offloaded_params,
             "weight_offload_ring_gb": ring / 1024**3,
-            "weight_offload_worker_threads": self.worker_threads,
-            "weight_offload_host_add_s": self.seconds["host_add"] / steps,
-            "weight_offload_backward_wait_s": self.seconds["backward_wait"] / steps,
+            "weight_offload_up_gb": self.moved["up"] / steps / 1e9,
+            "weight_offload_down_gb": self.moved["down"] / steps / 1e9,
         }
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._pool.shutdown(wait=True)
 
 
 @functools.cache
@@ -602,39 +614,6 @@ def _add_to_main_grad(p) -> None:
     if p.grad is not None and not p.grad_added_to_main_grad:
         p.main_grad.add_(p.grad)
     p.grad = None
-
-
-def _host_team() -> None:
-    """The weight offload's worker: an OpenMP team of the rank's cores but those the training
-    thread and data loading keep, whatever another engine set for its own threads (its adds
-    and norms run during backward, which waits for them where they fall behind the link)."""
-    import os
-
-    import torch
-
-    torch.set_num_threads(len(beside_training(sorted(os.sched_getaffinity(0)))))
-
-
-def _team_size() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _add_when_down(target, staged, event, seconds: dict) -> None:
-    if event is not None:
-        event.synchronize()
-    began = time.perf_counter()
-    target.add_(staged)
-    seconds["host_add"] += time.perf_counter() - began
-
-
-def _sq_norm_when_down(grads, event) -> float:
-    import torch
-
-    if event is not None:
-        event.synchronize()
-    return float(torch.linalg.vector_norm(grads, dtype=torch.float32)) ** 2
 
 
 def _in_backward() -> bool:
