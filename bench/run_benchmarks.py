@@ -664,6 +664,10 @@ SUITES: dict[str, list[Case]] = {
     # exact offload's cost against the batch, one call per batch (issue: GBS 4 / 8 / 32 bars)
     **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "llama3-8b-auto": [LLAMA_AUTO],
+    # forward+backward under the exact engines against the host's drift: no offload, cpu_adam and
+    # states in turn, thrice (GBS 8), each beside its neighbours in time
+    "gbs-8-pairs": [replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
+                    for i in (1, 2, 3) for c in _cost_cases(8)[:3]][:8],
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
