@@ -184,6 +184,7 @@ class WeightOffload:
         self.exp_avg = host(moments, total, "exp_avg")
         self.exp_avg_sq = host(moments, total, "exp_avg_sq")
         self.moved = {"up": 0, "down": 0}  # bytes over the link, over the run, for metrics
+        self._take_weights()  # their GPU copies freed before the ring takes its place
         weight_size, grad_size = weight_ring_sizes(
             [[u.numel for u in self.units if u.layer == i] for i in range(len(modules))],
             grad_dtype.itemsize,
@@ -197,7 +198,6 @@ class WeightOffload:
         self.steps = 0
         self.micro_batches = 1
         self._hooks: list = []
-        self._take_weights()
 
     # --- layout ------------------------------------------------------------------------------
 
