@@ -490,6 +490,11 @@ def _cost_cases(gbs: int) -> list[Case]:
             for name, extra in rows]  # fmt: skip
 
 
+# Forward+backward under the exact engines against the host's drift: no offload, cpu_adam and
+# states in turn, thrice (GBS 8), each beside its neighbours in time.
+GBS8_PAIRS = [replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
+              for i in (1, 2, 3) for c in _cost_cases(8)[:3]][:8]  # fmt: skip
+
 # The held-out dense shape of the exact-offload issue: llama3_8b at seq 8192, GBS 8, MB 1, with
 # offload/optimizer=auto on one H200 (its step and peak beside the GBS 4 run's 4.49 s, 121.7 GB).
 LLAMA_AUTO = Case("llama3_8b seq 8192 GBS 8, auto", "llama3_8b",
@@ -621,6 +626,15 @@ WEIGHT_CAP_CASES = [
 ]  # fmt: skip
 
 
+# The llama3_8b line without the cap and without weight offload, every state on the host: its
+# losses beside the capped run's (which rise at iterations 6-8 on the mock data).
+_UNCAPPED = ("train.gpu_memory_cap_gb", "optimizer.optimizer_state_offload")
+LLAMA_UNCAPPED = Case("llama3_8b uncapped, no weight offload", "llama3_8b",
+                      (*(o for o in LLAMA_48 if not o.startswith(_UNCAPPED)),
+                       "optimizer.optimizer_state_offload_fraction=1.0"),
+                      "llama3_8b uncapped, no weight offload")  # fmt: skip
+
+
 # The full 48-layer Qwen3-30B-A3B on one two-GPU box (nvidia-h200-x2: 2 x 139 GB, ~250 GB RAM),
 # EP2, GBS 8: no offload runs out of GPU memory, offload/optimizer=auto picks what fits both the
 # GPUs and the host (one device call each: the model takes minutes to build and pin).
@@ -664,23 +678,13 @@ SUITES: dict[str, list[Case]] = {
     # exact offload's cost against the batch, one call per batch (issue: GBS 4 / 8 / 32 bars)
     **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "llama3-8b-auto": [LLAMA_AUTO],
-    # forward+backward under the exact engines against the host's drift: no offload, cpu_adam and
-    # states in turn, thrice (GBS 8), each beside its neighbours in time
-    "gbs-8-pairs": [replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
-                    for i in (1, 2, 3) for c in _cost_cases(8)[:3]][:8],
+    "gbs-8-pairs": GBS8_PAIRS,
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
     "weight-offload-caps": WEIGHT_CAP_CASES[:2],
     "weight-offload-caps-proxy": WEIGHT_CAP_CASES[2:],
-    # the llama3_8b line without the cap and without weight offload: its losses beside the
-    # capped run's (which rise at iterations 6-8 on the mock data)
-    "weight-offload-caps-reference": [
-        Case("llama3_8b uncapped, no weight offload", "llama3_8b",
-             (*(o for o in LLAMA_48 if not o.startswith(("train.gpu_memory_cap_gb",
-                                                          "optimizer.optimizer_state_offload"))),
-              "optimizer.optimizer_state_offload_fraction=1.0"),
-             "llama3_8b uncapped, no weight offload")],  # every state on the host, as there
+    "weight-offload-caps-reference": [LLAMA_UNCAPPED],
     "bf16-moments": _bf16_moment_cases(),
     "cost-32": [
         replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))

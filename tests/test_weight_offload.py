@@ -4,6 +4,7 @@ norm's clipping, Adam), and checkpoint their masters and moments."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -164,16 +165,25 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
         offload.close()
 
 
-def test_the_ring_streams_modules_in_the_order_they_run() -> None:
-    """Two slots at the ends of one array of the two widest modules, not of a layer; neighbours
-    in the forward's order (not the modules' registration order) in different slots, so the
-    next one's copy never lands on the one computing."""
+@contextlib.contextmanager
+def _after_one_step(grad_dtype=None):
+    """The toy with two layers offloaded, after one step's forward and backward."""
     model = _bf16_model()
-    offload = _offload(model)
+    offload = _offload(model, grad_dtype=grad_dtype)
     try:
         offload.begin_step(1)
         model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
         offload.grads_ready()
+        yield model, offload
+    finally:
+        offload.close()
+
+
+def test_the_ring_streams_modules_in_the_order_they_run() -> None:
+    """Two slots at the ends of one array of the two widest modules, not of a layer; neighbours
+    in the forward's order (not the modules' registration order) in different slots, so the
+    next one's copy never lands on the one computing."""
+    with _after_one_step() as (model, offload):
         first, second = model.decoder.layers[:2]
         ran = [first.norm, first.up, first.out, second.norm, second.up, second.out]
         assert [u.module for u in offload.order] == ran
@@ -186,20 +196,13 @@ def test_the_ring_streams_modules_in_the_order_they_run() -> None:
             at = span.data_ptr() - offload.ring.weights.data_ptr()
             end = offload.ring.weights.numel() - unit.numel
             assert at == (0 if unit.slot == 0 else end * span.element_size())
-    finally:
-        offload.close()
 
 
 def test_a_pair_wider_than_the_ring_is_not_prefetched_and_a_use_evicts() -> None:
     """Two layers' fc1s (``up``) at opposite ends overlap (the ring is one layer's fc1 + fc2
     wide): the prefetch of one beside the other is skipped, since that one may be computing;
     its use evicts the other, which comes back whole when next used."""
-    model = _bf16_model()
-    offload = _offload(model)
-    try:
-        offload.begin_step(1)
-        model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
-        offload.grads_ready()
+    with _after_one_step() as (model, offload):
         first, second = model.decoder.layers[:2]
         up = [next(u for u in offload.order if u.module is layer.up) for layer in (first, second)]
         assert up[0].slot != up[1].slot and offload.ring.crowds(*up)
@@ -215,20 +218,13 @@ def test_a_pair_wider_than_the_ring_is_not_prefetched_and_a_use_evicts() -> None
             if offload.ring.owner[unit.slot] is unit:
                 assert torch.equal(offload.ring.weight_span(unit), host)
         assert offload.ring.owner[up[0].slot] is None
-    finally:
-        offload.close()
 
 
 def test_bf16_gradient_slots_wait_for_an_overlapping_neighbours_copy_down() -> None:
     """bf16 gradients take two slots from the ends of one array as the weights do: a unit's
     slot is zeroed after its own slot's last copy down, and after the other slot's too where
     that unit's gradients overlap its own."""
-    model = _bf16_model()
-    offload = _offload(model, grad_dtype=torch.bfloat16)
-    try:
-        offload.begin_step(1)
-        model(torch.randn(3, HIDDEN, dtype=torch.bfloat16)).backward()
-        offload.grads_ready()
+    with _after_one_step(torch.bfloat16) as (model, offload):
         ring = offload.ring
         up = [next(u for u in offload.order if u.module is layer.up)
               for layer in model.decoder.layers[:2]]  # fmt: skip
@@ -240,8 +236,6 @@ def test_bf16_gradient_slots_wait_for_an_overlapping_neighbours_copy_down() -> N
         ring.draining[ring.grad_slot(up[1])] = out
         assert ring.grad_slot(out) != ring.grad_slot(up[0])
         assert len(ring.drains_before(up[0])) == 1  # side by side: its own slot's only
-    finally:
-        offload.close()
 
 
 def test_between_steps_the_offloaded_parameters_are_their_host_copy() -> None:

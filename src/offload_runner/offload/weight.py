@@ -442,10 +442,9 @@ class WeightOffload:
         import torch
 
         self.steps += 1
-        self.moved["up"] += self.grads.nbytes + self.master.nbytes + self.exp_avg.nbytes \
-            + self.exp_avg_sq.nbytes
-        self.moved["down"] += self.master.nbytes + self.exp_avg.nbytes + self.exp_avg_sq.nbytes \
-            + self.weights.nbytes
+        states = self.master.nbytes + self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+        self.moved["up"] += self.grads.nbytes + states
+        self.moved["down"] += states + self.weights.nbytes
         adam = _gpu_adam(self.device)
         gone: list = []  # per piece: event, its copies down are done
         for unit in self.units:
