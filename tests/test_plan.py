@@ -741,3 +741,26 @@ def test_bf16_moments_move_the_balanced_gpu_share() -> None:
     share = cost.gpu_share(bf16)
     assert (1 - share) / k == pytest.approx((8 * share + 4 * (1 - share)) * per_byte)
     assert share > cost.gpu_share(fp32)
+
+
+def test_the_launcher_hands_its_cpu_adam_rate_to_the_ranks(monkeypatch) -> None:
+    """The launcher times fused AdamW once (or auto did) and writes the rate into the ranks'
+    config, so no rank times it again at its start; not where the run sets the rate, runs no
+    CPU-Adam engine or times nothing (deterministic mode)."""
+    from offload_runner import cli, step_cost
+    from offload_runner.config.compose import compose_config, to_run_config
+
+    timed = []
+    monkeypatch.setattr(step_cost, "measured_rate", lambda threads: timed.append(threads) or 3.3e9)
+    assert step_cost.rate_for_ranks(compose_run("recipe=tiny", "offload/optimizer=cpu_adam"),
+                                     1) == 3.3e9  # fmt: skip
+    for unpinned in (("offload/optimizer=cpu_adam", "planner.cpu_adam_params_per_s=2e9"),
+                     ("offload/optimizer=cpu_adam", "model.deterministic_mode=true"),
+                     ("offload/optimizer=states",), ()):  # fmt: skip
+        assert step_cost.rate_for_ranks(compose_run("recipe=tiny", *unpinned), 1) is None
+    assert len(timed) == 1
+    cfg = compose_config(["recipe=tiny", "offload/optimizer=cpu_adam"])
+    job = cli._Job(cfg, to_run_config(cfg), cli.Mode.train, 1)
+    cli._pin_cpu_adam_rate(job)
+    assert job.run.planner.cpu_adam_params_per_s == 3.3e9
+    assert cli._resolved(job)["planner"]["cpu_adam_params_per_s"] == 3.3e9

@@ -55,7 +55,7 @@ from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import GiB, make_plan
 from offload_runner.rundir import RunDirError, create_run_dir
-from offload_runner.step_cost import cost_note, param_count, weight_offload_note
+from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
 from offload_runner.validation import Environment, errors, validate, value_violations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -403,6 +403,8 @@ def _launch(job: _Job) -> int:
     if short:  # page-locked allocations would fail half way in (or the node would swap)
         console.fail(*short)
         return EXIT_USAGE
+    _pin_cpu_adam_rate(job)
+    run = job.run
     console.print_offload_summary(summarize(run))
     if job.mode == Mode.verify:
         from offload_runner.verify import verify
@@ -414,6 +416,14 @@ def _launch(job: _Job) -> int:
 
     return launch(run, _resolved(job), _task_overrides(), _run_dir(run.output_dir),
                   _time_stamped(cfg))  # fmt: skip
+
+
+def _pin_cpu_adam_rate(job: _Job) -> None:
+    """The launcher's CPU Adam rate into the ranks' config (step_cost.rate_for_ranks)."""
+    rate = rate_for_ranks(job.run, job.run.launcher.nproc_per_node or min(job.world, 8))
+    if rate:
+        OmegaConf.update(job.cfg, "planner.cpu_adam_params_per_s", rate)
+        job.run = to_run_config(job.cfg)
 
 
 def _dry_run(job: _Job) -> int:

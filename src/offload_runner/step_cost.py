@@ -11,6 +11,7 @@ from offload_runner.config.schema import (
     CpuOffloadEngine,
     RunConfig,
     cpu_adam_late_share,
+    cpu_adam_on,
     cpu_adam_streams,
 )
 from offload_runner.hardware import (
@@ -279,6 +280,18 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
         p.delayed_max_overhead,
         p.cpu_adam_launch_slowdown,
     )
+
+
+def rate_for_ranks(run: RunConfig, gpus_per_node: int) -> float | None:
+    """The CPU Adam rate the launcher measured (or auto planned with), for its ranks to take as
+    planner.cpu_adam_params_per_s: else every rank of a node times fused AdamW on 64M params at
+    once at its start (1 GiB and a second or two each), each getting its own rate and GPU share.
+    None where the run sets the rate, runs no CPU-Adam engine or times nothing (deterministic
+    mode: the reference rate)."""
+    p = run.planner
+    if not cpu_adam_on(run) or p.cpu_adam_params_per_s or run.model.deterministic_mode:
+        return None
+    return step_cost(run, gpus_per_node).cpu_adam_params_per_s
 
 
 def cost_note(run: RunConfig, plan: Plan) -> str | None:
