@@ -24,7 +24,7 @@ a pair wider than that (modules of two layers, in a recompute) is not prefetched
   the slot before the unit's backward, which adds to it on the GPU as DDP's buffer would: no
   GPU buffer holds them across micro-batches and the host adds nothing (the CPU's adds of
   2.5B fp32 gradients per micro-batch had kept the proxy's backward waiting; the link moves
-  them faster). On the last micro-batch their squared norm is taken on the GPU on the way.
+  them faster). On the last micro-batch their norm is taken on the GPU on the way.
 - Step: the gradients' norm joins the GPU's (``clip_factor``), then the masters, moments and
   gradients go up in pieces, Adam runs on the GPU (Transformer Engine's multi-tensor Adam, the
   kernel of Megatron-Core's own GPU Adam; torch's fused AdamW without TE) and the masters, moments
