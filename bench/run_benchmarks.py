@@ -1037,9 +1037,12 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
     """For each weight-offload case: its overhead against its baseline beside the link bound
     (step_cost.weight_offload_link_bytes: both directions at once at planner.host_link_gb_per_s)."""
     from offload_runner.config.compose import compose_config, to_run_config
-    from offload_runner.hardware import host_state_bytes
     from offload_runner.plan import grad_bytes
-    from offload_runner.step_cost import weight_offload_link_bytes
+    from offload_runner.step_cost import (
+        weight_offload_link_bytes,
+        weight_offload_sum_bytes,
+        weight_offload_update_bytes,
+    )
 
     lines = []
     for r in results:
@@ -1052,8 +1055,7 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
         up, down = weight_offload_link_bytes(run, s["weight_offload_params"])
         bound = max(up, down) / (run.planner.host_link_gb_per_s * 1e9)
         overhead = s["step_time_s_median"] - base["step_time_s_median"]
-        micro_batches = run.train.global_batch_size // run.train.micro_batch_size
-        sums = s["weight_offload_params"] * grad_bytes(run) * (micro_batches - 1)
+        sums = weight_offload_sum_bytes(run, s["weight_offload_params"])
         least = max(up - sums, down) / (run.planner.host_link_gb_per_s * 1e9)
         lines.append(f"- {r['case']['name']}: {s['weight_offload_params'] / 1e9:.2f}B params on "
                      f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
@@ -1066,7 +1068,7 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
                      f"{s['gpu_peak_allocated_gb']:.2f} GB: {drop:.2f} GB less, {drop / held:.3f}x "
                      f"the offloaded layers' weights and gradients ({held:.2f} GB)")  # fmt: skip
         if "weight_offload_up_gb" in s:  # what the engine counted, less the update's
-            update = s["weight_offload_params"] * (grad_bytes(run) + host_state_bytes(run))
+            update, _ = weight_offload_update_bytes(run, s["weight_offload_params"])
             moved = s["weight_offload_up_gb"] * 1e9 - update
             ahead = moved / (run.planner.host_link_gb_per_s * 1e9)
             extra = s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]

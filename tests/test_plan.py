@@ -11,7 +11,7 @@ import pytest
 
 from offload_runner.auto import choose_offload
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from offload_runner.model_size import count_parameters, largest_module, largest_modules
+from offload_runner.model_size import count_parameters, largest_modules
 from offload_runner.plan import (
     HOST_PROCESS_BYTES,
     WORKSPACE_BYTES,
@@ -152,10 +152,10 @@ def test_the_largest_module_is_the_dense_mlps_fc1_or_all_experts_fc1() -> None:
     """llama3_8b: fc1 (gate and up, 4096 x 2 x 14336); the proxy: its 128 experts' fc1
     together (2048 x 2 x 768 each), a third of a MoE layer's weights less than the whole."""
     llama = compose_run("recipe=llama3_8b").model
-    assert largest_module(llama) == 4096 * 2 * 14336
+    assert largest_modules(llama)[0] == 4096 * 2 * 14336
     proxy = compose_run("recipe=qwen3_30b_a3b_proxy").model
-    assert largest_module(proxy) == 128 * 2048 * 2 * 768
-    assert largest_module(proxy) < 0.7 * sum(layer_params(proxy))
+    assert largest_modules(proxy)[0] == 128 * 2048 * 2 * 768
+    assert largest_modules(proxy)[0] < 0.7 * sum(layer_params(proxy))
 
 
 def test_the_link_note_counts_activation_offload_beside_weight_offload() -> None:

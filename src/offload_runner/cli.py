@@ -53,7 +53,7 @@ from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, REMOVED_KEYS, RunConfig
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
-from offload_runner.plan import GiB, make_plan
+from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
 from offload_runner.validation import Environment, errors, validate, value_violations
@@ -420,7 +420,7 @@ def _launch(job: _Job) -> int:
 
 def _pin_cpu_adam_rate(job: _Job) -> None:
     """The launcher's CPU Adam rate into the ranks' config (step_cost.rate_for_ranks)."""
-    rate = rate_for_ranks(job.run, job.run.launcher.nproc_per_node or min(job.world, 8))
+    rate = rate_for_ranks(job.run, planned_gpus_per_node(job.run, job.world))
     if rate:
         OmegaConf.update(job.cfg, "planner.cpu_adam_params_per_s", rate)
         job.run = to_run_config(job.cfg)

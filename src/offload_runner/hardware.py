@@ -28,6 +28,12 @@ WEIGHT_OFFLOAD_PIECE = 1 << 24
 WEIGHT_OFFLOAD_IN_FLIGHT = 3
 
 
+# weight offload's gradient slots by the DDP gradient dtype's bytes: one fp32 slot of the widest
+# module (a module's backward waits for the last one's gradients to have gone down), or two bf16
+# ones as the weight slots
+WEIGHT_GRAD_SLOTS = {4: 1, 2: 2}
+
+
 def weight_ring_sizes(layers: list[list[int]], grad_bytes: int) -> tuple[int, int]:
     """Elements of weight offload's GPU ring (offload/weight.py): its weight array and its
     gradient array, for layers of streamed modules of these sizes. The two weight slots grow
@@ -36,7 +42,7 @@ def weight_ring_sizes(layers: list[list[int]], grad_bytes: int) -> tuple[int, in
     as the weights do."""
     pair = max(sum(sorted(sizes, reverse=True)[:2]) for sizes in layers)
     widest = max(max(sizes) for sizes in layers)
-    return pair, widest if grad_bytes == 4 else pair
+    return pair, widest if WEIGHT_GRAD_SLOTS[grad_bytes] == 1 else pair
 
 
 def moment_bytes(run: RunConfig) -> int:
@@ -189,16 +195,7 @@ def worker_cpus(run: RunConfig, cpus: list[int]) -> list[int]:
     launches come from one Python thread (on the MoE proxy the GPU waits for them over half of
     forward+backward), so whole physical cores (every SMT sibling) are kept out of the team for
     that thread and data loading: at least RESERVED_CORES_DELAYED logical CPUs."""
-    if not run.optimizer.cpu_adam_delayed_update:
-        return cpus
-    return beside_training(cpus)
-
-
-def beside_training(cpus: list[int]) -> list[int]:
-    """``cpus`` less whole physical cores (every SMT sibling) for the training thread and data
-    loading, at least RESERVED_CORES_DELAYED logical CPUs: a host team that runs while the
-    training thread launches kernels (delayed CPU Adam, weight offload's adds and norms)."""
-    if len(cpus) <= RESERVED_CORES_DELAYED:
+    if not run.optimizer.cpu_adam_delayed_update or len(cpus) <= RESERVED_CORES_DELAYED:
         return cpus
     reserved: set[int] = set()
     for cpu in cpus:

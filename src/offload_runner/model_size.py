@@ -100,11 +100,6 @@ def largest_modules(model: ModelConfig) -> list[int]:
     return sorted([qkv, q_width * h, experts * h * ffn * up, experts * ffn * h], reverse=True)
 
 
-def largest_module(model: ModelConfig) -> int:
-    """Params of a transformer layer's largest streamed module (``largest_modules``)."""
-    return largest_modules(model)[0]
-
-
 def active_matmul_parameters(model: ModelConfig) -> int:
     """Weights one token meets in matrix products: attention, its experts (top-k) or the dense
     MLP, the router and the output layer (the input embedding is a lookup, not a product)."""

@@ -62,7 +62,6 @@ from offload_runner.hardware import (
 from offload_runner.model_size import (
     count_parameters,
     kv_channels,
-    largest_module,
     largest_modules,
     padded_vocab_size,
 )
@@ -383,9 +382,10 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     n = min(m.cpu_offloading_num_layers, m.num_layers)
     dense, experts = layer_params(m)
     layer = dense + experts
-    widest = largest_module(m)  # the ring streams modules
+    modules = largest_modules(m)  # the ring streams modules, widest first
+    widest = modules[0]
     grads = grad_bytes(run)
-    weight_slots, grad_slots = weight_ring_sizes([largest_modules(m)], grads)
+    weight_slots, grad_slots = weight_ring_sizes([modules], grads)
     ring = 2 * weight_slots + grads * grad_slots
     piece = min(widest, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
@@ -589,11 +589,16 @@ def detect_host_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
 
 
+def planned_gpus_per_node(run: RunConfig, world: int | None = None) -> int:
+    """Ranks per node: launcher.nproc_per_node, else the job's ranks up to a node of 8."""
+    return run.launcher.nproc_per_node or min(Layout.of(run, world).world, 8)
+
+
 def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | None = None) -> Plan:
     """Plan every rank of ``run`` on ``world`` ranks (default: the smallest world it allows)."""
     notes = []
     layout = Layout.of(run, world)
-    per_node = gpus_per_node or run.launcher.nproc_per_node or min(layout.world, 8)
+    per_node = gpus_per_node or planned_gpus_per_node(run, layout.world)
     if run.planner.gpu_memory_gb:
         capacity, source = run.planner.gpu_memory_gb, "planner.gpu_memory_gb"
     elif run.train.gpu_memory_cap_gb:

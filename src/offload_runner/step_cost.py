@@ -306,19 +306,34 @@ def cost_note(run: RunConfig, plan: Plan) -> str | None:
 def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, float]:
     """Bytes weight offload of ``params`` moves per step, (up, down): its bf16 weights up twice
     per micro-batch (forward, backward; three times with full recompute, whose forward inside
-    backward brings them again), the gradients' sum so far up before each later micro-batch's
-    backward and the gradients' slot down after each, then at the step the gradients, masters
-    and moments up and the masters, moments and rounded weights down (one GPU: every
-    micro-batch of the global batch runs on it)."""
-    t = run.train
-    micro_batches = max(1, t.global_batch_size // t.micro_batch_size)
-    grads = grad_bytes(run)
-    states = host_state_bytes(run)
+    backward brings them again), the gradients' sums (``weight_offload_sum_bytes``) and the
+    gradients' slot down after each micro-batch, then the update
+    (``weight_offload_update_bytes``) (one GPU: every micro-batch of the global batch runs on
+    it)."""
+    micro_batches = _micro_batches(run)
     passes = 3 if run.model.recompute_granularity == "full" else 2  # full recompute: again
-    sums = grads * (micro_batches - 1)
-    up = params * (2 * passes * micro_batches + sums + grads + states)
-    down = params * (grads * micro_batches + states + 2)
+    update_up, update_down = weight_offload_update_bytes(run, params)
+    up = params * 2 * passes * micro_batches + weight_offload_sum_bytes(run, params) + update_up
+    down = params * grad_bytes(run) * micro_batches + update_down
     return up, down
+
+
+def weight_offload_sum_bytes(run: RunConfig, params: float) -> float:
+    """Bytes of the gradients' sums so far brought back up per step, before each micro-batch's
+    backward but the first."""
+    return params * grad_bytes(run) * (_micro_batches(run) - 1)
+
+
+def weight_offload_update_bytes(run: RunConfig, params: float) -> tuple[float, float]:
+    """Bytes weight offload's update moves, (up, down): the gradients, masters and moments up;
+    the masters, moments and rounded bf16 weights down."""
+    states = host_state_bytes(run)
+    return params * (grad_bytes(run) + states), params * (states + 2)
+
+
+def _micro_batches(run: RunConfig) -> int:
+    t = run.train
+    return max(1, t.global_batch_size // t.micro_batch_size)
 
 
 def activation_offload_link_bytes(run: RunConfig, plan: Plan) -> float:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from offload_runner.config.schema import RunConfig, weights_offloaded
 from offload_runner.hardware import (
+    WEIGHT_GRAD_SLOTS,
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
     weight_ring_sizes,
@@ -52,10 +53,6 @@ from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_memory import HostArenas
 
 SLOTS = 2  # weight slots: the unit in use and the next one coming in
-# gradient slots, by the DDP gradient dtype: one fp32 slot of the widest unit (a unit's backward
-# waits for the last unit's gradients to have gone down) or two bf16 ones as the weight slots
-# (hardware.weight_ring_sizes)
-GRAD_SLOTS = {4: 1, 2: 2}
 STATE_FILE = "weight_offload_rank{rank}.pt"
 
 DISABLED = {"model.cpu_offloading_weights": False}
@@ -192,7 +189,7 @@ class WeightOffload:
         self.ring = _Ring(
             torch.empty(weight_size, dtype=torch.bfloat16, device=device),
             torch.zeros(grad_size, dtype=grad_dtype, device=device),
-            GRAD_SLOTS[grad_dtype.itemsize],
+            WEIGHT_GRAD_SLOTS[grad_dtype.itemsize],
         )
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
         self.steps = 0
