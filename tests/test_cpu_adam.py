@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -660,19 +661,25 @@ def assert_same_weights(a: torch.Tensor, b: torch.Tensor, step: int) -> None:
     assert ((a.float() - b.float()).abs() <= a.float().abs() * 2**-7).all(), f"step {step}"
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share: float) -> None:
+@pytest.mark.parametrize(("share", "slow"), [(0.0, False), (0.5, False), (0.0, True)])
+def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(
+    share: float, slow: bool
+) -> None:
     """Delayed steps copy during the last micro-batch's backward: once every parameter of a
     piece has its gradient, the last update lands in it and its (unclipped) gradients go down;
     the worker applies Megatron-Core's clip factor. The weights each forward sees are those of
     the copies at the step boundary (up to rounding), the masters torch's fused AdamW's within
-    1e-6."""
+    1e-6. ``slow``: the worker's last update is still running when the backward ends, so the
+    copies wait for it; Megatron-Core's clipping (in place) waits for them (``before_clip``)."""
     from offload_runner.offload import cpu_adam
 
     exact = 2
     buffers, twin = Buffers(), Buffers()
     eng = engine(buffers, 1.0, delayed=True, exact_steps=exact, copy_during_backward=True,
                  clip_grad=CLIP, gpu_share=share)  # fmt: skip
+    if slow:
+        adam = eng._adam
+        eng._adam = lambda *args: (time.sleep(0.01), adam(*args))
     at_boundary, ref = engine(twin, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
     model = Trainable(buffers)
     eng.watch_backward([model])
@@ -687,8 +694,8 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
             assert not eng._early
         model().backward()  # the last
         copied = dict(eng._early)
-        for job in copied.values():
-            job.result()
+        cpu_adam.before_clip([eng])
+        assert all(job.done() for job in copied.values())
         norm = raw.norm().item()
         clipped = raw * (CLIP / (norm + 1e-6))
         twin.set_grads(clipped)
@@ -741,8 +748,7 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
             model().backward()
         model().backward()
         crossed = dict(eng._early)
-        for job in crossed.values():
-            job.result()
+        cpu_adam.before_clip([eng])
         for group in eng.param_groups:
             group["lr"] = lr_at(step)
         buffers.grad.mul_(CLIP / (raw.norm().item() + 1e-6))

@@ -38,12 +38,14 @@ class Engines:
             offload.begin_step(micro_batches)
 
     def step(self):
-        """Megatron-Core's optimizer step (and the host engines'); returns the gradient norm.
+        """Megatron-Core's optimizer step (and the host engines'), once the copies the last
+        backward started have read their gradients; returns the gradient norm.
         With weight offload the norm takes in the offloaded layers' gradients on the host: the
         GPU's gradients are clipped by the global factor first (so Megatron-Core's own clipping
         finds nothing to do), the offloaded layers' in their update."""
         from offload_runner.offload import cpu_adam, weight
 
+        cpu_adam.before_clip(self.cpu_adam)  # the clipping below writes the gradients in place
         if self.weights:
             sq = [weight.gpu_grad_sq_norm(self.model), *(o.grads_ready() for o in self.weights)]
             norm, factor = weight.clip_factor(sq, self.run.optimizer.clip_grad)

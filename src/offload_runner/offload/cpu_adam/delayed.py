@@ -100,6 +100,18 @@ class DelayedUpdates:
             self._land(piece, previous.guess, after)
         self._fetch(piece, after)
 
+    def copies_taken(self) -> None:
+        """Before Megatron-Core's step, whose clipping scales the gradients in place: the copies
+        down that the backward started are enqueued (each may have waited for the worker's last
+        update of its piece), and the compute stream waits for them, so none reads a clipped
+        gradient (``grads_clipped`` divides by the factor once)."""
+        for job in self._early.values():
+            job.result()
+        if self._early and self._streams is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_stream(self._streams[0])
+
     def grads_clipped(self, grad_norm: float | None) -> None:
         """After Megatron-Core's step (whose clipping scaled the GPU gradients by clip_grad /
         (grad_norm + 1e-6) where that is below 1): the gradients copied during the backward
@@ -155,6 +167,13 @@ def arming(no_sync, built: list):
             engine.arm()
 
     return no_sync_then_arm
+
+
+def before_clip(built: list) -> None:
+    """Before Megatron-Core's ``optimizer.step()``: the engines' copies during the backward have
+    read the gradients (``CpuAdam.copies_taken``)."""
+    for engine in built:
+        engine.copies_taken()
 
 
 def grads_clipped(built: list, grad_norm: float | None) -> None:
