@@ -126,9 +126,6 @@ delayed and not 50 and not all)" cpu-adam-split ;;
   cpu-adam-landing)  # exact mode landing during the next forward against within the step
     python bench/run_benchmarks.py run --suite cpu-adam-landing --iters 12 --time-limit 570 \
       --out "$OUT/results-cpu-adam-landing.json" --work-dir "$WORK/bench" ;;
-  cpu-adam-4-pieces)  # delayed mode in 256 MiB pieces against 64 MiB ones
-    python bench/run_benchmarks.py run --suite cpu-adam-4-pieces --iters 12 --time-limit 560 \
-      --out "$OUT/results-cpu-adam-4-pieces.json" --work-dir "$WORK/bench" ;;
   delayed-tests)  # delayed mode's gpu tests: one step late (during the backward and at the
     # boundary), resume with and without weight prediction
     TEST_TIMEOUT=570 gpu_tests "delayed_lands or (resume and delayed)" cpu-adam-delayed ;;
@@ -273,8 +270,8 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     timeout 400 python -m pytest -v -m gpu -k weight tests/test_gpu_training.py -n 6 \
       --basetemp=/tmp/wt -p no:cacheprovider > "$OUT/pytest-gpu-weight-offload.txt" 2>&1 || true
     grep -E "PASSED|FAILED|passed|failed" "$OUT/pytest-gpu-weight-offload.txt" | tail -8 ;;
-  weight-offload|weight-offload-caps*)  # weight offload against the same runs without it (dense
-    # 8 layers, the proxy); the proxy (llama3_8b) under a 12 (48) GB cap; llama3_8b's reference
+  weight-offload|weight-offload-caps-proxy|weight-offload-caps|weight-offload-caps-reference)  # weight offload against the
+    # same runs without it (dense 8 layers, the proxy); the proxy (llama3_8b) under a 12 (48) GB cap
     python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   weight-profile)  # weight offload on the proxy, iteration 4 profiled, and its summary.json (what

@@ -438,19 +438,6 @@ ADAM_PARITY = [
 ]  # fmt: skip
 
 
-def _pieces_cases(gbs: int) -> list[Case]:
-    """Delayed mode (copying during the last backward) in 256 MiB pieces and in 64 MiB ones,
-    with its hidden fraction and the baseline twice. (Its run at 224b535 had 256 MiB pieces in
-    the delayed preset: there the first delayed row is the 256 MiB one.)"""
-    cases = _cpu_adam_cases(gbs)
-    pieces = [Case(f"GBS{gbs} cpu_adam_delayed 100%, {mb} MiB pieces", PROXY_RECIPE,
-                   (*_batch(gbs), "offload/optimizer=cpu_adam_delayed", *DELAY,
-                    f"optimizer.cpu_adam_chunk_mb={mb}"), f"GBS{gbs} no offload")
-              for mb in (256, 64)]  # fmt: skip
-    hidden = replace(cases[4], hidden_fraction_of=pieces[1].name)
-    return [cases[0], *pieces, hidden, cases[5]]
-
-
 PROFILE_AT = (
     "profiling.use_pytorch_profiler=true",
     "profiling.profile_step_start=5",
@@ -703,7 +690,6 @@ SUITES: dict[str, list[Case]] = {
     # baseline again), for a call too short for the whole suite
     "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
     # delayed mode's pieces: 256 MiB against 64 MiB, copying during the backward
-    "cpu-adam-4-pieces": _pieces_cases(4),
     "cpu-adam-1": _cpu_adam_cases(1),
     "cpu-adam-split-4": _split_cases(4),
     "cpu-adam-split-1": _split_cases(1),

@@ -348,6 +348,7 @@ def test_unknown_keys_are_refused_however_spelled(override: str, tmp_path: Path,
     [
         ("optimizer.cpu_adam_copy_during_backward=false", "suite cpu-adam-4-backward"),
         ("optimizer.cpu_adam_threads=14", "over 37 suites"),
+        ("optimizer.cpu_adam_chunk_mb=16", "suite cpu-adam-4-pieces"),
     ],
 )
 def test_a_removed_key_says_why_it_went(tmp_path: Path, capsys, removed: str,

@@ -59,13 +59,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 # exact CPU Adam with no GPU share: the whole update on the CPU
 ALL_ON_CPU = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0")
-# exact CPU Adam in pieces of 4 MiB, so that the tiny model's shard splits between the CPU and
-# the GPU share (balanced each step)
-GPU_SHARE = ("offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=4")
-
-
-# the GPU share's tests: 20 iterations in pieces of 4 MiB
-SHARE_ITERS = ("train.train_iters=20", "optimizer.cpu_adam_chunk_mb=4")
+# the GPU share's tests: 20 iterations
+SHARE_ITERS = ("train.train_iters=20",)
 
 
 @cache
@@ -244,10 +239,9 @@ def test_cpu_adam_delayed_lands_one_step_late(root: str) -> None:
     assert run["cpu_adam_pieces_in_backward"] == run["cpu_adam_pieces"]
 
 
-# delayed mode with its GPU share balanced each step, in pieces of 4 MiB (the tiny model's shard
-# splits between the CPU and the window)
-DELAYED_SHARE = ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=null",
-                 "optimizer.cpu_adam_chunk_mb=4")  # fmt: skip
+# delayed mode with its GPU share balanced each step (the tiny model's shard splits between the
+# CPU and the window)
+DELAYED_SHARE = ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=null")
 
 
 def test_cpu_adam_delayed_gpu_share_runs_part_of_each_late_update_on_the_gpu(root: str) -> None:
@@ -287,8 +281,7 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
     experts have their own optimizer part): every state on the host, the experts' updates one
     step late after the warmup, the dense part's exact (with its GPU share); exact mode's losses
     until then; resume continues the run."""
-    experts = ("parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts",
-               "optimizer.cpu_adam_chunk_mb=4")  # fmt: skip
+    experts = ("parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts")
     exact = train(Path(root) / "moe-exact", "parallel=ep2", "offload/optimizer=cpu_adam",
                   recipe="tiny_moe")  # fmt: skip
     run = train(Path(root) / "moe-delayed-experts", *experts, recipe="tiny_moe")
@@ -331,7 +324,6 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
         ),
         pytest.param(ALL_ON_CPU, id="cpu-adam-all-on-cpu"),
         pytest.param(WEIGHTS, id="weights"),
-        pytest.param((*GPU_SHARE,), id="cpu-adam-gpu-share"),
         pytest.param(("parallel=cp2", "offload/optimizer=states"), id="cp2-states", marks=TWO_GPUS),
         # interleaved pipeline: two model chunks per rank, checkpoint keys model0/model1,
         # every data-parallel rank writing its share

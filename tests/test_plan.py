@@ -11,6 +11,7 @@ import pytest
 
 from offload_runner.auto import choose_offload
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from offload_runner.hardware import cpu_adam_piece_bytes
 from offload_runner.model_size import count_parameters, largest_modules
 from offload_runner.plan import (
     HOST_PROCESS_BYTES,
@@ -227,10 +228,21 @@ def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
     assert slow.startswith("offload/optimizer=states") and "also fits: cpu_50 +1.44 s" in slow
 
 
+def test_cpu_adam_pieces_are_64_mib_or_a_sixteenth_of_a_small_part() -> None:
+    """The engine's piece (no key): 64 MiB for the proxy's parts; a part too small for 16 of
+    them (tiny's 5.2M params: 21 MB) takes the largest power-of-two MiB that makes 16."""
+    assert cpu_adam_piece_bytes(3.1e9) == 64 * 1024**2
+    assert cpu_adam_piece_bytes(64 * 1024**2 / 4 * 16) == 64 * 1024**2
+    assert cpu_adam_piece_bytes(64 * 1024**2 / 4 * 16 - 1) == 32 * 1024**2
+    assert cpu_adam_piece_bytes(P_TINY) == 1024**2  # 5.2M x 4 B / 16 = 1.25 MiB
+    assert P_TINY * 4 / cpu_adam_piece_bytes(P_TINY) >= 16
+    assert cpu_adam_piece_bytes(1000) == 1024**2  # at least 1 MiB
+
+
 def test_cpu_adam_engine_host_memory() -> None:
     """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned); on the GPU
-    the engine keeps its ring of two pieces of fp32 masters (the tiny model is under one piece,
-    the proxy's shards over it)."""
+    the engine keeps its ring of two pieces of fp32 masters (1 MiB pieces for the tiny model,
+    64 MiB for the proxy's parts)."""
     engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
                                    "optimizer.cpu_adam_gpu_share=0")).ranks[0]  # fmt: skip
     hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
@@ -240,15 +252,15 @@ def test_cpu_adam_engine_host_memory() -> None:
     assert engine.optimizer_step_only == 0
     assert hdo.host - HOST_PROCESS_BYTES == pytest.approx(18 * params, rel=1e-6)
     assert hdo.optimizer_gpu == 0
-    assert engine.optimizer_gpu == pytest.approx(2 * 4 * params, rel=1e-6)
+    assert engine.optimizer_gpu == 2 * 1024**2
     proxy = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=cpu_adam")
     assert make_plan(proxy).ranks[0].optimizer_gpu == 2 * 2 * 64 * 1024**2  # dense, experts
     # with the GPU share (the default): the moments pinned too, and the step holds a window of
-    # up to 4 pieces of masters and moments per part (one piece: the tiny model's whole shard)
+    # up to 4 pieces of masters and moments per part
     shared = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam")).ranks[0]
     assert shared.host_pinned == pytest.approx(16 * params, rel=1e-6)
     assert shared.host == shared.host_pinned + HOST_PROCESS_BYTES
-    assert shared.optimizer_step_only == pytest.approx(12 * params, rel=1e-6)
+    assert shared.optimizer_step_only == 4 * 12 * 1024**2 // 4
     assert make_plan(proxy).ranks[0].optimizer_step_only == 2 * 4 * 3 * 64 * 1024**2
 
 

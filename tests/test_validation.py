@@ -334,12 +334,6 @@ CASES = [
         "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's",
     ),
     Case(
-        "cpu_adam_chunk_positive",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=0"),
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_chunk_mb=16"),
-        "optimizer.cpu_adam_chunk_mb must be at least 1",
-    ),
-    Case(
         "weight_prediction_needs_delayed_mode",
         ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_weight_prediction=true"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed",

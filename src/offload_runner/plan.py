@@ -54,6 +54,7 @@ from offload_runner.hardware import (
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
     WINDOW_SLOTS,
+    cpu_adam_piece_bytes,
     host_state_bytes,
     moment_bytes,
     weight_ring_sizes,
@@ -328,16 +329,16 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
         pinned = shard * hdo * (CPU_ADAM_PINNED_BYTES - 4 + staging)
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * moment_bytes(run))
-        resident += cpu_adam_ring_bytes(parts, hdo, o.cpu_adam_chunk_mb)
+        resident += cpu_adam_ring_bytes(parts, hdo)
         if cpu_adam_late_share(run):  # every moment pinned; forward+backward hold the window
             pinned += sum(offloaded) * moment_bytes(run)
             on_cpu = 0
-            resident += cpu_adam_window_bytes(offloaded, 1.0, o.cpu_adam_chunk_mb, LATE_BYTES)
+            resident += cpu_adam_window_bytes(offloaded, 1.0, LATE_BYTES)
         elif cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
             exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
             pinned += sum(exact) * moment_bytes(run)
             on_cpu = int(sum(delayed) * moment_bytes(run))
-            step_only = cpu_adam_window_bytes(exact, 1.0, o.cpu_adam_chunk_mb)
+            step_only = cpu_adam_window_bytes(exact, 1.0)
     else:
         pinned = shard * hdo * HDO_PINNED_BYTES
     states = 0
@@ -495,21 +496,26 @@ def offloaded_parts(run: RunConfig, parts: list[float],
     return offloaded, [n if d else 0.0 for n, d in zip(offloaded, delays, strict=True)]
 
 
-def cpu_adam_ring_bytes(parts: list[float], fraction: float, chunk_mb: int) -> int:
-    """The CPU-Adam engine's GPU ring, per optimizer part with params on the CPU: two pieces of
-    fp32 masters on their way into the bf16 parameters."""
-    chunk = chunk_mb * 1024**2 // 4
-    return sum(2 * 4 * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)
+def cpu_adam_ring_bytes(parts: list[float], fraction: float) -> int:
+    """The CPU-Adam engine's GPU ring, per optimizer part with params on the CPU: two pieces
+    (hardware.cpu_adam_piece_bytes) of fp32 masters on their way into the bf16 parameters."""
+    return sum(2 * 4 * int(min(_piece(n * fraction), n * fraction))
+               for n in parts if n * fraction >= 1)  # fmt: skip
 
 
-def cpu_adam_window_bytes(parts: list[float], fraction: float, chunk_mb: int,
+def cpu_adam_window_bytes(parts: list[float], fraction: float,
                           per_param: int = ADAM_BYTES) -> int:  # fmt: skip
     """The CPU-Adam engine's GPU share: per optimizer part with params on the host, a window of
     up to WINDOW_SLOTS pieces of masters and moments (``per_param`` bytes; LATE_BYTES with the
     gradients of delayed mode's late passes), at most: the share is balanced at run time."""
-    chunk = chunk_mb * 1024**2 // 4
-    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / chunk)) * per_param
-               * int(min(chunk, n * fraction)) for n in parts if n * fraction >= 1)  # fmt: skip
+    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / _piece(n * fraction))) * per_param
+               * int(min(_piece(n * fraction), n * fraction))
+               for n in parts if n * fraction >= 1)  # fmt: skip
+
+
+def _piece(params: float) -> int:
+    """Params in one CPU-Adam piece of a part with ``params`` on the host."""
+    return cpu_adam_piece_bytes(params) // 4
 
 
 @dataclass

@@ -462,12 +462,6 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
-        "cpu_adam_chunk_positive",
-        lambda c, e: c.optimizer.cpu_adam_chunk_mb < 1,
-        "optimizer.cpu_adam_chunk_mb must be at least 1 (MiB of gradients per pipeline piece)",
-        "e.g. optimizer.cpu_adam_chunk_mb=64",
-    ),
-    Rule(
         "cpu_adam_exact_steps_non_negative",
         lambda c, e: (
             c.optimizer.cpu_adam_exact_steps is not None and c.optimizer.cpu_adam_exact_steps < 0
@@ -1111,7 +1105,7 @@ def _failed_check(err: BaseException) -> str:
 
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
 # Fields whose range has a row of its own in RULES, with a message of its own, are left out:
-# optimizer.optimizer_offload_fraction, cpu_adam_chunk_mb, cpu_adam_exact_steps,
+# optimizer.optimizer_offload_fraction, cpu_adam_exact_steps,
 # optimizer_state_offload_chunk_size_mb.
 RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("model", "num_layers"): (1, None),

@@ -303,8 +303,6 @@ class OptimizerConfig:
     # the experts' runs under forward+backward). Needs expert parallelism (EP >= 2): only then
     # does Megatron-Core give the experts an optimizer part of their own.
     cpu_adam_delayed_scope: DelayedScope = DelayedScope.all
-    # Pipeline piece: grads of this many MiB go down, are updated and come back as one unit
-    cpu_adam_chunk_mb: int = 64
     # Exact mode: this share of the offloaded params has its Adam on the GPU instead, its
     # masters and moments (on the host like the rest) streamed through a GPU window of 4 pieces
     # during the step while the CPU updates the others: the CPU and the link work at once
@@ -632,6 +630,12 @@ REMOVED_KEYS = {
         "0.96x the rate at all of them (median; 0.59-1.26x, the hosts' noise: the reference "
         "rates in bench/results), and no suite set it",
         "drop it (launcher.nproc_per_node and the cores the job is given set the team)",
+    ),
+    "optimizer.cpu_adam_chunk_mb": (
+        "the engine's pieces are 64 MiB, smaller only for a part too small to make 16 of them "
+        "(hardware.cpu_adam_piece_bytes): 256 MiB pieces were no faster (1.205 against 1.178 s "
+        "a step, suite cpu-adam-4-pieces)",
+        "drop it",
     ),
 }
 

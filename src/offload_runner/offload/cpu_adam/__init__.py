@@ -7,7 +7,7 @@ What lives where, per rank: the GPU keeps the bf16 parameters and the gradient b
 keeps the offloaded part's fp32 masters and a gradient staging array (page-locked) and its Adam
 moments (pageable, page-locked where the GPU share streams them).
 
-One exact step, in pieces of ``cpu_adam_chunk_mb``:
+One exact step, in pieces (``hardware.cpu_adam_piece_bytes``):
 1. a piece's gradients go down on a side stream;
 2. the worker thread runs fused CPU AdamW on it as soon as they land;
 3. its masters go up and are rounded into its bf16 parameters, during the next forward (a

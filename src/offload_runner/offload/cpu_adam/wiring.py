@@ -14,7 +14,7 @@ from offload_runner.config.schema import (
     cpu_adam_on,
     cpu_adam_streams,
 )
-from offload_runner.hardware import rank_cpus, worker_cpus
+from offload_runner.hardware import cpu_adam_piece_bytes, rank_cpus, worker_cpus
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, optimizer_states
 from offload_runner.offload.base import OffloadSummary
@@ -53,7 +53,8 @@ def describe(run: RunConfig) -> OffloadSummary:
         group,
         True,
         f"{o.optimizer_offload_fraction:.0%} of Adam: fp32 master + states of "
-        f"~{param_count(params)} params on the host, updated in {o.cpu_adam_chunk_mb} MiB pieces",
+        f"~{param_count(params)} params on the host, updated in pieces of up to "
+        f"{cpu_adam_piece_bytes(params) // 1024**2} MiB",
         mode,
     )
 
@@ -100,7 +101,8 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
         weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         mode=mode_of(run, delayed[i], in_backward[i]), threads=threads,
-        cpus=cpus, chunk_bytes=o.cpu_adam_chunk_mb * 1024**2, land_during_forward=in_forward[i],
+        cpus=cpus, chunk_bytes=cpu_adam_piece_bytes(sizes[i] * fractions[i]),
+        land_during_forward=in_forward[i],
         clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
         balance=shared[i] and balanced_share(run),
         worker=worker, moment_dtypes=optimizer_states.moment_dtypes(run),
