@@ -427,9 +427,12 @@ class WeightOffload:
                 norms.append(unit.norm)
             else:  # fewer backward passes than micro-batches: its sum is on the host
                 norms.append(torch.linalg.vector_norm(grads, dtype=torch.float32))
-        if not norms:
-            return 0.0
-        return float((torch.stack([n.cpu() for n in norms]).double() ** 2).sum())
+        # one copy to the host per device (the last micro-batch's norms are on the GPU)
+        kinds = (
+            [n for n in norms if n.device.type != "cpu"],
+            [n for n in norms if n.device.type == "cpu"],
+        )
+        return sum((float((torch.stack(k).double() ** 2).sum()) for k in kinds if k), 0.0)
 
     def update(self, hypers: tuple[dict, dict], clip: float) -> None:
         """Adam on the GPU for every offloaded unit, piece by piece (module doc): ``hypers``
