@@ -144,6 +144,26 @@ print("Median ratio: " + ", ".join(f"{e} {sorted(v)[len(v) // 2]:.2f}x" for e, v
       + f"; no offload itself moved {spread:.2f}x within the call.")
 PY
   echo
+  python - <<'PY'
+import json, pathlib
+path = "docs/evidence/results-gbs-4-h100-38cb5aa.json"
+data = json.loads(pathlib.Path(path).read_text())
+env, rows = data["environment"], {r["case"]["name"]: r["summary"] for r in data["results"]}
+first, last = rows["cost GBS4 no offload"], rows["cost GBS4 no offload (repeat)"]
+def update(name):
+    s = rows[name]
+    return f"{s['step_time_s_median']:.3f} s, forward+backward {s['fwd_bwd_time_s_median']:.3f} s"
+print(f"Suite `gbs-4` ran again on an {env['gpu']} ({env['date'][:10]}, commit {env['commit']}, "
+      f"kept as {path}; \"Exact offload against the global batch\" keeps the H200's run). Its no-offload step took "
+      f"{first['step_time_s_median']:.3f} s first and {last['step_time_s_median']:.3f} s last in "
+      f"the same call (forward+backward {first['fwd_bwd_time_s_median']:.3f} and "
+      f"{last['fwd_bwd_time_s_median']:.3f} s), so no ratio of this call means much; cpu_adam "
+      f"{update('cost GBS4 cpu_adam 100%')}, its CPU at "
+      f"{rows['cost GBS4 cpu_adam 100%']['cpu_adam_params_per_s'] / 1e9:.2f} G/s; states "
+      f"{update('cost GBS4 states')}, its pass at "
+      f"{rows['cost GBS4 states']['states_link_gb_per_s']:.1f} GB/s each way.")
+PY
+  echo
   echo "## llama3_8b under a 48 GB cap: its losses beside the same line uncapped"
   echo
   python - <<'PY'
