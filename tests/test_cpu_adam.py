@@ -211,6 +211,9 @@ def test_delayed_mode_lands_each_update_one_step_late(share: float) -> None:
     assert on_gpu / sum(SIZES) == pytest.approx(share, abs=1500 / sum(SIZES))
     assert last.on_gpu == last.order[len(last.order) - len(last.on_gpu) :]  # the order's tail
     assert last.params == sum(SIZES) - on_gpu and eng.streams_states == (share > 0)
+    # the history keeps timings; the per-piece events go two updates later
+    assert all(not (u.ready or u.done or u.landed) for u in eng.history[:-2])
+    assert len(last.done) == len(eng._pieces)
     eng.close()
 
 

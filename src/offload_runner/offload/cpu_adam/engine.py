@@ -329,6 +329,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         if late is not None:
             late.result()
         self.history.append(update)
+        if len(self.history) > 2:  # its per-piece events were last read during the last step
+            self.history[-3].settle()
         if len(self.history) > 2 * HISTORY:
             del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
 

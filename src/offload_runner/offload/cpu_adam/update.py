@@ -40,3 +40,10 @@ class Update:
     wait_s: float = 0.0  # waiting for gradient copies
     forward_wait_s: float = 0.0  # landing during the forward: the forward waiting for it
     wall_s: float = 0.0
+
+    def settle(self) -> None:
+        """Drop the per-piece events once nothing waits on them (two updates later): the
+        history keeps an update's timings for up to 2 x HISTORY steps, and each event is six
+        objects the collector tracks (the proxy's 186 pieces: 3,300 objects and 0.65 MB a step,
+        0.65 GB and 3.3M objects over 1,000 steps without this)."""
+        self.ready, self.done, self.landed = [], [], []
