@@ -1043,3 +1043,22 @@ def test_bf16_gradients_go_down_as_bf16_and_update_in_fp32() -> None:
         ref.step(step, grads.float())
         assert_matches(masters(eng, buffers), ref.params, step)
     eng.close()
+
+
+def test_the_train_step_lets_the_backwards_copies_finish_before_the_clipping() -> None:
+    """Engines.step: the copies the last backward started (delayed mode) have read the
+    gradients before Megatron-Core's step clips them in place, and the engines get its norm
+    after it."""
+    from offload_runner.offload.engines import Engines
+
+    calls: list[str] = []
+    engine = SimpleNamespace(
+        copies_taken=lambda: calls.append("copies taken"),
+        grads_clipped=lambda norm: calls.append(f"clipped by {norm}"),
+    )
+    optimizer = SimpleNamespace(step=lambda: calls.append("optimizer.step") or (True, 2.5, 0))
+    engines = Engines.__new__(Engines)
+    engines.run, engines.model, engines.optimizer = compose_run("recipe=tiny"), [], optimizer
+    engines.cpu_adam, engines.weights = [engine], []
+    assert engines.step() == 2.5
+    assert calls == ["copies taken", "optimizer.step", "clipped by 2.5"]
