@@ -179,6 +179,61 @@ print(f"Suite `gbs-4` ran again on an {env['gpu']} ({env['date'][:10]}, commit {
       f"{rows['cost GBS4 states']['states_link_gb_per_s']:.1f} GB/s each way.")
 PY
   echo
+  python - <<'PY'
+import json, pathlib, re, statistics
+ENGINES = {"offload/optimizer=states": "states", "offload/optimizer=cpu_adam": "cpu_adam",
+           "offload/optimizer=cpu_100": "HDO 100%"}
+found: dict[str, list[tuple[str, float]]] = {name: [] for name in ENGINES.values()}
+
+
+def split(r):
+    """(global batch, the row's other overrides)"""
+    o = r["case"]["overrides"]
+    gbs = next((int(m[1]) for x in o if (m := re.match(r"train.global_batch_size=(\d+)", x))), None)
+    return gbs, frozenset(x for x in o if "batch_size" not in x)
+
+
+for path in sorted(pathlib.Path("bench/results").glob("results-*.json")):
+    data = json.loads(path.read_text())
+    gpu = data["environment"]["gpu"].replace("NVIDIA ", "").split()[0]
+    rows = [r for r in data["results"] if r["case"]["recipe"] == "qwen3_30b_a3b_proxy"
+            and r["case"].get("nproc", 1) == 1 and r["summary"].get("fwd_bwd_time_s_median")]
+    bases = [(*split(r), r) for r in rows
+             if not any(x.startswith("offload/") for x in r["case"]["overrides"])]
+    for r in rows:
+        gbs, keys = split(r)
+        # the suite's no-offload runs at this batch whose keys are this row's less one engine key
+        same = [b for bg, bk, b in bases if bg == gbs and bk <= keys and len(keys - bk) == 1]
+        extra = {next(iter(keys - bk)) for bg, bk, _ in bases if bg == gbs and bk <= keys
+                 and len(keys - bk) == 1}
+        name = ENGINES.get(next(iter(extra))) if len(extra) == 1 else None
+        if not name or not same:
+            continue
+        if name == "cpu_adam" and "cpu_adam_gpu_share" not in r["summary"]:
+            continue  # an engine before its GPU share and landing during the forward
+        base = statistics.mean(b["summary"]["fwd_bwd_time_s_median"] for b in same)
+        ratio = r["summary"]["fwd_bwd_time_s_median"] / base
+        found[name].append((f"{path.stem.removeprefix('results-')} ({gpu}, GBS {gbs}) {ratio:.2f}x", ratio))
+print("Every one-GPU proxy row of the plain engines in bench/results, its forward+backward against "
+      "the no-offload runs of its own suite at the same global batch (cpu_adam: the engine with its "
+      "GPU share, landing during the forward). HybridDeviceOptimizer does nothing during forward and "
+      "backward, so its spread is the hosts':")
+print()
+print("| engine | rows | median | range | each |")
+print("|---|---|---|---|---|")
+for name, got in found.items():
+    ratios = [x for _, x in got]
+    print(f"| {name} | {len(got)} | {statistics.median(ratios):.2f}x | {min(ratios):.2f}-"
+          f"{max(ratios):.2f}x | {'; '.join(t for t, _ in got)} |")
+med = {name: statistics.median(x for _, x in got) for name, got in found.items()}
+noise = [x for _, x in found["HDO 100%"]]
+print()
+print(f"State offload's forward+backward is no-offload's (median {med['states']:.2f}x); exact CPU "
+      f"Adam's median is {med['cpu_adam']:.2f}x, inside the {min(noise):.2f}-{max(noise):.2f}x "
+      "that HybridDeviceOptimizer, idle during forward and backward, spans on the same hosts: a "
+      "cost of that size cannot be told from the hosts' noise with one run per row.")
+PY
+  echo
   echo "## llama3_8b under a 48 GB cap: its losses beside the same line uncapped"
   echo
   python - <<'PY'
