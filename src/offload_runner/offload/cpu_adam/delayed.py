@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import hyper
@@ -104,9 +105,12 @@ class DelayedUpdates:
         """Before Megatron-Core's step, whose clipping scales the gradients in place: the copies
         down that the backward started are enqueued (each may have waited for the worker's last
         update of its piece), and the compute stream waits for them, so none reads a clipped
-        gradient (``grads_clipped`` divides by the factor once)."""
+        gradient (``grads_clipped`` divides by the factor once). Its wait counts in the step's
+        boundary time (``Update.boundary_s``)."""
+        began = time.perf_counter()
         for job in self._early.values():
             job.result()
+        self._taken_s = time.perf_counter() - began
         if self._early and self._streams is not None:
             import torch
 

@@ -97,6 +97,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._remaining: list[int] | None = None  # armed: per piece, params not yet final
         self._previous: Update | None = None  # armed: the update the backward lands
         self._early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
+        self._taken_s = 0.0  # copies_taken's wait for them, before this step()
         self._pending: Update | None = None  # a delayed update, not landed
         self._jobs: list[concurrent.futures.Future] = []
         self._unlanded = False  # the host masters are newer than the bf16 params
@@ -250,7 +251,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
                 update.ready[i].set()
             if not any(update.unclipped):
                 update.scaled.set()  # every gradient went down clipped
-            update.boundary_s = time.perf_counter() - began
+            update.boundary_s = time.perf_counter() - began + self._taken_s  # + before_clip's
+            self._taken_s = 0.0
             if previous is not None:
                 self._jobs.pop(0).result()
         except BaseException:

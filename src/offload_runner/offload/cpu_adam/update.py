@@ -33,7 +33,9 @@ class Update:
     unclipped: list = field(default_factory=list)
     scaled: threading.Event = field(default_factory=threading.Event)
     grad_scale: object = None
-    boundary_s: float = 0.0  # step(): from its start until every piece was handed to the worker
+    # step(): from its start until every piece was handed to the worker (and, where the last
+    # backward copied, the wait before the clipping for those copies: copies_taken)
+    boundary_s: float = 0.0
     failed: bool = False  # the worker or a landing raised: job.result() says what
     cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
