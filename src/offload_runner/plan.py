@@ -499,8 +499,7 @@ def offloaded_parts(run: RunConfig, parts: list[float],
 def cpu_adam_ring_bytes(parts: list[float], fraction: float) -> int:
     """The CPU-Adam engine's GPU ring, per optimizer part with params on the CPU: two pieces
     (hardware.cpu_adam_piece_bytes) of fp32 masters on their way into the bf16 parameters."""
-    return sum(2 * 4 * int(min(_piece(n * fraction), n * fraction))
-               for n in parts if n * fraction >= 1)  # fmt: skip
+    return sum(2 * 4 * piece for _, piece in _pieces(parts, fraction))
 
 
 def cpu_adam_window_bytes(parts: list[float], fraction: float,
@@ -508,14 +507,18 @@ def cpu_adam_window_bytes(parts: list[float], fraction: float,
     """The CPU-Adam engine's GPU share: per optimizer part with params on the host, a window of
     up to WINDOW_SLOTS pieces of masters and moments (``per_param`` bytes; LATE_BYTES with the
     gradients of delayed mode's late passes), at most: the share is balanced at run time."""
-    return sum(min(WINDOW_SLOTS, math.ceil(n * fraction / _piece(n * fraction))) * per_param
-               * int(min(_piece(n * fraction), n * fraction))
-               for n in parts if n * fraction >= 1)  # fmt: skip
+    return sum(min(WINDOW_SLOTS, count) * per_param * piece
+               for count, piece in _pieces(parts, fraction))  # fmt: skip
 
 
-def _piece(params: float) -> int:
-    """Params in one CPU-Adam piece of a part with ``params`` on the host."""
-    return cpu_adam_piece_bytes(params) // 4
+def _pieces(parts: list[float], fraction: float):
+    """Per optimizer part with params on the host: (how many CPU-Adam pieces it makes, the
+    params of one, at most all of them)."""
+    for n in parts:
+        on_host = n * fraction
+        if on_host >= 1:
+            piece = cpu_adam_piece_bytes(on_host) // 4
+            yield math.ceil(on_host / piece), int(min(piece, on_host))
 
 
 @dataclass
