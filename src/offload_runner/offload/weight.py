@@ -117,14 +117,14 @@ class _Ring:
 
     def crowds(self, unit: _Unit, other: _Unit | None) -> bool:
         """The two units overlap in the weight array (at opposite ends, wider than it)."""
-        return other is not None and unit.numel + other.numel > self.weights.numel()
+        return _overlap(self.weights, unit, other)
 
     def drains_before(self, unit: _Unit) -> list:
         """The copies down that must end before ``unit``'s gradient slot is zeroed: its slot's
         last, and the other slot's where that unit's gradients overlap its own."""
         slot = self.grad_slot(unit)
         other = self.draining[1 - slot] if self.grad_slots == 2 else None
-        crowded = other is not None and unit.numel + other.numel > self.grads.numel()
+        crowded = _overlap(self.grads, unit, other)
         return [self.drained[slot]] + ([self.drained[1 - slot]] if crowded else [])
 
     def weight_span(self, unit: _Unit):
@@ -132,6 +132,11 @@ class _Ring:
 
     def grad_span(self, unit: _Unit):
         return _end(self.grads, self.grad_slot(unit), unit.numel)
+
+
+def _overlap(array, unit: _Unit, other: _Unit | None) -> bool:
+    """Two units at opposite ends of ``array`` overlap (together wider than it)."""
+    return other is not None and unit.numel + other.numel > array.numel()
 
 
 def _end(array, slot: int, numel: int):
