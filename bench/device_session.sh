@@ -302,6 +302,8 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       -k "(resume_continues and (states or cpu-adam]) and not 50 and not cp2) or resume_under_expert" \
       tests/test_gpu_training.py > "$OUT/pytest-gpu-resume-2gpu.txt" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|passed|failed|max" "$OUT/pytest-gpu-resume-2gpu.txt" | tail -12 ;;
+  pinning-probe)  # the host engines' start-up: page-locking fresh host arrays, four ways
+    timeout 200 python bench/host_pinning_probe.py 2>&1 | tee "$OUT/host-pinning-probe.txt" ;;
   cpu-adam-tests-n)  # every CPU-Adam gpu test on one GPU, 8 at a time (the engine's modes, its
     # GPU share, delayed mode, resume, checkpoints moving between engines)
     timeout "${TEST_TIMEOUT:-450}" python -m pytest -v -m gpu -n 8 --basetemp=/tmp/ct \
