@@ -10,6 +10,9 @@ CUDA the copies are synchronous; the streams are exercised by the GPU tests.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+
+import pytest
 
 import torch
 
@@ -173,3 +176,35 @@ def test_state_offload_fraction_keeps_the_rest_of_the_states_on_the_gpu() -> Non
         assert_matches(masters(eng, buffers), ref.params, step)
     assert eng.host_bytes < BYTES_PER_PARAM * 0.8 * total
     eng.close()
+
+
+def _mapping_of(address: int) -> tuple[int, set[str]]:
+    """The resident KiB and the VmFlags of the mapping of this process that holds ``address``."""
+    rss, flags, inside = 0, set(), False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            rss = int(line.split()[1])
+        elif inside and head == "VmFlags:":
+            flags = set(line.split()[1:])
+    return rss, flags
+
+
+def test_host_arrays_come_zeroed_faulted_in_and_advised_huge_pages_before_pinning() -> None:
+    """cudaHostRegister faults untouched pages in on one thread, 4 KiB at a time (3.1 s for
+    8 GB against 0.37 s): the arena's pages are resident before it is registered, advised huge
+    pages, and kept out of forked children."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("needs Linux's /proc")
+    from offload_runner.offload.host_memory import HostArenas
+
+    arenas = HostArenas()
+    arena = arenas.allocate(64 * 2**20, pin=False)
+    rss_kib, flags = _mapping_of(arena.data_ptr())
+    assert rss_kib >= 64 * 1024
+    assert {"dc", "hg"} <= flags  # MADV_DONTFORK, MADV_HUGEPAGE
+    assert int(arena.count_nonzero()) == 0
+    assert arenas.allocate(0, pin=False).numel() == 0 and len(arenas) == 2

@@ -120,8 +120,8 @@ class HostAdam(HybridDeviceOptimizer):
         self.host_master = self._host_array(torch.float32, self.on_cuda, what)
         pin_moments = pin_moments and self.on_cuda
         first, second = self.moment_dtypes
-        self.host_exp_avg = self._host_array(first, pin_moments, what).zero_()
-        self.host_exp_avg_sq = self._host_array(second, pin_moments, what).zero_()
+        self.host_exp_avg = self._host_array(first, pin_moments, what)  # arenas come zeroed
+        self.host_exp_avg_sq = self._host_array(second, pin_moments, what)
         self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
                                    self.host_exp_avg_sq)  # fmt: skip
         m, on = sum(p.numel() for _, p in self.kept), self.device
