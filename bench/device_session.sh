@@ -304,6 +304,8 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     grep -E "PASSED|FAILED|ERROR|passed|failed|max" "$OUT/pytest-gpu-resume-2gpu.txt" | tail -12 ;;
   pinning-probe)  # the host engines' start-up: page-locking fresh host arrays, four ways
     timeout 200 python bench/host_pinning_probe.py 2>&1 | tee "$OUT/host-pinning-probe.txt" ;;
+  drift-probe)  # the host alone: one thread's kernel launches and a Python loop, for 4 minutes
+    timeout 300 python bench/host_drift_probe.py 2>&1 | tee "$OUT/host-drift-probe.txt" ;;
   cpu-adam-tests-n)  # every CPU-Adam gpu test on one GPU, 8 at a time (the engine's modes, its
     # GPU share, delayed mode, resume, checkpoints moving between engines)
     timeout "${TEST_TIMEOUT:-450}" python -m pytest -v -m gpu -n 8 --basetemp=/tmp/ct \
