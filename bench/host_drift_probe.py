@@ -5,7 +5,8 @@ again and again with nothing else running.
 
     SECONDS_TOTAL=240 python bench/host_drift_probe.py     # one GPU
 
-Prints one line per round (every ``EVERY`` s): the launches' and the loop's time, and at the
+Prints one line per round (every ``EVERY`` s): the launches' and the loop's time and the share
+of the CPUs' time the hypervisor gave to others meanwhile (``steal`` in /proc/stat), and at the
 end each one's range over the rounds (max / min).
 """
 
@@ -30,6 +31,12 @@ def launches(x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def steal() -> tuple[int, int]:
+    """The CPUs' stolen and total jiffies so far (/proc/stat's first line)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
 def python_loop() -> float:
     t0 = time.perf_counter()
     total = 0
@@ -46,11 +53,13 @@ def main() -> None:
           f"{EVERY:g} s for {TOTAL:g} s")  # fmt: skip
     rounds, began = [], time.perf_counter()
     while time.perf_counter() - began < TOTAL:
-        start = time.perf_counter()
+        start, (stolen, total) = time.perf_counter(), steal()
         row = (start - began, launches(x), python_loop())
+        stolen2, total2 = steal()
         rounds.append(row)
         print(f"t {row[0]:6.1f} s  launches {row[1] * 1e6 / LAUNCHES:5.2f} us each  "
-              f"python loop {row[2] * 1e3:6.1f} ms", flush=True)  # fmt: skip
+              f"python loop {row[2] * 1e3:6.1f} ms  steal "
+              f"{100 * (stolen2 - stolen) / max(1, total2 - total):4.1f}%", flush=True)  # fmt: skip
         time.sleep(max(0.0, EVERY - (time.perf_counter() - start)))
     for name, i in (("launches", 1), ("python loop", 2)):
         values = [r[i] for r in rounds]
