@@ -33,7 +33,8 @@ def launches(x: torch.Tensor) -> float:
 
 def steal() -> tuple[int, int]:
     """The CPUs' stolen and total jiffies so far (/proc/stat's first line)."""
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
     return fields[7], sum(fields[:8])
 
 
