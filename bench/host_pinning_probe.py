@@ -89,10 +89,13 @@ def main() -> None:
         for zero_first in (False, True):
             r = one_case(huge, zero_first)
             name = ("huge pages, " if huge else "") + (
-                "zero, then register" if zero_first else "register untouched, then zero")
-            print(f"{name:45s} map {r['map']:.2f} s, zero {r['zero']:.2f} s, register "
-                  f"{r['register']:.2f} s: {r['total']:.2f} s = {r['rate']:.1f} GB/s; huge "
-                  f"pages {r['huge_gb']:.1f} GB; GPU-to-host copy {r['copy_gbs']:.1f} GB/s")
+                "zero, then register" if zero_first else "register untouched, then zero"
+            )
+            print(
+                f"{name:45s} map {r['map']:.2f} s, zero {r['zero']:.2f} s, register "
+                f"{r['register']:.2f} s: {r['total']:.2f} s = {r['rate']:.1f} GB/s; huge "
+                f"pages {r['huge_gb']:.1f} GB; GPU-to-host copy {r['copy_gbs']:.1f} GB/s"
+            )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import copy
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from offload_runner.offload.cpu_adam import CpuAdam
@@ -181,7 +180,7 @@ def test_state_offload_fraction_keeps_the_rest_of_the_states_on_the_gpu() -> Non
 def _mapping_of(address: int) -> tuple[int, set[str]]:
     """The resident KiB and the VmFlags of the mapping of this process that holds ``address``."""
     rss, flags, inside = 0, set(), False
-    for line in open("/proc/self/smaps"):
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
