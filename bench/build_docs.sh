@@ -69,6 +69,57 @@ print("Where exact CPU Adam's update ends (the CPU's part, landing during the ne
       "a balance tilted towards the CPU could use is the floor's, tens of ms.")
 PY
   echo
+  python - <<'PY'
+import json, pathlib, re
+BARS = {4: 1.6, 8: 1.35, 32: 1.08}
+probe = pathlib.Path("docs/evidence/cpu-gpu-split-probe.txt").read_text()
+beside = max(float(x) for x in re.findall(r"([\d.]+)x its rate alone", probe))
+best = max(float(x) for x in re.findall(r"= ([\d.]+) G params/s", probe))
+print("What the bars ask of the update. A bar leaves the update its step less no offload's "
+      "forward+backward, plus the cover of the first micro-batch's forward (a third of one "
+      "micro-batch's forward+backward). Exact CPU Adam must then update every param at the rate "
+      "below; the most any split between the CPU and the GPU share could give is (link + 8 x CPU "
+      "rate) / 12 params/s (the share moves 12 B/param each way, the CPU part 4), taken here with "
+      "the link at state offload's measured rate and the CPU at fused AdamW's rate alone, as if "
+      "the copies took none of the host's memory bandwidth (outside the engine they took a fifth "
+      "or more: docs/evidence/cpu-gpu-split-probe.txt). State offload must move 12 B/param each "
+      "way in that time:")
+print()
+print("| GBS | GPU | time the bar leaves s | cpu_adam needs G params/s | at most, CPU undisturbed | "
+      f"at most, CPU at {beside:.2f}x | best split outside the engine | the engine reached | "
+      "states needs GB/s each way | the link ran GB/s |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+asks, engine = [], []
+for gbs, bar in BARS.items():
+    data = json.loads(pathlib.Path(f"bench/results/results-gbs-{gbs}.json").read_text())
+    by = {r["case"]["name"].removeprefix(f"cost GBS{gbs} "): r["summary"] for r in data["results"]}
+    bases = [by["no offload"], by["no offload (repeat)"]]
+    base = sum(b["step_time_s_median"] for b in bases) / 2
+    fb = sum(b["fwd_bwd_time_s_median"] for b in bases) / 2
+    ca, st = by["cpu_adam 100%"], by["states"]
+    params, link = ca["cpu_offloaded_params"], st["states_link_gb_per_s"]
+    alone = max(data["environment"]["cpu_adam_reference_params_per_s"].values())
+    left = bar * base - fb + fb / gbs / 3
+    reached = params / max(ca["cpu_adam_wall_s_median"], ca["cpu_adam_stream_s_median"])
+    gpu = data["environment"]["gpu"].replace("NVIDIA ", "")
+    asks.append(params * 12 / left / 1e9 / link)
+    engine.append(reached / 1e9)
+    print(f"| {gbs} | {gpu} | {left:.3f} | {params / left / 1e9:.2f} | "
+          f"{(link * 1e9 + 8 * alone) / 12 / 1e9:.2f} | "
+          f"{(link * 1e9 + 8 * beside * alone) / 12 / 1e9:.2f} | {best:.2f} | "
+          f"{reached / 1e9:.2f} | "
+          f"{params * 12 / left / 1e9:.0f} | {link:.1f} |")
+print()
+print(f"State offload's bars ask the link for {min(asks):.1f}-{max(asks):.1f} times what it "
+      "carries. Exact CPU Adam's ask for about what an undisturbed CPU beside a full link could "
+      f"give at best, and for more than the same with the CPU at {beside:.2f}x its rate alone, the "
+      "best it kept beside the copies outside the engine (split probe, one H200, 1e9 params). "
+      f"That probe's best split updated {best:.2f} G params/s in all (the CPU never kept that "
+      "rate while the link ran full); the engine, "
+      f"{min(engine):.1f}-{max(engine):.1f}. With fp32 moments neither engine can "
+      "meet the bars on these hosts, whatever it overlaps.")
+PY
+  echo
   echo "The exact update costs about the same at every batch (step minus forward+backward: 0.6-0.8 s"
   echo "here), so its ratio falls as the batch grows, but on this H200, whose no-offload step is"
   echo "faster than when the bars were set, the floors sit above the bars at every batch: with fp32"
