@@ -5,13 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 {
   python bench/run_benchmarks.py report bench/results/*.json
-  echo "## Exact offload against the global batch (suites \`gbs-4\`, \`gbs-8\`, \`gbs-32\`)"
+  echo "## Exact offload against the global batch (suites \`gbs-N\` and \`gbs-N-pairs\`)"
   echo
   echo "The Qwen3-30B-A3B proxy (3.11B params), MB 1, each global batch in one call on one GPU"
-  echo "(\`bash bench/device_session.sh gbs-4\` and so on): no offload first and again last (its"
-  echo "spread is the host's), both exact host engines with all of Adam offloaded, and at GBS 4 and 8"
-  echo "HybridDeviceOptimizer 100% and delayed CPU Adam beside them. Ratios are against the mean of the"
-  echo "two no-offload runs; the floor is what the measured rates allow, set against the issue's bar:"
+  echo "(\`bash bench/device_session.sh gbs-4\` and so on; \`python bench/gbs_report.py cost\`):"
+  echo "suites \`gbs-N\` ran no offload first and again last (its spread is the host's), both exact"
+  echo "host engines with all of Adam offloaded, and at GBS 4 and 8 HybridDeviceOptimizer 100% and"
+  echo "delayed CPU Adam beside them; suites \`gbs-N-pairs\` ran no offload and the two exact engines in"
+  echo "turn. Ratios are against the mean of the suite's no-offload runs; the floor is what the"
+  echo "measured rates allow, set against the issue's bar:"
   echo
   echo "- exact CPU Adam: the update at the balanced GPU share with the run's own CPU Adam rate (beside"
   echo "  its streams) and the link's rate in the state-offload run (12 B/param each way for the share,"
@@ -20,113 +22,13 @@ cd "$(dirname "$0")/.."
   echo "- state offload: its measured pass (every state up and back after the global norm), less what"
   echo "  could move up during the last backward into the room the 0.45x GPU-peak bar leaves."
   echo
-  python - <<'PY'
-import json, pathlib
-BARS = {4: 1.6, 8: 1.35, 32: 1.08}
-print("| GBS | GPU | no offload s (runs) | engine | step s | step | fwd+bwd | GPU peak | floor | bar |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for gbs, bar in BARS.items():
-    data = json.loads(pathlib.Path(f"bench/results/results-gbs-{gbs}.json").read_text())
-    by = {r["case"]["name"].removeprefix(f"cost GBS{gbs} "): r["summary"] for r in data["results"]}
-    b1, b2 = by["no offload"], by["no offload (repeat)"]
-    base = (b1["step_time_s_median"] + b2["step_time_s_median"]) / 2
-    fb = (b1["fwd_bwd_time_s_median"] + b2["fwd_bwd_time_s_median"]) / 2
-    st, ca = by["states"], by["cpu_adam 100%"]
-    link = st["states_link_gb_per_s"] * 1e9
-    params, rate = ca["cpu_offloaded_params"], ca["cpu_adam_params_per_s"]
-    share = (1 / rate - 4 / link) / (1 / rate + 8 / link)
-    floors = {
-        "cpu_adam 100%": (base + (1 - share) * params / rate - fb / gbs / 3) / base,
-        "states": (base + st["states_stream_s_median"] - max(
-            0.45 * b1["gpu_peak_allocated_gb"] - st["gpu_peak_allocated_gb"], 0.0
-        ) * 1.0737e9 / link) / base,
-    }
-    gpu = data["environment"]["gpu"].replace("NVIDIA ", "")
-    runs = f"{b1['step_time_s_median']:.3f}, {b2['step_time_s_median']:.3f}"
-    for name in ("cpu_adam 100%", "states", "HDO 100% + overlap", "cpu_adam_delayed 100%"):
-        s = by.get(name)
-        if s is None:
-            continue
-        floor = f"{floors[name]:.2f}x" if name in floors else "-"
-        print(f"| {gbs} | {gpu} | {runs} | {name} | {s['step_time_s_median']:.3f} | "
-              f"{s['step_time_s_median'] / base:.2f}x | {s['fwd_bwd_time_s_median'] / fb:.2f}x | "
-              f"{s['gpu_peak_allocated_gb'] / b1['gpu_peak_allocated_gb']:.2f}x | {floor} | "
-              f"{f'{bar}x' if name in floors else '-'} |")
-print()
-parts = []
-for gbs in BARS:
-    data = json.loads(pathlib.Path(f"bench/results/results-gbs-{gbs}.json").read_text())
-    by = {r["case"]["name"].removeprefix(f"cost GBS{gbs} "): r["summary"] for r in data["results"]}
-    ca, b1 = by["cpu_adam 100%"], by["no offload"]
-    parts.append(f"GBS {gbs}: CPU {ca['cpu_adam_wall_s_median']:.2f} s, GPU share "
-                 f"{ca['cpu_adam_stream_s_median']:.2f} s, optimizer phase "
-                 f"{ca['optimizer_time_s_median']:.2f} s, the forward's wait "
-                 f"{ca['cpu_adam_forward_wait_s_median'] * 1000:.0f} ms, the floor's cover "
-                 f"{b1['fwd_bwd_time_s_median'] / gbs / 3 * 1000:.0f} ms")
-print("Where exact CPU Adam's update ends (the CPU's part, landing during the next forward, and the "
-      "GPU share's pass on the compute stream, which the step waits for; balanced to end together): "
-      + "; ".join(parts) + ". The forward never waited: both parts end inside the step, and the cover "
-      "a balance tilted towards the CPU could use is the floor's, tens of ms.")
-PY
+  python bench/gbs_report.py cost
   echo
-  python - <<'PY'
-import json, pathlib, re
-BARS = {4: 1.6, 8: 1.35, 32: 1.08}
-probe = pathlib.Path("docs/evidence/cpu-gpu-split-probe.txt").read_text()
-beside = max(float(x) for x in re.findall(r"([\d.]+)x its rate alone", probe))
-best = max(float(x) for x in re.findall(r"= ([\d.]+) G params/s", probe))
-print("What the bars ask of the update. A bar leaves the update its step less no offload's "
-      "forward+backward, plus the cover of the first micro-batch's forward (a third of one "
-      "micro-batch's forward+backward). Exact CPU Adam must then update every param at the rate "
-      "below; the most any split between the CPU and the GPU share could give is (link + 8 x CPU "
-      "rate) / 12 params/s (the share moves 12 B/param each way, the CPU part 4), taken here with "
-      "the link at state offload's measured rate and the CPU at fused AdamW's rate alone, as if "
-      "the copies took none of the host's memory bandwidth (outside the engine they took a fifth "
-      "or more: docs/evidence/cpu-gpu-split-probe.txt). State offload must move 12 B/param each "
-      "way in that time:")
-print()
-print("| GBS | GPU | time the bar leaves s | cpu_adam needs G params/s | at most, CPU undisturbed | "
-      f"at most, CPU at {beside:.2f}x | best split outside the engine | the engine reached | "
-      "states needs GB/s each way | the link ran GB/s |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-asks, engine = [], []
-for gbs, bar in BARS.items():
-    data = json.loads(pathlib.Path(f"bench/results/results-gbs-{gbs}.json").read_text())
-    by = {r["case"]["name"].removeprefix(f"cost GBS{gbs} "): r["summary"] for r in data["results"]}
-    bases = [by["no offload"], by["no offload (repeat)"]]
-    base = sum(b["step_time_s_median"] for b in bases) / 2
-    fb = sum(b["fwd_bwd_time_s_median"] for b in bases) / 2
-    ca, st = by["cpu_adam 100%"], by["states"]
-    params, link = ca["cpu_offloaded_params"], st["states_link_gb_per_s"]
-    alone = max(data["environment"]["cpu_adam_reference_params_per_s"].values())
-    left = bar * base - fb + fb / gbs / 3
-    reached = params / max(ca["cpu_adam_wall_s_median"], ca["cpu_adam_stream_s_median"])
-    gpu = data["environment"]["gpu"].replace("NVIDIA ", "")
-    asks.append(params * 12 / left / 1e9 / link)
-    engine.append(reached / 1e9)
-    print(f"| {gbs} | {gpu} | {left:.3f} | {params / left / 1e9:.2f} | "
-          f"{(link * 1e9 + 8 * alone) / 12 / 1e9:.2f} | "
-          f"{(link * 1e9 + 8 * beside * alone) / 12 / 1e9:.2f} | {best:.2f} | "
-          f"{reached / 1e9:.2f} | "
-          f"{params * 12 / left / 1e9:.0f} | {link:.1f} |")
-print()
-print(f"State offload's bars ask the link for {min(asks):.1f}-{max(asks):.1f} times what it "
-      "carries. Exact CPU Adam's ask for about what an undisturbed CPU beside a full link could "
-      f"give at best, and for more than the same with the CPU at {beside:.2f}x its rate alone, the "
-      "best it kept beside the copies outside the engine (split probe, one H200, 1e9 params). "
-      f"That probe's best split updated {best:.2f} G params/s in all (the CPU never kept that "
-      "rate while the link ran full); the engine, "
-      f"{min(engine):.1f}-{max(engine):.1f}. With fp32 moments neither engine can "
-      "meet the bars on these hosts, whatever it overlaps.")
-PY
+  python bench/gbs_report.py ends
   echo
-  echo "The exact update costs about the same at every batch (step minus forward+backward: 0.6-0.8 s"
-  echo "here), so its ratio falls as the batch grows, but on this H200, whose no-offload step is"
-  echo "faster than when the bars were set, the floors sit above the bars at every batch: with fp32"
-  echo "moments the 37 GB of states each way (or the CPU's Adam beside them) take longer than the bars"
-  echo "leave, and one micro-batch's forward is all an exact update can land under. bf16 moments"
-  echo "(8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\"). A floor above a"
-  echo "measured step is the baseline's noise (compare within a suite)."
+  python bench/gbs_report.py asks
+  echo
+  echo "bf16 moments (8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\")."
   echo
   echo "## Where exact offload's forward+backward time goes"
   echo
