@@ -83,7 +83,7 @@ PY
   echo
   python - <<'PY'
 import json, pathlib, re
-for path in sorted(pathlib.Path("bench/results").glob("results-gbs-*-pairs.json")):
+for path in sorted(pathlib.Path("bench/results").glob("results-gbs-*-pairs*.json")):
     data = json.loads(path.read_text())
     env, rows = data["environment"], data["results"]
     fb = [r["summary"]["fwd_bwd_time_s_median"] for r in rows]

@@ -312,7 +312,7 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       -p no:cacheprovider -k "cpu_adam or cpu-adam" tests/test_gpu_training.py \
       > "$OUT/pytest-gpu-cpu-adam-n.txt" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-gpu-cpu-adam-n.txt" | tail -24 ;;
-  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-32-pairs)  # exact offload's cost at one global batch, beside no offload (twice)
+  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-32-pairs|gbs-32-pairs-2)  # exact offload's cost at one global batch, beside no offload (twice)
     python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto

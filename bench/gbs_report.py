@@ -60,9 +60,11 @@ def load(path: Path, gbs: int) -> Suite:
 
 
 def suites(gbs: int, pairs: bool = True) -> list[Suite]:
-    names = [f"gbs-{gbs}", *([f"gbs-{gbs}-pairs"] if pairs else [])]
-    return [load(RESULTS / f"results-{n}.json", gbs) for n in names
-            if (RESULTS / f"results-{n}.json").exists()]  # fmt: skip
+    """Suite gbs-N, then (``pairs``) every gbs-N-pairs call."""
+    paths = [RESULTS / f"results-gbs-{gbs}.json"]
+    if pairs:
+        paths += sorted(RESULTS.glob(f"results-gbs-{gbs}-pairs*.json"))
+    return [load(path, gbs) for path in paths if path.exists()]
 
 
 def floors(s: Suite) -> dict[str, float]:
