@@ -63,7 +63,9 @@ def suites(gbs: int, pairs: bool = True) -> list[Suite]:
     """Suite gbs-N, then (``pairs``) every gbs-N-pairs call."""
     paths = [RESULTS / f"results-gbs-{gbs}.json"]
     if pairs:
-        paths += sorted(RESULTS.glob(f"results-gbs-{gbs}-pairs*.json"))
+        paths += sorted(
+            RESULTS.glob(f"results-gbs-{gbs}-pairs*.json"), key=lambda p: (len(p.name), p.name)
+        )
     return [load(path, gbs) for path in paths if path.exists()]
 
 
