@@ -1,0 +1,68 @@
+"""A sampling profiler for every Python process that puts this folder on PYTHONPATH (torchrun's
+workers too): every 20 ms it records where the main thread is, and at exit writes the innermost
+project frames seen most often to ``$SAMPLE_STACKS_OUT/stacks-<pid>.txt``. For phases no other
+profiler covers here, such as a rank's start-up before its first step:
+
+    SAMPLE_STACKS_OUT=$OUT PYTHONPATH=bench/sampler:$PYTHONPATH python run_recipe.py ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import sys
+import threading
+import time
+
+OUT = os.environ.get("SAMPLE_STACKS_OUT")
+EVERY_S = 0.02
+
+
+def _where(frame) -> tuple[str, ...]:
+    """The main thread's stack as file:function:line, outermost first."""
+    stack = []
+    while frame is not None:
+        code = frame.f_code
+        stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    return tuple(reversed(stack))
+
+
+def _start() -> None:
+    main = threading.main_thread().ident
+    counts: collections.Counter = collections.Counter()
+    began = time.perf_counter()
+
+    def sample() -> None:
+        while True:
+            time.sleep(EVERY_S)
+            frame = sys._current_frames().get(main)
+            if frame is not None:
+                counts[_where(frame)] += 1
+
+    def dump() -> None:
+        inclusive: collections.Counter = collections.Counter()  # file:function, callers too
+        leaf: collections.Counter = collections.Counter()  # the innermost line
+        for stack, n in counts.items():
+            for entry in {e.rsplit(":", 1)[0] for e in stack}:
+                inclusive[entry] += n
+            leaf[stack[-1]] += n
+        with open(os.path.join(OUT, f"stacks-{os.getpid()}.txt"), "w") as f:
+            f.write(
+                f"{sys.argv} {time.perf_counter() - began:.1f} s, {sum(counts.values())} "
+                f"samples every {EVERY_S * 1000:.0f} ms\n-- seconds in each function "
+                "(its callees included):\n"
+            )
+            for entry, n in inclusive.most_common(70):
+                f.write(f"{n * EVERY_S:8.2f}  {entry}\n")
+            f.write("-- seconds at each innermost line:\n")
+            for entry, n in leaf.most_common(30):
+                f.write(f"{n * EVERY_S:8.2f}  {entry}\n")
+
+    threading.Thread(target=sample, daemon=True, name="stack-sampler").start()
+    atexit.register(dump)
+
+
+if OUT:
+    _start()
