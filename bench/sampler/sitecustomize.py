@@ -34,14 +34,17 @@ def _start() -> None:
     counts: collections.Counter = collections.Counter()
     began = time.perf_counter()
 
+    stop = threading.Event()
+
     def sample() -> None:
-        while True:
-            time.sleep(EVERY_S)
+        while not stop.wait(EVERY_S):
             frame = sys._current_frames().get(main)
             if frame is not None:
                 counts[_where(frame)] += 1
 
     def dump() -> None:
+        stop.set()
+        sampler.join()
         inclusive: collections.Counter = collections.Counter()  # file:function, callers too
         leaf: collections.Counter = collections.Counter()  # the innermost line
         for stack, n in counts.items():
@@ -60,7 +63,8 @@ def _start() -> None:
             for entry, n in leaf.most_common(30):
                 f.write(f"{n * EVERY_S:8.2f}  {entry}\n")
 
-    threading.Thread(target=sample, daemon=True, name="stack-sampler").start()
+    sampler = threading.Thread(target=sample, daemon=True, name="stack-sampler")
+    sampler.start()
     atexit.register(dump)
 
 
