@@ -1,6 +1,6 @@
 """A sampling profiler for every Python process that puts this folder on PYTHONPATH (torchrun's
-workers too): every 20 ms it records where the main thread is, and at exit writes the innermost
-project frames seen most often to ``$SAMPLE_STACKS_OUT/stacks-<pid>.txt``. For phases no other
+workers too): every 20 ms it records where each thread is, and at exit writes, per thread name,
+the functions it spent most time in to ``$SAMPLE_STACKS_OUT/stacks-<pid>.txt``. For phases no other
 profiler covers here, such as a rank's start-up before its first step:
 
     SAMPLE_STACKS_OUT=$OUT PYTHONPATH=bench/sampler:$PYTHONPATH python run_recipe.py ...
@@ -19,18 +19,19 @@ OUT = os.environ.get("SAMPLE_STACKS_OUT")
 EVERY_S = 0.02
 
 
-def _where(frame) -> tuple[str, ...]:
-    """The main thread's stack as file:function:line, outermost first."""
+def _where(frame, thread: str) -> tuple[str, ...]:
+    """A thread's stack as thread|file:function:line, outermost first."""
     stack = []
     while frame is not None:
         code = frame.f_code
-        stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
+        stack.append(
+            f"{thread}|{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}"
+        )
         frame = frame.f_back
     return tuple(reversed(stack))
 
 
 def _start() -> None:
-    main = threading.main_thread().ident
     counts: collections.Counter = collections.Counter()
     began = time.perf_counter()
 
@@ -38,9 +39,10 @@ def _start() -> None:
 
     def sample() -> None:
         while not stop.wait(EVERY_S):
-            frame = sys._current_frames().get(main)
-            if frame is not None:
-                counts[_where(frame)] += 1
+            names = {t.ident: t.name.split("_")[0] for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    counts[_where(frame, names.get(ident, "?"))] += 1
 
     def dump() -> None:
         stop.set()
