@@ -59,7 +59,7 @@ def _start() -> None:
                 f"samples every {EVERY_S * 1000:.0f} ms\n-- seconds in each function "
                 "(its callees included):\n"
             )
-            for entry, n in inclusive.most_common(70):
+            for entry, n in inclusive.most_common(150):
                 f.write(f"{n * EVERY_S:8.2f}  {entry}\n")
             f.write("-- seconds at each innermost line:\n")
             for entry, n in leaf.most_common(30):
