@@ -216,7 +216,7 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
             same = [r["summary"] for o, r in parsed if o == shared]
             base_s = _mean(same, "step_time_s_median")  # the baseline and its repeats
             mine = result["summary"]  # its wait for late landings is the engine's, not drift
-            drift = (mine.get("fwd_bwd_time_s_median", 0.0)
+            drift = (mine["fwd_bwd_time_s_median"]
                      - (mine.get("cpu_adam_forward_wait_s_median") or 0.0)
                      - _mean(same, "fwd_bwd_time_s_median"))  # fmt: skip
             rows.append(StepCalibration(
@@ -229,8 +229,7 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
 
 
 def _mean(summaries: list[dict], key: str) -> float:
-    values = [s.get(key) or 0.0 for s in summaries]
-    return sum(values) / len(values)
+    return sum(s[key] for s in summaries) / len(summaries)
 
 
 @dataclass
