@@ -41,13 +41,11 @@ class HostArenas:
         """A flat uint8 tensor of ``nbytes`` zeros on the host (page-locked when ``pin``)."""
         import torch
 
-        if not nbytes:
-            arena = torch.empty(0, dtype=torch.uint8)
-            self._arenas.append(arena)
-            return arena
-        arena = torch.frombuffer(_private_pages(nbytes), dtype=torch.uint8, count=nbytes)
-        arena.zero_()  # faults its pages in on torch's threads, not on the driver's one
-        if pin:
+        arena = torch.empty(0, dtype=torch.uint8)
+        if nbytes:
+            arena = torch.frombuffer(_private_pages(nbytes), dtype=torch.uint8, count=nbytes)
+            arena.zero_()  # faults its pages in on torch's threads, not on the driver's one
+        if pin and nbytes:
             status = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
             if int(status) != 0:
                 raise RuntimeError(
