@@ -81,39 +81,7 @@ PY
   echo "told from the host's noise on these machines, which is larger than the issue's 3% bar (the two"
   echo "no-offload runs of suite \`gbs-32\` differ by 8%)."
   echo
-  python - <<'PY'
-import json, pathlib, re
-for path in sorted(pathlib.Path("bench/results").glob("results-gbs-*-pairs*.json")):
-    data = json.loads(path.read_text())
-    env, rows = data["environment"], data["results"]
-    fb = [r["summary"]["fwd_bwd_time_s_median"] for r in rows]
-    base = [i for i, r in enumerate(rows) if "no offload" in r["case"]["name"]]
-    print(f"Suite `{data['suite']}` ({env['gpu']}, {env['date'][:10]}, commit {env['commit']}) ran "
-          "no offload, cpu_adam and states in turn, in one call. Each engine run's forward+backward"
-          " against no offload's at its moment in the call (the two no-offload runs around it,"
-          " interpolated; after the last, the last):")
-    print()
-    print("| run | forward+backward s | no offload then s | ratio |")
-    print("|---|---|---|---|")
-    ratios = {}
-    for i, r in enumerate(rows):
-        if i in base:
-            print(f"| {r['case']['name']} | {fb[i]:.3f} | | |")
-            continue
-        before = max(b for b in base if b < i)
-        after = min((b for b in base if b > i), default=None)
-        then = fb[before] if after is None else \
-            fb[before] + (fb[after] - fb[before]) * (i - before) / (after - before)
-        engine = re.sub(r"^cost GBS\d+ ", "", r["case"]["name"].split(" #")[0])
-        ratios.setdefault(engine, []).append(fb[i] / then)
-        print(f"| {r['case']['name']} | {fb[i]:.3f} | {then:.3f} | {fb[i] / then:.2f}x |")
-    print()
-    spread = max(fb[b] for b in base) / min(fb[b] for b in base)
-    print("Median ratio: " + ", ".join(f"{e} {sorted(v)[len(v) // 2]:.2f}x"
-                                      for e, v in ratios.items())
-          + f"; no offload itself moved {spread:.2f}x within the call.")
-    print()
-PY
+  python bench/gbs_report.py pairs
   python - <<'PY'
 import pathlib, re
 text = {n: pathlib.Path(f"docs/evidence/host-drift-probe{n}-h100.txt").read_text()

@@ -6,6 +6,7 @@ offload and the exact engines in turn):
     python bench/gbs_report.py cost    # each engine run against its suite's no-offload runs
     python bench/gbs_report.py ends    # where exact CPU Adam's update ends (suites gbs-N)
     python bench/gbs_report.py asks    # what the bars ask of the update, beside the machine
+    python bench/gbs_report.py pairs   # forward+backward against no offload at its moment
 """
 
 from __future__ import annotations
@@ -48,12 +49,20 @@ class Suite:
         return next(s for name, s in self.runs if name == engine)
 
 
+def engine_of(case_name: str) -> str:
+    """A cost case's engine: its name less the suite's prefix, run number and repeat mark."""
+    return re.sub(r"^cost GBS\d+ | #\d+$| \(repeat\)$", "", case_name)
+
+
 def load(path: Path, gbs: int) -> Suite:
     data = json.loads(path.read_text())
     bases, runs = [], []
     for r in data["results"]:
-        name = re.sub(rf"^cost GBS{gbs} | #\d+$| \(repeat\)$", "", r["case"]["name"])
-        (bases.append(r["summary"]) if name == "no offload" else runs.append((name, r["summary"])))
+        name = engine_of(r["case"]["name"])
+        if name == "no offload":
+            bases.append(r["summary"])
+        else:
+            runs.append((name, r["summary"]))
     env = data["environment"]
     return Suite(data["suite"], gbs, env["gpu"].replace("NVIDIA ", ""), bases, runs,
                  max(env["cpu_adam_reference_params_per_s"].values()))  # fmt: skip
@@ -190,5 +199,41 @@ def met() -> str:
             "each engine's update costs about the same at every batch.")  # fmt: skip
 
 
+def pairs() -> str:
+    """Each gbs-N-pairs call: every engine run's forward+backward against no offload's at its
+    moment in the call (the no-offload runs around it, interpolated; after the last, the last)."""
+    out = []
+    for path in sorted(RESULTS.glob("results-gbs-*-pairs*.json")):
+        data = json.loads(path.read_text())
+        env, rows = data["environment"], data["results"]
+        fb = [r["summary"]["fwd_bwd_time_s_median"] for r in rows]
+        base = [i for i, r in enumerate(rows) if "no offload" in r["case"]["name"]]
+        out += [f"Suite `{data['suite']}` ({env['gpu']}, {env['date'][:10]}, commit "
+                f"{env['commit']}) ran no offload, cpu_adam and states in turn, in one call. Each "
+                "engine run's forward+backward against no offload's at its moment in the call "
+                "(the two no-offload runs around it, interpolated; after the last, the last):",
+                "", "| run | forward+backward s | no offload then s | ratio |",
+                "|---|---|---|---|"]  # fmt: skip
+        ratios: dict[str, list[float]] = {}
+        for i, r in enumerate(rows):
+            if i in base:
+                out.append(f"| {r['case']['name']} | {fb[i]:.3f} | | |")
+                continue
+            before = max(b for b in base if b < i)
+            after = min((b for b in base if b > i), default=None)
+            then = (
+                fb[before]
+                if after is None
+                else (fb[before] + (fb[after] - fb[before]) * (i - before) / (after - before))
+            )
+            ratios.setdefault(engine_of(r["case"]["name"]), []).append(fb[i] / then)
+            out.append(f"| {r['case']['name']} | {fb[i]:.3f} | {then:.3f} | {fb[i] / then:.2f}x |")
+        spread = max(fb[b] for b in base) / min(fb[b] for b in base)
+        medians = ", ".join(f"{e} {sorted(v)[len(v) // 2]:.2f}x" for e, v in ratios.items())
+        out += ["", f"Median ratio: {medians}; no offload itself moved {spread:.2f}x within the "
+                "call.", ""]  # fmt: skip
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print({"cost": cost, "ends": ends, "asks": asks}[sys.argv[1]]())
+    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs}[sys.argv[1]]())
