@@ -133,15 +133,19 @@ class HostAdam(HybridDeviceOptimizer):
     def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
         """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
         from the bf16 parameters; returns each parameter's start."""
+        import torch
+
         starts, start = {}, 0
         for _, p in params:
             view = slice(start, start + p.numel())
-            master[view].copy_(p.detach().view(-1))
+            _upcast_into(master[view], p.detach().view(-1))
             self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
                                 "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
             self.state[p] = self._views(p)
             starts[id(p)] = start
             start += p.numel()
+        if params and params[0][1].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the masters' copies down have landed
         return starts
 
     @property
@@ -411,6 +415,22 @@ def _follows(previous, tensor) -> bool:
         and tensor.is_contiguous()
         and previous.storage_offset() + previous.numel() == tensor.storage_offset()
     )
+
+
+UPCAST_NUMEL = 16 * 1024**2  # bf16 elements upcast on the GPU at once: a 64 MiB fp32 block
+
+
+def _upcast_into(dst, src) -> None:
+    """``dst`` (fp32) = ``src`` (bf16). From the GPU to the host: upcast there block by block
+    and copied down asynchronously (the caller synchronizes). One synchronous copy of a bf16
+    parameter into a host fp32 array converts on one host thread instead: the proxy's 3.1B
+    masters took 2.0 s of the CPU-Adam engine's 5.2 s start-up that way."""
+    if not (src.is_cuda and not dst.is_cuda):
+        dst.copy_(src)
+        return
+    for a in range(0, src.numel(), UPCAST_NUMEL):
+        b = min(a + UPCAST_NUMEL, src.numel())
+        dst[a:b].copy_(src[a:b].float(), non_blocking=True)
 
 
 def _window(first, offset: int, numel: int):
