@@ -304,6 +304,8 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     grep -E "PASSED|FAILED|ERROR|passed|failed|max" "$OUT/pytest-gpu-resume-2gpu.txt" | tail -12 ;;
   pinning-probe)  # the host engines' start-up: page-locking fresh host arrays, four ways
     timeout 200 python bench/host_pinning_probe.py 2>&1 | tee "$OUT/host-pinning-probe.txt" ;;
+  memory-probe)  # the host's memory: the CPU's copies and Adam alone and beside the link's
+    OMP_WAIT_POLICY=PASSIVE timeout 200 python bench/host_memory_probe.py 2>&1 | tee "$OUT/host-memory-probe.txt" ;;
   drift-probe)  # the host alone: one thread's kernel launches and a Python loop, for 4 minutes
     timeout 300 python bench/host_drift_probe.py 2>&1 | tee "$OUT/host-drift-probe.txt" ;;
   cpu-adam-tests-n)  # every CPU-Adam gpu test on one GPU, 8 at a time (the engine's modes, its
@@ -312,7 +314,7 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       -p no:cacheprovider -k "cpu_adam or cpu-adam" tests/test_gpu_training.py \
       > "$OUT/pytest-gpu-cpu-adam-n.txt" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-gpu-cpu-adam-n.txt" | tail -24 ;;
-  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-32-pairs|gbs-32-pairs-2)  # exact offload's cost at one global batch, beside no offload (twice)
+  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-4-pairs-2|gbs-32-pairs|gbs-32-pairs-2|gbs-32-pairs-3)  # exact offload's cost at one global batch, beside no offload (twice)
     python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
