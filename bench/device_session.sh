@@ -306,6 +306,29 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
     timeout 200 python bench/host_pinning_probe.py 2>&1 | tee "$OUT/host-pinning-probe.txt" ;;
   memory-probe)  # the host's memory: the CPU's copies and Adam alone and beside the link's
     OMP_WAIT_POLICY=PASSIVE timeout 200 python bench/host_memory_probe.py 2>&1 | tee "$OUT/host-memory-probe.txt" ;;
+  switch-interval)  # cpu_adam at GBS 4 under the stack sampler, then beside no offload at the
+    # interpreter's default switch interval (5 ms) and at 0.5 ms: where the CPU part's wall time
+    # beyond its Adam goes, and whether the engine's threads wait for the GIL
+    one() {  # one NAME [ENV=VALUE ...] [-- OVERRIDES]: a 12-iteration proxy run, its summary's keys
+      local name=$1; shift; local envs=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done; shift || true
+      env "${envs[@]}" PYTHONPATH="$PWD/bench/sampler:$PYTHONPATH" python run_recipe.py "${PROXY[@]}" \
+        train.train_iters=12 "$@" output_dir="$WORK/si-$name" > "$OUT/si-$name.log" 2>&1 || tail -20 "$OUT/si-$name.log"
+      cp "$WORK/si-$name/summary.json" "$OUT/summary-si-$name.json" || true
+      python - "$name" "$WORK/si-$name/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[2]))
+keys = ("step_time_s_median", "fwd_bwd_time_s_median", "optimizer_time_s_median", "cpu_adam_params_on_cpu",
+        "cpu_adam_busy_s_median", "cpu_adam_wait_s_median", "cpu_adam_wall_s_median", "cpu_adam_stream_s_median",
+        "cpu_adam_gpu_share")
+print(sys.argv[1], " ".join(f"{k.replace('_s_median', '').replace('cpu_adam_', '')}={s[k]:.4g}" for k in keys if s.get(k) is not None))
+PY
+    }
+    mkdir -p "$OUT/stacks"
+    one sampled SAMPLE_STACKS_OUT="$OUT/stacks" -- offload/optimizer=cpu_adam
+    for i in ${ROUNDS:-1}; do
+      one base-5ms-$i X=1; one cpu_adam-5ms-$i X=1 -- offload/optimizer=cpu_adam
+      one base-0.5ms-$i SWITCH_INTERVAL_S=0.0005; one cpu_adam-0.5ms-$i SWITCH_INTERVAL_S=0.0005 -- offload/optimizer=cpu_adam
+    done ;;
   drift-probe)  # the host alone: one thread's kernel launches and a Python loop, for 4 minutes
     timeout 300 python bench/host_drift_probe.py 2>&1 | tee "$OUT/host-drift-probe.txt" ;;
   cpu-adam-tests-n)  # every CPU-Adam gpu test on one GPU, 8 at a time (the engine's modes, its
