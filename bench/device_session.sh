@@ -266,6 +266,14 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" > "$OUT/trace-$name.txt"
       grep -A12 "micro-batches" "$OUT/trace-$name.txt"
     done ;;
+  profile-threads)  # exact CPU Adam at GBS 4, iterations 9-10 profiled (its GPU share fixed since 6):
+    # every thread's CUDA runtime calls, the longest beside what the others did meanwhile
+    python run_recipe.py "${PROXY[@]}" offload/optimizer=cpu_adam train.train_iters=11 \
+      output_dir="$WORK/profile-threads" profiling.use_pytorch_profiler=true \
+      profiling.profile_step_start=9 profiling.profile_step_end=10 > "$OUT/profile-threads.log" 2>&1 || tail -20 "$OUT/profile-threads.log"
+    cp "$WORK/profile-threads/summary.json" "$OUT/summary-threads.json" || true
+    python bench/profile_summary.py "$WORK/profile-threads/profile/rank0.json.gz" > "$OUT/trace-threads.txt"
+    sed -n '/by thread/,$p' "$OUT/trace-threads.txt" ;;
   weight-tests)  # weight offload's gpu tests (6 in parallel), their whole output
     timeout 400 python -m pytest -v -m gpu -k weight tests/test_gpu_training.py -n 6 \
       --basetemp=/tmp/wt -p no:cacheprovider > "$OUT/pytest-gpu-weight-offload.txt" 2>&1 || true

@@ -5,7 +5,9 @@
 Prints, per trace: the window's wall span, the union of kernel time (GPU busy), the idle rest,
 the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time;
 then each micro-batch (from one forward's embedding lookup to the next, the last to the window's
-end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step.
+end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step;
+then the runtime calls by thread, and the slowest of them beside what the other threads' runtime
+calls were doing meanwhile (a call that blocks another thread's launches shows there).
 """
 
 from __future__ import annotations
@@ -49,7 +51,34 @@ def summarize(path: str, top: int = 12) -> str:
         lines.append(f"-- {title} by total ms")
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
     lines += _micro_batches(ops, kernels, end)
+    lines += _threads(runtime, top)
     return "\n".join(lines)
+
+
+def _threads(runtime: list, top: int) -> list[str]:
+    """Runtime calls per thread (count, total and longest ms), then the ``top`` longest calls,
+    each with the other threads' calls that overlapped it the longest."""
+    lines = ["-- cuda runtime by thread: calls, total ms, longest ms"]
+    per: dict[tuple, list[float]] = {}
+    for e in runtime:
+        per.setdefault((e.get("tid"), e["name"]), []).append(e["dur"])
+    for (tid, name), durs in sorted(per.items(), key=lambda kv: -sum(kv[1]))[: 2 * top]:
+        lines.append(f"  tid {tid}: {len(durs):6d} {sum(durs) / 1e3:9.2f} {max(durs) / 1e3:8.2f}"
+                     f"  {name}")  # fmt: skip
+    lines.append("-- the longest runtime calls, and what other threads' calls overlapped them")
+    t0 = min((e["ts"] for e in runtime), default=0.0)
+    for e in sorted(runtime, key=lambda e: -e["dur"])[:top]:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        beside = sorted(
+            ((min(b, o["ts"] + o["dur"]) - max(a, o["ts"]), o) for o in runtime
+             if o.get("tid") != e.get("tid") and o["ts"] < b and o["ts"] + o["dur"] > a),
+            key=lambda x: -x[0],
+        )[:3]  # fmt: skip
+        others = "; ".join(f"tid {o.get('tid')} {o['name']} {o['dur'] / 1e3:.2f} ms"
+                           for _, o in beside) or "nothing"  # fmt: skip
+        lines.append(f"  tid {e.get('tid')} {e['name']} {e['dur'] / 1e3:.2f} ms at "
+                     f"+{(a - t0) / 1e3:.1f} ms | beside: {others}")  # fmt: skip
+    return lines
 
 
 def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
