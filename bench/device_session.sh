@@ -337,6 +337,8 @@ PY
       one base-5ms-$i X=1; one cpu_adam-5ms-$i X=1 -- offload/optimizer=cpu_adam
       one base-0.5ms-$i SWITCH_INTERVAL_S=0.0005; one cpu_adam-0.5ms-$i SWITCH_INTERVAL_S=0.0005 -- offload/optimizer=cpu_adam
     done ;;
+  grad-dtype-probe)  # CPU Adam on bf16 gradients (the engines' upcast blocks) against fp32 ones
+    OMP_WAIT_POLICY=PASSIVE timeout 300 python bench/grad_dtype_probe.py 2>&1 | tee "$OUT/grad-dtype-probe.txt" ;;
   drift-probe)  # the host alone: one thread's kernel launches and a Python loop, for 4 minutes
     timeout 300 python bench/host_drift_probe.py 2>&1 | tee "$OUT/host-drift-probe.txt" ;;
   cpu-adam-tests-n)  # every CPU-Adam gpu test on one GPU, 8 at a time (the engine's modes, its
