@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What the engines' bf16 gradients cost CPU Adam: torch's fused AdamW on fp32 gradients against
-``host_adam.adamw`` on bf16 ones (upcast in blocks of UPCAST_BLOCK elements, each updated while
-its fp32 copy is in the caches), at several block sizes, on all of torch's intra-op threads.
+``host_adam.adamw`` on bf16 ones (upcast in blocks of UPCAST_BLOCK elements into reused fp32
+arrays) at several block sizes, and against upcasting each block into a new array (the engines
+before), on all of torch's intra-op threads.
 
     OMP_WAIT_POLICY=PASSIVE python bench/grad_dtype_probe.py     # N=256M params by default
 
@@ -43,10 +44,20 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"N={N / 1e6:.0f}M params")  # fmt: skip
     print(f"fp32 gradients, fused AdamW: {rate(lambda: fused([master], [grad32], [m], [v])):.2f}")
-    for block in (1 << 18, 1 << 20, 1 << 22):
+    for block in (1 << 20, 1 << 22):
+        got = rate(lambda b=block: allocating(master, grad16, m, v, fused, b))
+        print(f"bf16 gradients, each block of {block >> 10}K upcast into a new array: {got:.2f}")
+    for block in (1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 24):
         host_adam.UPCAST_BLOCK = block
         got = rate(lambda: host_adam.adamw([master], [grad16], [m], [v], fused))
-        print(f"bf16 gradients, upcast in blocks of {block >> 10}K: {got:.2f}")
+        print(f"bf16 gradients, blocks of {block >> 10}K upcast into reused arrays: {got:.2f}")
+
+
+def allocating(master, grad, m, v, fused, block: int) -> None:
+    """The engines' upcast before: each block's fp32 gradients in a new array."""
+    for a in range(0, master.numel(), block):
+        b = min(a + block, master.numel())
+        fused([master[a:b]], [grad[a:b].float()], [m[a:b]], [v[a:b]])
 
 
 if __name__ == "__main__":

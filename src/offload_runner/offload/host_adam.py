@@ -24,6 +24,7 @@ the GPU share of Adam for fraction < 1, and the checkpoint hooks.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
@@ -324,7 +325,7 @@ class HostAdam(HybridDeviceOptimizer):
         self._arenas.release()
 
 
-UPCAST_BLOCK = 1 << 20  # elements upcast at a time on the CPU (stays in the caches)
+UPCAST_BLOCK = 1 << 22  # elements upcast at a time on the CPU, into a reused fp32 block
 
 
 def torch_adamw(steps, h: dict, grad_scale=None):
@@ -344,7 +345,10 @@ def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_ad
     """AdamW through ``fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)`` (a kernel on fp32
     lists) for fp32 masters whose gradients or moments may be bf16: those are upcast to fp32 in
     blocks, updated, and the moments rounded back (to nearest even), as Transformer Engine's
-    FusedAdam does with bf16 moments: fp32 math, bf16 storage."""
+    FusedAdam does with bf16 moments: fp32 math, bf16 storage. On the CPU each block is upcast
+    into this thread's own fp32 arrays, reused: every block costs two parallel regions, whose
+    threads the engines' passive OpenMP teams wake each time, and a fresh array per block its
+    page faults (bench/grad_dtype_probe.py: docs/evidence/grad-dtype-probe-h100.txt)."""
     import torch
 
     fp32 = torch.float32
@@ -352,15 +356,35 @@ def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_ad
         fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)
         return
     for master, grad, m, v in zip(masters, grads, exp_avgs, exp_avg_sqs, strict=True):
-        block = UPCAST_BLOCK if master.device.type == "cpu" else max(master.numel(), 1)
+        on_cpu = master.device.type == "cpu"
+        block = UPCAST_BLOCK if on_cpu else max(master.numel(), 1)
         for a in range(0, master.numel(), block):
             b = min(a + block, master.numel())
-            m32, v32 = m[a:b].to(fp32), v[a:b].to(fp32)  # a copy where stored in bf16
-            fp32_adam([master[a:b]], [grad[a:b].to(fp32)], [m32], [v32])
+            g32, m32, v32 = (_fp32(t[a:b], i if on_cpu else None)
+                             for i, t in enumerate((grad, m, v)))  # fmt: skip
+            fp32_adam([master[a:b]], [g32], [m32], [v32])
             if m.dtype != fp32:
                 m[a:b].copy_(m32)
             if v.dtype != fp32:
                 v[a:b].copy_(v32)
+
+
+_SCRATCH = threading.local()  # per thread: fp32 arrays of UPCAST_BLOCK elements
+
+
+def _fp32(tensor, slot: int | None):
+    """``tensor`` itself where fp32, else its fp32 copy: in this thread's ``slot``-th reused
+    array (None: a new one)."""
+    import torch
+
+    if tensor.dtype == torch.float32:
+        return tensor
+    if slot is None:
+        return tensor.float()
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None or arrays[0].numel() < UPCAST_BLOCK:
+        arrays = _SCRATCH.arrays = [torch.empty(UPCAST_BLOCK) for _ in range(3)]
+    return arrays[slot][: tensor.numel()].copy_(tensor)
 
 
 def main_grad_views(shards, model_params) -> dict:
