@@ -28,6 +28,8 @@ cd "$(dirname "$0")/.."
   echo
   python bench/gbs_report.py asks
   echo
+  python bench/gbs_report.py host
+  echo
   echo "bf16 moments (8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\")."
   echo
   echo "## Where exact offload's forward+backward time goes"

@@ -7,6 +7,7 @@ offload and the exact engines in turn):
     python bench/gbs_report.py ends    # where exact CPU Adam's update ends (suites gbs-N)
     python bench/gbs_report.py asks    # what the bars ask of the update, beside the machine
     python bench/gbs_report.py pairs   # forward+backward against no offload at its moment
+    python bench/gbs_report.py host    # what the host could give the update, and the engine's gap
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 BARS = {4: 1.6, 8: 1.35, 32: 1.08}  # the issue's step bars, against no offload's step
 PEAK_BAR = 0.45  # and its GPU-peak bar
 RESULTS = Path(__file__).resolve().parent / "results"
-SPLIT_PROBE = Path(__file__).resolve().parent.parent / "docs/evidence/cpu-gpu-split-probe.txt"
+EVIDENCE = Path(__file__).resolve().parent.parent / "docs/evidence"
+SPLIT_PROBE = EVIDENCE / "cpu-gpu-split-probe.txt"
 EXACT = ("cpu_adam 100%", "states")
 ENGINES = (*EXACT, "HDO 100% + overlap", "cpu_adam_delayed 100%")
 
@@ -235,5 +237,65 @@ def pairs() -> str:
     return "\n".join(out)
 
 
+def host() -> str:
+    """What one H100 machine's host could give exact CPU Adam's update (host-memory probe), what
+    the engine reached in the gbs suites on H100s, and the two gaps found between them."""
+    mem = (EVIDENCE / "host-memory-probe-h100.txt").read_text()
+    adam = re.search(r"CPU Adam: ([\d.]+) G params/s alone, ([\d.]+) beside", mem)
+    link = re.search(r"CPU Adam: alone.*the link then ([\d.]+) GB/s each way", mem)
+    alone = re.search(r"link alone: ([\d.]+) GB/s", mem)
+    cpu, beside, up = float(adam[1]), float(adam[2]), float(link[1])
+    # the CPU part at its rate beside the link; the link up carries the window's 12 B/param and
+    # the CPU part's landings, 4 B/param: params/s = beside + (up - 4 beside) / 12
+    bound = beside + (up - 4 * beside) / 12
+    probe = (EVIDENCE / "grad-dtype-probe-h100.txt").read_text()
+    grads = dict(re.findall(r"^(.*): ([\d.]+)$", probe, re.M))
+    runs, asked = [], []
+    for gbs, bar in BARS.items():
+        for st in (st for st in suites(gbs) if "H100" in st.gpu):
+            r = st.first("cpu_adam 100%")
+            runs.append(r)
+            left = bar * st.base - st.fwd_bwd + st.fwd_bwd / gbs / 3
+            asked.append(r["cpu_offloaded_params"] / left / 1e9)
+    adam_rates = [r["cpu_adam_params_per_s"] / 1e9 for r in runs]
+    window = [r["cpu_adam_stream_params_per_s"] / 1e9 for r in runs]
+    excess = [r["cpu_adam_wall_s_median"] - r["cpu_adam_busy_s_median"]
+              - r["cpu_adam_wait_s_median"] for r in runs]  # fmt: skip
+    ends = [max(r["cpu_adam_wall_s_median"], r["cpu_adam_stream_s_median"]) for r in runs]
+    whole = [r["cpu_offloaded_params"] / 1e9 / t for r, t in zip(runs, ends, strict=True)]
+    ab_text = (EVIDENCE / "balance-adam-ab-h100.txt").read_text()
+    ab = dict(re.findall(r"^([AB]\d): step ([\d.]+) s", ab_text, re.M))
+    span = lambda v: f"{min(v):.2f}-{max(v):.2f}"  # noqa: E731
+    return (
+        "What the host could give the update (`python bench/host_memory_probe.py`, "
+        "docs/evidence/host-memory-probe-h100.txt, one H100 machine): fused AdamW on fp32 "
+        f"arrays ran {cpu:.2f} G params/s alone and {beside:.2f} while the link copied both ways, "
+        f"the link then {up:.1f} GB/s each way ({alone[1]} alone). With the CPU part at that rate "
+        "and the link up carrying the window's 12 B/param and the CPU part's landings, 4 B/param, "
+        f"exact CPU Adam could update {bound:.2f} G params/s on that host; the H100 suites' bars "
+        f"asked {span(asked)}, and the engine reached {span(whole)}: its CPU part's Adam ran at "
+        f"{span(adam_rates)} G params/s, its window at {span(window)}. Two gaps, found by "
+        "profile this round:\n\n"
+        "- The gradients are bf16 (DDP's buffer), which torch's fused AdamW does not take, so the "
+        "engine upcasts them in blocks. Upcast into a new array per 1M-element block (two "
+        "parallel regions a block, the passive team woken for each, and a fresh array's pages), "
+        f"CPU Adam ran {grads['bf16 gradients, upcast in blocks of 1024K']} G params/s against "
+        f"{grads['fp32 gradients, fused AdamW']} on fp32 gradients and "
+        f"{grads['bf16 gradients, upcast in blocks of 4096K']} in 4M blocks "
+        "(`python bench/grad_dtype_probe.py`, docs/evidence/grad-dtype-probe-h100.txt). The "
+        "engines now upcast 4M-element blocks into arrays each thread reuses; no suite has run "
+        "since, so its effect on the step is not measured yet.\n"
+        f"- The CPU part's wall time exceeds its Adam and its wait for gradients by {span(excess)} "
+        "s a step: its landings (each piece's fp32 masters up, then rounded) queue behind the "
+        "window's copies on the link, and the thread that enqueues them blocks in a launch for "
+        "118-141 ms a step (docs/evidence/profile-threads-cpu-adam-h100.txt; the interpreter's "
+        "switch interval and two cores kept from the team changed nothing: "
+        "docs/evidence/cpu-adam-wall-gap-h100.txt). Balancing the split on the CPU's Adam alone "
+        f"moved params to the CPU and made the step slower, {ab['B1']} and {ab['B2']} s against "
+        f"{ab['A1']} and {ab['A2']} (docs/evidence/balance-adam-ab-h100.txt): the CPU part's "
+        "landings then slow the next forward+backward. The balance stays on the wall time."
+    )
+
+
 if __name__ == "__main__":
-    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs}[sys.argv[1]]())
+    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host}[sys.argv[1]]())

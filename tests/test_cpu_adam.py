@@ -1090,3 +1090,31 @@ def test_the_train_step_lets_the_backwards_copies_finish_before_the_clipping() -
     engines.cpu_adam, engines.weights = [engine], []
     assert engines.step() == 2.5
     assert calls == ["copies taken", "optimizer.step", "clipped by 2.5"]
+
+
+def test_upcast_blocks_reuse_the_threads_arrays_and_match_fp32_adam(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """host_adam.adamw on bf16 gradients and moments in blocks smaller than the tensor: the
+    update is fused AdamW's on their fp32 upcasts, across the blocks' edges, and every block
+    upcasts into the same three fp32 arrays of the thread (no new array per block)."""
+    from offload_runner.offload import host_adam
+
+    monkeypatch.setattr(host_adam, "UPCAST_BLOCK", 1024)
+    g = torch.Generator().manual_seed(0)
+    n = 4500  # four whole blocks and a part
+    master = torch.randn(n, generator=g)
+    grad = (torch.randn(n, generator=g) * 1e-3).bfloat16()
+    m = (torch.randn(n, generator=g) * 1e-3).bfloat16()
+    v = (torch.rand(n, generator=g) * 1e-6).bfloat16()
+    ref_master, ref_m, ref_v = master.clone(), m.float(), v.float()
+    fused = host_adam.torch_adamw(torch.tensor(3.0), dict(lr=1e-3, beta1=0.9, beta2=0.95,
+                                                          weight_decay=0.1, eps=1e-8))  # fmt: skip
+    fused([ref_master], [grad.float()], [ref_m], [ref_v])
+    host_adam.adamw([master], [grad], [m], [v], fused)
+    assert torch.equal(master, ref_master)
+    assert torch.equal(m, ref_m.bfloat16()) and torch.equal(v, ref_v.bfloat16())
+    arrays = host_adam._SCRATCH.arrays
+    ptrs = [a.data_ptr() for a in arrays]
+    host_adam.adamw([master], [grad], [m], [v], fused)
+    assert host_adam._SCRATCH.arrays is arrays and [a.data_ptr() for a in arrays] == ptrs
