@@ -674,7 +674,7 @@ SUITES: dict[str, list[Case]] = {
     "gbs-4-pairs": _pairs(4, 7),  # two rounds and no offload again: a call's 560 s
     "gbs-32-pairs": _pairs(32, 4),  # one round and no offload again: about 450 s on an H100
     "gbs-32-pairs-2": _pairs(32, 4),  # the same again, in another call
-    "gbs-4-pairs-2": _pairs(4, 7),  # gbs-4-pairs again after the masters' upcast moved to the GPU
+    "gbs-4-pairs-2": _pairs(4, 7),  # again after both upcasts changed (masters, bf16 grads)
     "gbs-32-pairs-3": _pairs(32, 4),  # a third call
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
