@@ -134,8 +134,6 @@ class HostAdam(HybridDeviceOptimizer):
     def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
         """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
         from the bf16 parameters; returns each parameter's start."""
-        import torch
-
         starts, start = {}, 0
         for _, p in params:
             view = slice(start, start + p.numel())
@@ -145,8 +143,7 @@ class HostAdam(HybridDeviceOptimizer):
             self.state[p] = self._views(p)
             starts[id(p)] = start
             start += p.numel()
-        if params and params[0][1].is_cuda:
-            torch.cuda.current_stream().synchronize()  # the masters' copies down have landed
+        _upcasts_landed(params)
         return starts
 
     @property
@@ -317,8 +314,10 @@ class HostAdam(HybridDeviceOptimizer):
     def update_fp32_param_by_new_param(self) -> None:
         """Masters from the bf16 parameters (Megatron-Core's reload of model weights)."""
         self.finish()
-        for _, p in self.offloaded + self.kept:
-            self.state[p]["master_param"].copy_(p.detach().view(-1))
+        params = self.offloaded + self.kept
+        for _, p in params:
+            _upcast_into(self.state[p]["master_param"], p.detach().view(-1))
+        _upcasts_landed(params)
 
     def close(self) -> None:
         self.finish()
@@ -456,6 +455,15 @@ def _upcast_into(dst, src) -> None:
     for a in range(0, src.numel(), UPCAST_NUMEL):
         b = min(a + UPCAST_NUMEL, src.numel())
         dst[a:b].copy_(src[a:b].float(), non_blocking=True)
+
+
+def _upcasts_landed(params: list) -> None:
+    """Wait for ``_upcast_into``'s asynchronous copies of ``params`` (pairs, as the engines keep
+    them) to have landed on the host."""
+    import torch
+
+    if params and params[0][1].is_cuda:
+        torch.cuda.current_stream().synchronize()
 
 
 def _window(first, offset: int, numel: int):
