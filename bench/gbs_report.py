@@ -50,6 +50,18 @@ class Suite:
     def first(self, engine: str) -> dict:
         return next(s for name, s in self.runs if name == engine)
 
+    def left(self, bar: float) -> float:
+        """The time the step bar leaves the update: the bar's step less no offload's
+        forward+backward, plus the first micro-batch's forward (a third of one micro-batch's)."""
+        return bar * self.base - self.fwd_bwd + self.fwd_bwd / self.gbs / 3
+
+
+def update_rate(cpu_adam: dict) -> float:
+    """A CPU-Adam run's whole update in params/s: its offloaded params over the later end of its
+    CPU part and its GPU share's pass."""
+    ends = max(cpu_adam["cpu_adam_wall_s_median"], cpu_adam["cpu_adam_stream_s_median"])
+    return cpu_adam["cpu_offloaded_params"] / ends
+
 
 def engine_of(case_name: str) -> str:
     """A cost case's engine: its name less the suite's prefix, run number and repeat mark."""
@@ -159,8 +171,7 @@ def asks() -> str:
         for s in suites(gbs):
             ca, st = s.first("cpu_adam 100%"), s.first("states")
             params, link = ca["cpu_offloaded_params"], st["states_link_gb_per_s"]
-            left = bar * s.base - s.fwd_bwd + s.fwd_bwd / gbs / 3
-            rate = params / max(ca["cpu_adam_wall_s_median"], ca["cpu_adam_stream_s_median"])
+            left, rate = s.left(bar), update_rate(ca)
             ratios.append(params * 12 / left / 1e9 / link)
             reached.append(rate / 1e9)
             lines.append(
@@ -255,14 +266,12 @@ def host() -> str:
         for st in (st for st in suites(gbs) if "H100" in st.gpu):
             r = st.first("cpu_adam 100%")
             runs.append(r)
-            left = bar * st.base - st.fwd_bwd + st.fwd_bwd / gbs / 3
-            asked.append(r["cpu_offloaded_params"] / left / 1e9)
+            asked.append(r["cpu_offloaded_params"] / st.left(bar) / 1e9)
     adam_rates = [r["cpu_adam_params_per_s"] / 1e9 for r in runs]
     window = [r["cpu_adam_stream_params_per_s"] / 1e9 for r in runs]
     excess = [r["cpu_adam_wall_s_median"] - r["cpu_adam_busy_s_median"]
               - r["cpu_adam_wait_s_median"] for r in runs]  # fmt: skip
-    ends = [max(r["cpu_adam_wall_s_median"], r["cpu_adam_stream_s_median"]) for r in runs]
-    whole = [r["cpu_offloaded_params"] / 1e9 / t for r, t in zip(runs, ends, strict=True)]
+    whole = [update_rate(r) / 1e9 for r in runs]
     ab_text = (EVIDENCE / "balance-adam-ab-h100.txt").read_text()
     ab = dict(re.findall(r"^([AB]\d): step ([\d.]+) s", ab_text, re.M))
     span = lambda v: f"{min(v):.2f}-{max(v):.2f}"  # noqa: E731
