@@ -676,6 +676,9 @@ SUITES: dict[str, list[Case]] = {
     "gbs-32-pairs-2": _pairs(32, 4),  # the same again, in another call
     "gbs-4-pairs-2": _pairs(4, 7),  # again after both upcasts changed (masters, bf16 grads)
     "gbs-32-pairs-3": _pairs(32, 4),  # a third call
+    # exact landings rounded on the CPU (bf16 up) against fp32 up: run at two commits in turn
+    # (device_session.sh commit-ab), each beside its own no-offload row
+    "exact-4-ab": _cost_cases(4)[:2],
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
