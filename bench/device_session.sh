@@ -357,7 +357,7 @@ PY
     for i in 1 2; do
       python bench/run_benchmarks.py run --suite "$SUITE" --iters 12 --work-dir "$WORK/b$i" \
         --out "$OUT/results-$SUITE-b$i.json"
-      (cd "$A" && PYTHONPATH="$A/src" OFFLOAD_RUNNER_COMMIT="$A_REV" python bench/run_benchmarks.py \
+      (cd "$A" && PYTHONPATH="$A/src:$PYTHONPATH" OFFLOAD_RUNNER_COMMIT="$A_REV" python bench/run_benchmarks.py \
         run --suite "$SUITE" --iters 12 --work-dir "$WORK/a$i" --out "$OUT/results-$SUITE-a$i.json")
     done ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto

@@ -107,10 +107,9 @@ class HostAdam(HybridDeviceOptimizer):
         self.kept = [(gi, p) for gi, p in everything if id(p) not in host]
 
     # -- memory ----------------------------------------------------------------------------
-    def _host_array(self, dtype, pin: bool, what: str, numel: int | None = None):
-        """A flat host array of ``dtype`` for the offloaded shard (or of ``numel`` elements),
-        page-locked when ``pin``."""
-        n = self.offloaded_numel if numel is None else numel
+    def _host_array(self, dtype, pin: bool, what: str):
+        """A flat host array of ``dtype`` for the offloaded shard (page-locked when ``pin``)."""
+        n = self.offloaded_numel
         arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, what)
         return _typed(arena, dtype, n)
 

@@ -15,7 +15,7 @@ from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYT
 from offload_runner.offload.cpu_adam.cores import cpu_worker, init_thread
 from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, DelayedUpdates
 from offload_runner.offload.cpu_adam.gpu_share import GPU_SHARE, GpuShare
-from offload_runner.offload.cpu_adam.landing import STAGING_SLOTS, Landing
+from offload_runner.offload.cpu_adam.landing import Landing
 from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import (
@@ -120,7 +120,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         the moments pageable where only the CPU touches them (page-locked, and a state window,
         with a GPU share), with weight prediction the
         page-locked guess the landings read; a ring of two pieces of fp32 masters on the GPU,
-        rounded into the bf16 params there, and exact mode's page-locked bf16 staging slots."""
+        rounded into the bf16 params there."""
         import torch
 
         streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
@@ -144,9 +144,6 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         # plan.cpu_adam_ring_bytes
         self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
         self._landings = 0
-        slot = min(self.chunk_numel, self.offloaded_numel)  # exact mode's staging (landing.py)
-        staging = self._host_array(torch.bfloat16, self.on_cuda, "cpu_adam", STAGING_SLOTS * slot)
-        self._staging = [staging[k * slot : (k + 1) * slot] for k in range(STAGING_SLOTS)]
 
     def step(self, closure=None):
         import torch
@@ -326,7 +323,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
             if update.land_in_worker:  # rounded here, up from the lander (landing.py)
-                staged = self._stage(piece, landings)
+                staged = self._stage(piece)
                 update.stage_s += time.perf_counter() - t2
                 landings.append(self._lander.submit(self._land_staged, piece, staged, update, i))
             done.set()

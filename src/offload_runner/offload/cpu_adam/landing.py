@@ -3,10 +3,11 @@ landing during the next forward, where a forward pre-hook on each module waits f
 the last piece holding its parameters.
 
 Exact mode's worker rounds each updated piece's masters to bf16 on the CPU (to nearest even, as
-the GPU's copy does: bit for bit the same parameters) into a page-locked staging slot, and the
-lander copies the slot straight into the parameters: 2 B/param up where the fp32 masters took 4,
-on a link the GPU share's window already fills both ways. Other landings (delayed mode's, loaded
-masters) go up in fp32 through a GPU ring and are rounded there."""
+the GPU's copy does: bit for bit the same parameters) into the page-locked host gradients of that
+piece, spent by then, and the lander copies them straight into the parameters: 2 B/param up where
+the fp32 masters took 4, on a link the GPU share's window fills both ways, and one copy a piece
+where a copy and a rounding kernel were. Other landings (delayed mode's, loaded masters) go up in
+fp32 through a GPU ring and are rounded there."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import time
 
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import Piece
-
-STAGING_SLOTS = 8  # exact mode's page-locked bf16 slots, one piece each (a ring)
 
 
 class Landing:
@@ -65,33 +64,31 @@ class Landing:
             piece.landed = torch.cuda.Event(blocking=True)
             piece.landed.record(self._streams[1])
 
-    def _stage(self, piece: Piece, jobs: list):
-        """The worker: ``piece``'s masters rounded into the next staging slot, once the copy of
-        the piece staged there before has read it (``jobs``: the landings handed out so far, in
-        order; each returns the event of its copy). Returns the slot's view."""
-        slot = len(jobs) % len(self._staging)
-        if len(jobs) >= len(self._staging):
-            landed = jobs[len(jobs) - len(self._staging)].result()
-            if landed is not None:
-                landed.synchronize()
-        staged = self._staging[slot][: piece.numel]
+    def _stage(self, piece: Piece):
+        """The worker, after Adam on ``piece``: its masters rounded to bf16 into the first bytes
+        of its own slice of the host gradients, which Adam has read and the next fetch will
+        overwrite only after the compute stream has waited for this landing (``_complete``,
+        ``_before_forward``, then ``_start_fetch``). Returns that view."""
+        import torch
+
+        grad = self.host_grad[piece.start : piece.stop]
+        staged = grad.view(torch.bfloat16)[: piece.numel]
         staged.copy_(self.host_master[piece.start : piece.stop])
         return staged
 
-    def _land_staged(self, piece: Piece, staged, update: Update, index: int):
+    def _land_staged(self, piece: Piece, staged, update: Update, index: int) -> None:
         """The lander: exact mode's rounded ``staged`` piece up into its parameters, then the
-        mark the next forward waits for. Returns the copy's event (None without CUDA)."""
+        mark the next forward waits for."""
         try:
             if self._streams is None:
                 piece.param.copy_(staged)
-                return None
+                return
             import torch
 
             with torch.cuda.stream(self._streams[1]):
                 piece.param.copy_(staged, non_blocking=True)
                 piece.landed = torch.cuda.Event(blocking=True)
                 piece.landed.record(self._streams[1])
-            return piece.landed
         except BaseException:
             update.failed = True
             raise
