@@ -350,15 +350,14 @@ PY
   gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-4-pairs-2|gbs-32-pairs|gbs-32-pairs-2|gbs-32-pairs-3)  # exact offload's cost at one global batch, beside no offload (twice)
     python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
-  commit-ab)  # SUITE at the sent tree (B) and at commit A_REV (A, its src/ with this bench/), in
-    # turn, twice: B1 A1 B2 A2, each suite's rows beside each other
+  commit-ab)  # SUITE at the sent tree (B) and at commit A_REV (A: its src/ with this bench/), in
+    # turn, B A B, each suite's rows beside each other
     : "${A_REV:?set A_REV}" "${SUITE:=exact-4-ab}"
     A=/tmp/ab-a; rm -rf "$A"; mkdir -p "$A"; git archive "$A_REV" | tar -x -C "$A"; cp -r bench "$A/"
-    for i in 1 2; do
-      python bench/run_benchmarks.py run --suite "$SUITE" --iters 12 --work-dir "$WORK/b$i" \
-        --out "$OUT/results-$SUITE-b$i.json"
-      (cd "$A" && PYTHONPATH="$A/src:$PYTHONPATH" OFFLOAD_RUNNER_COMMIT="$A_REV" python bench/run_benchmarks.py \
-        run --suite "$SUITE" --iters 12 --work-dir "$WORK/a$i" --out "$OUT/results-$SUITE-a$i.json")
+    for run in b1 a1 b2; do
+      tree=$PWD; [ "$run" = a1 ] && tree=$A
+      (cd "$tree" && PYTHONPATH="$tree/src:$PYTHONPATH" python bench/run_benchmarks.py run \
+        --suite "$SUITE" --iters 10 --work-dir "$WORK/$run" --out "$OUT/results-$SUITE-$run.json")
     done ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
     python bench/run_benchmarks.py run --suite llama3-8b-auto --iters 10 --time-limit 560 \
