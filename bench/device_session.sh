@@ -355,8 +355,9 @@ PY
     : "${A_REV:?set A_REV}" "${SUITE:=exact-4-ab}"
     A=/tmp/ab-a; rm -rf "$A"; mkdir -p "$A"; git archive "$A_REV" | tar -x -C "$A"; cp -r bench "$A/"
     for run in b1 a1 b2; do
-      tree=$PWD; [ "$run" = a1 ] && tree=$A
-      (cd "$tree" && PYTHONPATH="$tree/src:$PYTHONPATH" python bench/run_benchmarks.py run \
+      tree=$PWD rev=$OFFLOAD_RUNNER_COMMIT; [ "$run" = a1 ] && tree=$A rev=$A_REV
+      (cd "$tree" && PYTHONPATH="$tree/src:$PYTHONPATH" OFFLOAD_RUNNER_COMMIT=$rev \
+        python bench/run_benchmarks.py run \
         --suite "$SUITE" --iters 10 --work-dir "$WORK/$run" --out "$OUT/results-$SUITE-$run.json")
     done ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
