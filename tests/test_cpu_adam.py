@@ -1118,35 +1118,3 @@ def test_upcast_blocks_reuse_the_threads_arrays_and_match_fp32_adam(
     ptrs = [a.data_ptr() for a in arrays]
     host_adam.adamw([master], [grad], [m], [v], fused)
     assert host_adam._SCRATCH.arrays is arrays and [a.data_ptr() for a in arrays] == ptrs
-
-
-def test_exact_landings_are_the_masters_rounded_to_nearest_even_on_the_cpu() -> None:
-    """Exact mode rounds each updated piece's masters to bf16 on the CPU, into that piece's spent
-    host gradients (landing.py), where the GPU rounded them before: the CPU's conversion must be
-    the GPU's, round to nearest with ties to even, on ties and on the vector loop and its tail
-    alike; and a lander slower than the worker still lands every piece's own masters before the
-    next step's gradients overwrite them."""
-    g = torch.Generator().manual_seed(0)
-    bits = torch.randint(0, 0x7F7F_0000, (100_003,), generator=g, dtype=torch.int32)
-    bits[::3] = (bits[::3] & ~0xFFFF) | 0x8000  # exact ties, on odd and even upper halves
-    bits[1::2] = bits[1::2] | torch.iinfo(torch.int32).min  # negative ones too
-    rounded = bits.view(torch.float32).to(torch.bfloat16).view(torch.int16).to(torch.int32)
-    upper, lower = bits >> 16, bits & 0xFFFF
-    up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
-    assert torch.equal(rounded & 0xFFFF, (upper + up.int()) & 0xFFFF)
-
-    buffers = Buffers()
-    eng = engine(buffers, 1.0)
-    land = eng._land_staged
-
-    def late(*args):  # a lander behind the worker
-        time.sleep(0.002)
-        return land(*args)
-
-    eng._land_staged = late
-    for step in (1, 2, 3):
-        drive(eng, buffers, step)
-        assert len(eng._pieces) > 4
-        for mine, view in zip(masters(eng, buffers), buffers.views, strict=True):
-            assert torch.equal(view, mine.to(torch.bfloat16))
-    eng.close()

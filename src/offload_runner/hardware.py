@@ -107,9 +107,6 @@ def rank_link_gb_per_s(gpu_link_gb_per_s: float, ranks_per_node: int) -> float:
 
 
 CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloaded param, each way
-# exact mode's masters up, rounded to bf16 on the CPU (cpu_adam/landing.py); its gradients go down
-# in the DDP buffer's dtype (StepCost.moved takes the larger)
-EXACT_LANDING_BYTES = 2
 # The engine's CPU Adam while the link streams states both ways, over fused CPU AdamW alone at the
 # same threads, and the link's rate beside it over its rate alone: the two share the host's memory
 # bandwidth, and the engine upcasts bf16 gradients block by block. Medians of nine exact runs with a
@@ -128,7 +125,7 @@ BF16_MOMENTS_CPU_FACTOR = 0.38
 # link under the same forward+backward. Bytes per param each way, the busier way: (W) for the
 # GPU's share, (C) for the CPU's, (E) for every offloaded param.
 LATE_BYTES = ADAM_BYTES + 4
-EXACT = (ADAM_BYTES, EXACT_LANDING_BYTES, 0)  # bf16 gradients
+EXACT = (ADAM_BYTES, CPU_ADAM_COPY_BYTES, 0)
 LATE = (LATE_BYTES, 0, CPU_ADAM_COPY_BYTES)
 
 # A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight

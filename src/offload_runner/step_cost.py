@@ -138,11 +138,8 @@ class StepCost:
 
     def moved(self, run: RunConfig) -> tuple[int, int, int]:
         """(W, C, E) bytes per param each way of ``run``'s CPU Adam with a GPU share (see
-        balanced_gpu_share): EXACT (its gradients down in the DDP buffer's dtype, its bf16
-        masters up: the larger) or LATE, the share's states in their dtypes."""
+        balanced_gpu_share): EXACT or LATE, the share's states in their dtypes."""
         window, copies, every = LATE if cpu_adam_late_share(run) else EXACT
-        if not cpu_adam_late_share(run):
-            copies = max(copies, grad_bytes(run))
         return window - ADAM_BYTES + host_state_bytes(run), copies, every
 
     def cpu_rate(self, run: RunConfig) -> float:

@@ -10,9 +10,8 @@ moments (pageable, page-locked where the GPU share streams them).
 One exact step, in pieces (``hardware.cpu_adam_piece_bytes``):
 1. a piece's gradients go down on a side stream;
 2. the worker thread runs fused CPU AdamW on it as soon as they land;
-3. the worker rounds its masters to bf16 (into its spent page-locked gradients), and they go
-   up into its parameters, during the next forward (a pre-hook waits for the pieces each module
-   needs) or within the step under data parallelism;
+3. its masters go up and are rounded into its bf16 parameters, during the next forward (a
+   pre-hook waits for the pieces each module needs) or within the step under data parallelism;
 4. the GPU share's pieces meanwhile run Adam on the GPU over states streamed through a window.
 Delayed mode hands the update over and lands it at the next step. How and why, with the
 measurements: docs/ARCHITECTURE.md ("The CPU-Adam engine").

@@ -322,10 +322,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             t2 = time.perf_counter()
             update.wait_s += t1 - t0
             update.busy_s += t2 - t1
-            if update.land_in_worker:  # rounded here, up from the lander (landing.py)
-                staged = self._stage(piece)
-                update.stage_s += time.perf_counter() - t2
-                landings.append(self._lander.submit(self._land_staged, piece, staged, update, i))
+            if update.land_in_worker:
+                landings.append(self._lander.submit(self._land_marked, piece, update, i))
             done.set()
         for landing in landings:  # enqueued (and errors raised) before step() waits on them
             landing.result()
@@ -423,7 +421,6 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             "cpu_adam_stream_s_median": statistics.median(t for t, _ in passes) if passes else 0.0,
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
-            "cpu_adam_stage_s_median": statistics.median(u.stage_s for u in steady),
             "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),
             "cpu_adam_boundary_s_median": statistics.median(u.boundary_s for u in steady),
             "cpu_adam_pieces_in_backward": statistics.median(sum(u.unclipped) for u in steady),

@@ -1,13 +1,7 @@
-"""The link of the CPU-Adam engine: a piece's gradients down and its masters up, and exact mode's
-landing during the next forward, where a forward pre-hook on each module waits for the landing of
-the last piece holding its parameters.
-
-Exact mode's worker rounds each updated piece's masters to bf16 on the CPU (to nearest even, as
-the GPU's copy does: bit for bit the same parameters) into the page-locked host gradients of that
-piece, spent by then, and the lander copies them straight into the parameters: 2 B/param up where
-the fp32 masters took 4, on a link the GPU share's window fills both ways, and one copy a piece
-where a copy and a rounding kernel were. Other landings (delayed mode's, loaded masters) go up in
-fp32 through a GPU ring and are rounded there."""
+"""The link of the CPU-Adam engine: a piece's gradients down and its masters up (into a GPU ring,
+rounded into its bf16 parameters), and exact mode's landing during the next forward, where a
+forward pre-hook on each module waits for the landing of the last piece holding its
+parameters."""
 
 from __future__ import annotations
 
@@ -64,31 +58,10 @@ class Landing:
             piece.landed = torch.cuda.Event(blocking=True)
             piece.landed.record(self._streams[1])
 
-    def _stage(self, piece: Piece):
-        """The worker, after Adam on ``piece``: its masters rounded to bf16 into the first bytes
-        of its own slice of the host gradients, which Adam has read and the next fetch will
-        overwrite only after the compute stream has waited for this landing (``_complete``,
-        ``_before_forward``, then ``_start_fetch``). Returns that view."""
-        import torch
-
-        grad = self.host_grad[piece.start : piece.stop]
-        staged = grad.view(torch.bfloat16)[: piece.numel]
-        staged.copy_(self.host_master[piece.start : piece.stop])
-        return staged
-
-    def _land_staged(self, piece: Piece, staged, update: Update, index: int) -> None:
-        """The lander: exact mode's rounded ``staged`` piece up into its parameters, then the
-        mark the next forward waits for."""
+    def _land_marked(self, piece: Piece, update: Update, index: int) -> None:
+        """Exact mode's landing of a piece, then the mark the next forward waits for."""
         try:
-            if self._streams is None:
-                piece.param.copy_(staged)
-                return
-            import torch
-
-            with torch.cuda.stream(self._streams[1]):
-                piece.param.copy_(staged, non_blocking=True)
-                piece.landed = torch.cuda.Event(blocking=True)
-                piece.landed.record(self._streams[1])
+            self._land(piece)
         except BaseException:
             update.failed = True
             raise

@@ -40,7 +40,6 @@ class Update:
     cancelled: bool = False  # step() failed before every piece was ready: the worker stops
     busy_s: float = 0.0  # the worker's own work: its Adam calls
     wait_s: float = 0.0  # waiting for gradient copies
-    stage_s: float = 0.0  # exact mode: rounding the updated masters to bf16 for the landings
     forward_wait_s: float = 0.0  # landing during the forward: the forward waiting for it
     wall_s: float = 0.0
 
