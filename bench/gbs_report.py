@@ -275,6 +275,15 @@ def host() -> str:
     ab_text = (EVIDENCE / "balance-adam-ab-h100.txt").read_text()
     ab = dict(re.findall(r"^([AB]\d): step ([\d.]+) s", ab_text, re.M))
     span = lambda v: f"{min(v):.2f}-{max(v):.2f}"  # noqa: E731
+    upcast = next(st for st in suites(4) if st.name == "gbs-4-pairs-2")  # after that change
+    later = [r for name, r in upcast.runs if name == "cpu_adam 100%"]
+    after = [r["cpu_adam_params_per_s"] / 1e9 for r in later]
+    pinned = statistics.median(r["host_pinned_gb_max"] * 1024**3 / r["cpu_offloaded_params"]
+                               for r in later)  # fmt: skip
+    trial = (EVIDENCE / "exact-landing-bf16-ab-h100.txt").read_text()
+    landing = {"rounding": re.search(r"^b1 .*? rounding ([\d.]+) s", trial, re.M)[1],
+               "b_window": re.search(r"^b1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
+               "a_window": re.search(r"^a1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1]}
     return (
         "What the host could give the update (`python bench/host_memory_probe.py`, "
         "docs/evidence/host-memory-probe-h100.txt, one H100 machine): fused AdamW on fp32 "
@@ -283,17 +292,20 @@ def host() -> str:
         "and the link up carrying the window's 12 B/param and the CPU part's landings, 4 B/param, "
         f"exact CPU Adam could update {bound:.2f} G params/s on that host; the H100 suites' bars "
         f"asked {span(asked)}, and the engine reached {span(whole)}: its CPU part's Adam ran at "
-        f"{span(adam_rates)} G params/s, its window at {span(window)}. Two gaps, found by "
-        "profile this round:\n\n"
-        "- The gradients are bf16 (DDP's buffer), which torch's fused AdamW does not take, so the "
-        "engine upcasts them in blocks. Upcast into a new array per 1M-element block (two "
-        "parallel regions a block, the passive team woken for each, and a fresh array's pages), "
-        f"CPU Adam ran {grads['bf16 gradients, upcast in blocks of 1024K']} G params/s against "
+        f"{span(adam_rates)} G params/s, its window at {span(window)}. What the profiles "
+        "found between the two:\n\n"
+        "- Where DDP's gradient buffer is bf16 (ddp.grad_reduce_in_fp32=false, as the capacity "
+        "rows and auto's bf16 rung set it), torch's fused AdamW does not take it, so the engine "
+        "upcasts it in blocks. Upcast into a new array per 1M-element block (two parallel regions "
+        "a block, the passive team woken for each, and a fresh array's pages), CPU Adam ran "
+        f"{grads['bf16 gradients, upcast in blocks of 1024K']} G params/s against "
         f"{grads['fp32 gradients, fused AdamW']} on fp32 gradients and "
         f"{grads['bf16 gradients, upcast in blocks of 4096K']} in 4M blocks "
-        "(`python bench/grad_dtype_probe.py`, docs/evidence/grad-dtype-probe-h100.txt). The "
-        "engines now upcast 4M-element blocks into arrays each thread reuses; no suite has run "
-        "since, so its effect on the step is not measured yet.\n"
+        "(`python bench/grad_dtype_probe.py`, docs/evidence/grad-dtype-probe-h100.txt); the "
+        "engines now upcast 4M-element blocks into arrays each thread reuses. The proxy's rows "
+        f"keep fp32 gradients (the default: {pinned:.0f} B/param page-locked, master, gradients "
+        "and both moments), so this is not their gap: at that change `gbs-4-pairs-2` ran the CPU "
+        f"part at {span(after)} G params/s.\n"
         f"- The CPU part's wall time exceeds its Adam and its wait for gradients by {span(excess)} "
         "s a step: its landings (each piece's fp32 masters up, then rounded) queue behind the "
         "window's copies on the link, and the thread that enqueues them blocks in a launch for "
@@ -302,7 +314,12 @@ def host() -> str:
         "docs/evidence/cpu-adam-wall-gap-h100.txt). Balancing the split on the CPU's Adam alone "
         f"moved params to the CPU and made the step slower, {ab['B1']} and {ab['B2']} s against "
         f"{ab['A1']} and {ab['A2']} (docs/evidence/balance-adam-ab-h100.txt): the CPU part's "
-        "landings then slow the next forward+backward. The balance stays on the wall time."
+        "landings then slow the next forward+backward. The balance stays on the wall time. "
+        "Landing bf16 masters rounded on the CPU (2 B/param up) was tried and reverted: rounding "
+        f"took the worker {landing['rounding']} s a step and the window's rate did not move "
+        f"({landing['b_window']} against {landing['a_window']} G params/s): the proxy's fp32 "
+        "gradients keep the down link as busy as the up link "
+        "(docs/evidence/exact-landing-bf16-ab-h100.txt)."
     )
 
 
