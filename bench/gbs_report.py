@@ -281,9 +281,11 @@ def host() -> str:
     pinned = statistics.median(r["host_pinned_gb_max"] * 1024**3 / r["cpu_offloaded_params"]
                                for r in later)  # fmt: skip
     trial = (EVIDENCE / "exact-landing-bf16-ab-h100.txt").read_text()
-    landing = {"rounding": re.search(r"^b1 .*? rounding ([\d.]+) s", trial, re.M)[1],
-               "b_window": re.search(r"^b1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
-               "a_window": re.search(r"^a1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1]}
+    landing = {
+        "rounding": re.search(r"^b1 .*? rounding ([\d.]+) s", trial, re.M)[1],
+        "b_window": re.search(r"^b1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
+        "a_window": re.search(r"^a1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
+    }
     return (
         "What the host could give the update (`python bench/host_memory_probe.py`, "
         "docs/evidence/host-memory-probe-h100.txt, one H100 machine): fused AdamW on fp32 "
