@@ -360,6 +360,13 @@ PY
         python bench/run_benchmarks.py run \
         --suite "$SUITE" --iters 10 --work-dir "$WORK/$run" --out "$OUT/results-$SUITE-$run.json")
     done ;;
+  connections-ab)  # suite exact-4-ab with CUDA_DEVICE_MAX_CONNECTIONS unset (8 hardware queues),
+    # at 32, unset again: do the engine's side streams queue behind each other's work?
+    for run in default1 max32 default2; do
+      (if [ "$run" = max32 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=32; fi
+       python bench/run_benchmarks.py run --suite exact-4-ab --iters 10 --work-dir "$WORK/$run" \
+         --out "$OUT/results-exact-4-ab-$run.json")
+    done ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
     python bench/run_benchmarks.py run --suite llama3-8b-auto --iters 10 --time-limit 560 \
       --out "$OUT/results-llama3-8b-auto.json" --work-dir "$WORK/bench" ;;
