@@ -3,6 +3,7 @@
 #   bash bench/build_docs.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last BENCHMARKS alone
 {
   python bench/run_benchmarks.py report bench/results/*.json
   echo "## Exact offload against the global batch (suites \`gbs-N\` and \`gbs-N-pairs\`)"
@@ -997,4 +998,5 @@ PY
   echo "when offload/optimizer=states still moved whole tensors):"
   echo
   for f in docs/evidence/verify-*.md; do sed 's/^# /### /' "$f"; echo; done
-} > docs/BENCHMARKS.md
+} > docs/BENCHMARKS.md.new
+mv docs/BENCHMARKS.md.new docs/BENCHMARKS.md
