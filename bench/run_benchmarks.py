@@ -679,6 +679,20 @@ SUITES: dict[str, list[Case]] = {
     # exact landings rounded on the CPU (bf16 up) against fp32 up: run at two commits in turn
     # (device_session.sh commit-ab), each beside its own no-offload row
     "exact-4-ab": _cost_cases(4)[:2],
+    # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
+    # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
+    "share-4": [
+        *_cost_cases(4)[:2],
+        *[
+            replace(
+                _cost_cases(4)[1],
+                name=f"cost GBS4 cpu_adam 100%, GPU share {share}",
+                overrides=(*_cost_cases(4)[1].overrides, f"optimizer.cpu_adam_gpu_share={share}"),
+            )
+            for share in (0.45, 0.5)
+        ],
+        _cost_cases(4)[-1],
+    ],  # fmt: skip
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
