@@ -154,6 +154,9 @@ class StepCalibration:
     predicted_s: float
     # the run's forward+backward (less its wait for CPU Adam's landings) less no offload's
     fwd_bwd_drift_s: float = 0.0
+    # the step of the call's last no-offload run before this one over its fastest: above 1 the
+    # host was slower then (the model's rates are the call's)
+    host_slowdown: float = 1.0
 
     @property
     def error(self) -> float:
@@ -224,8 +227,22 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
                 data["environment"]["gpu"].replace("NVIDIA ", ""), base_s,
                 result["summary"]["step_time_s_median"],
                 predicted_step(result, base_s, reference), drift,
+                _last_over_fastest(parsed, shared, result),
             ))  # fmt: skip
     return rows
+
+
+def _last_over_fastest(parsed: list, shared: list[str], result: dict) -> float:
+    """The step of the last no-offload run (``shared`` overrides) before ``result`` in its call
+    over the call's fastest no-offload step."""
+    steps = [(r is result, o == shared, r["summary"]["step_time_s_median"]) for o, r in parsed]
+    bases = [step for _, base, step in steps if base]
+    last = None
+    for this, base, step in steps:
+        if this:
+            break
+        last = step if base else last
+    return (last or min(bases)) / min(bases)
 
 
 def _mean(summaries: list[dict], key: str) -> float:
@@ -294,19 +311,25 @@ def render_steps(rows: list[StepCalibration]) -> str:
 
     table = markdown_table(
         ["suite", "case", "GPU", "no offload s (mean)", "measured s", "predicted s", "error",
-         "fwd+bwd against no offload s", "error given the run's fwd+bwd"],
+         "fwd+bwd against no offload s", "error given the run's fwd+bwd",
+         "no offload just before / fastest"],
         [[r.suite, r.case, r.gpu, f"{r.baseline_s:.3f}", f"{r.measured_s:.3f}",
           f"{r.predicted_s:.3f}", f"{r.error:+.1%}", f"{r.fwd_bwd_drift_s:+.3f}",
-          f"{r.update_error:+.1%}"] for r in rows],
+          f"{r.update_error:+.1%}", f"{r.host_slowdown:.2f}x"] for r in rows],
     )  # fmt: skip
     within = [r for r in rows if abs(r.error) <= 0.10]
     given = [r for r in rows if abs(r.update_error) <= 0.10]
+    slowed = [r for r in rows if r.host_slowdown >= 1.3]
+    missed = [r for r in rows if abs(r.update_error) > 0.10]
     median = statistics.median(abs(r.error) for r in rows)
     median_given = statistics.median(abs(r.update_error) for r in rows)
     summary = (
         f"Within 10%: {len(within)} of {len(rows)} rows as predicted (median |error| "
         f"{median:.1%}); {len(given)} of {len(rows)} given the run's own forward+backward "
-        f"(median {median_given:.1%})."
+        f"(median {median_given:.1%}). {len(slowed)} rows ran where no offload, just before "
+        "them, had slowed 1.3x or more from its fastest in the call (the model prices the call's "
+        f"rates); {sum(r in slowed for r in missed)} of the {len(missed)} rows past 10% given "
+        "their forward+backward are among them."
     )
     return "\n".join([*table, "", summary])
 
