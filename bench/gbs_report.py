@@ -280,6 +280,11 @@ def host() -> str:
     after = [r["cpu_adam_params_per_s"] / 1e9 for r in later]
     pinned = statistics.median(r["host_pinned_gb_max"] * 1024**3 / r["cpu_offloaded_params"]
                                for r in later)  # fmt: skip
+    split = json.loads((RESULTS / "results-share-4.json").read_text())["results"]
+    steps = {r["case"]["name"]: r["summary"]["step_time_s_median"] for r in split}
+    share = {"sb": f"{steps['cost GBS4 cpu_adam 100%']:.3f}"}
+    for x in ("0.45", "0.5"):
+        share[x], share[f"s{x}"] = x, f"{steps[f'cost GBS4 cpu_adam 100%, GPU share {x}']:.3f}"
     trial = (EVIDENCE / "exact-landing-bf16-ab-h100.txt").read_text()
     landing = {
         "rounding": re.search(r"^b1 .*? rounding ([\d.]+) s", trial, re.M)[1],
@@ -321,7 +326,14 @@ def host() -> str:
         f"took the worker {landing['rounding']} s a step and the window's rate did not move "
         f"({landing['b_window']} against {landing['a_window']} G params/s): the proxy's fp32 "
         "gradients keep the down link as busy as the up link "
-        "(docs/evidence/exact-landing-bf16-ab-h100.txt)."
+        "(docs/evidence/exact-landing-bf16-ab-h100.txt). 32 hardware queues changed nothing "
+        "(CUDA_DEVICE_MAX_CONNECTIONS; docs/evidence/device-max-connections-h100.txt), nor did a "
+        f"GPU share away from the balance: at {share['0.45']} and {share['0.5']} the step ran "
+        f"{share['s0.45']} and {share['s0.5']} s against {share['sb']} s balanced, the optimizer "
+        "phase shorter and the next forward+backward longer by about as much "
+        "(docs/evidence/share-4-h100.txt). On these hosts the exact update is where its link and "
+        "its CPU put it; what is left is cover: the link idles during the last micro-batch's "
+        "backward, which the CPU part's gradients (the first layers, final last) cannot use."
     )
 
 
