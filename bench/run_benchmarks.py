@@ -676,6 +676,7 @@ SUITES: dict[str, list[Case]] = {
     "gbs-32-pairs-2": _pairs(32, 4),  # the same again, in another call
     "gbs-4-pairs-2": _pairs(4, 7),  # again after both upcasts changed (masters, bf16 grads)
     "gbs-32-pairs-3": _pairs(32, 4),  # a third call
+    "gbs-32-pairs-4": _pairs(32, 4),  # a fourth, at the end of a round that changed no engine
     # exact landings rounded on the CPU (bf16 up) against fp32 up: run at two commits in turn
     # (device_session.sh commit-ab), each beside its own no-offload row
     "exact-4-ab": _cost_cases(4)[:2],
