@@ -235,14 +235,12 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
 def _last_over_fastest(parsed: list, shared: list[str], result: dict) -> float:
     """The step of the last no-offload run (``shared`` overrides) before ``result`` in its call
     over the call's fastest no-offload step."""
-    steps = [(r is result, o == shared, r["summary"]["step_time_s_median"]) for o, r in parsed]
-    bases = [step for _, base, step in steps if base]
-    last = None
-    for this, base, step in steps:
-        if this:
-            break
-        last = step if base else last
-    return (last or min(bases)) / min(bases)
+    here = next(i for i, (_, r) in enumerate(parsed) if r is result)
+    bases = [(i, r["summary"]["step_time_s_median"]) for i, (o, r) in enumerate(parsed)
+             if o == shared]  # fmt: skip
+    fastest = min(step for _, step in bases)
+    before = [step for i, step in bases if i < here]
+    return (before[-1] if before else fastest) / fastest
 
 
 def _mean(summaries: list[dict], key: str) -> float:
