@@ -680,6 +680,9 @@ SUITES: dict[str, list[Case]] = {
     # exact landings rounded on the CPU (bf16 up) against fp32 up: run at two commits in turn
     # (device_session.sh commit-ab), each beside its own no-offload row
     "exact-4-ab": _cost_cases(4)[:2],
+    # the state windows growing into the memory the last backward frees, their states coming in
+    # during it, against the window filled at its tail: both exact engines, at two commits
+    "grow-4-ab": _cost_cases(4)[:3],
     # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
     # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
     "share-4": [

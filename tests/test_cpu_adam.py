@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from offload_runner.offload import host_adam
 from offload_runner.offload.cpu_adam import (
     HOST_BYTES_PER_PARAM,
     CpuAdam,
@@ -682,8 +683,8 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
     at_boundary, ref = engine(twin, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
     model = Trainable(buffers)
     eng.watch_backward([model])
-    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
-    assert cpu_adam.arming(contextlib.nullcontext, [at_boundary]) is contextlib.nullcontext
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
+    assert host_adam.arming(contextlib.nullcontext, [at_boundary]) is contextlib.nullcontext
     for step in range(1, STEPS + 1):
         raw = unclipped(step)
         buffers.set_grads(raw)  # what the backward accumulates into the grad buffer
@@ -735,7 +736,7 @@ def test_before_clip_waits_for_the_workers_last_update_and_the_step_counts_that_
     eng._adam = lambda *args: (time.sleep(0.02), adam(*args))  # ~0.3 s an update
     model = Trainable(buffers)
     eng.watch_backward([model])
-    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
     for step in (1, 2, 3):  # step 2's update runs on the worker during step 3's backward
         raw = unclipped(step)
         buffers.set_grads(raw)
@@ -766,7 +767,7 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
                      copy_during_backward=True, clip_grad=CLIP)  # fmt: skip
         model = Trainable(buffers)
         eng.watch_backward([model])
-        return eng, model, cpu_adam.arming(contextlib.nullcontext, [eng])
+        return eng, model, host_adam.arming(contextlib.nullcontext, [eng])
 
     def train_step(eng, model, no_sync, buffers: Buffers, step: int) -> int:
         """One step; how many pieces crossed during its last backward. As under Megatron-Core,
@@ -814,14 +815,13 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
 def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> None:
     """Without grads_clipped the worker must not run: finish() says what is missing instead of
     hanging, and close() gives the update up."""
-    from offload_runner.offload import cpu_adam
 
     buffers = Buffers()
     eng = engine(buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True,
                  clip_grad=CLIP)  # fmt: skip
     model = Trainable(buffers)
     eng.watch_backward([model])
-    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
     for step in (1, 2):
         buffers.set_grads(gradients(step))
         with no_sync():
@@ -871,7 +871,7 @@ def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
     model = Trainable(buffers)
     eng.watch([model])
     eng.watch_backward([model])
-    no_sync = cpu_adam.arming(contextlib.nullcontext, [eng])
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
     crossed: list[list[int]] = []
 
     def backward_and_step(step: int) -> None:
@@ -931,6 +931,31 @@ def test_a_gpu_share_through_the_window_is_bit_identical_too(fraction: float, sh
     assert eng.streams_states and eng.window_bytes == SLOTS * 12 * 1500
     metrics = eng.metrics()
     assert metrics["cpu_adam_params_on_cpu"] == eng.offloaded_numel - on_gpu
+    eng.close()
+
+
+def test_an_armed_gpu_share_splits_before_the_last_backward_and_stays_exact() -> None:
+    """Exact mode with a GPU share, armed for the last micro-batch: the split is made then (the
+    backward may bring the share's states in) and the step keeps it; the masters follow torch's
+    AdamW whatever the backward brought in."""
+    buffers = Buffers()
+    eng = engine(buffers, 1.0, land_during_forward=True, gpu_share=0.5, balance=True)
+    ref, model = Reference(buffers), model_of(buffers)
+    eng.watch([model])
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
+    for step in range(1, STEPS + 1):
+        with no_sync():
+            pass
+        window = eng._window
+        if step > 1:
+            assert window.prefetched and window._pass.pieces is eng._streamed
+            split = eng._on_cpu
+            assert window.grow(step % 3 * window.slot_bytes) == step % 3
+        ref.step(step, drive(eng, buffers, step))
+        assert step == 1 or eng.history[-1].on_cpu == split
+        [layer() for layer in model]  # the next forward
+        assert_matches(masters(eng, buffers), ref.params, step)
+    assert sum(n > 0 for n in eng._window.grown) == sum(s % 3 > 0 for s in range(2, STEPS + 1))
     eng.close()
 
 

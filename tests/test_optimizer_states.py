@@ -9,12 +9,15 @@ CUDA the copies are synchronous; the streams are exercised by the GPU tests.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from offload_runner.offload import host_adam
 from offload_runner.offload.cpu_adam import CpuAdam
 from offload_runner.offload.optimizer_states import (
     BYTES_PER_PARAM,
@@ -57,6 +60,51 @@ def test_windowed_update_is_bit_identical_to_torch_fused_adamw() -> None:
     assert eng.host_bytes >= BYTES_PER_PARAM * sum(ENGINE_SIZES)
     assert eng.metrics() == {}  # no CUDA: nothing timed
     eng.close()
+
+
+@pytest.mark.parametrize("grown", [0, 1, SLOTS + 2, 10**6])
+def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int) -> None:
+    """Armed for the last micro-batch (``host_adam.arming``), the pass grows slots into the
+    memory the backward frees, each loaded at once (``grown`` of them the budget allows, up to
+    every piece), then the step tops the window up to SLOTS and passes every piece through
+    slot ``i % slots``: the update is the same. Nothing grows unarmed or after the prefetch."""
+    buffers = Buffers()
+    eng, ref = windowed(buffers), Reference(buffers)
+    window = eng._window
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
+    ref.step(1, drive(eng, buffers, 1))  # plans the pieces
+    pieces = len(eng._pieces)
+    for step in range(2, STEPS + 1):
+        assert window.grow(10**9) == 0  # not armed
+        with no_sync():
+            pass
+        assert window.grow(grown * window.slot_bytes) == min(grown, pieces)
+        assert len(window._pass.slots) == window._pass.queued == min(grown, pieces)
+        eng.prefetch()  # the tail of backward
+        assert window.grow(10**9) == 0
+        assert len(window._pass.slots) == max(min(grown, pieces), SLOTS)
+        ref.step(step, drive(eng, buffers, step))
+        assert window.grown[-1] == sum(p.numel for p in eng._pieces[: min(grown, pieces)])
+        assert_matches(masters(eng, buffers), ref.params, step)
+        for mine, view in zip(masters(eng, buffers), buffers.views, strict=True):
+            assert torch.equal(view, mine.to(torch.bfloat16))
+    eng.close()
+
+
+def test_growth_hooks_look_for_memory_every_stride_of_the_backward() -> None:
+    """One hook per trainable parameter after its gradient accumulation; every
+    ceil(params / GROW_CHECKS)-th calls the engines' ``grow`` (each returns at once unless
+    armed)."""
+    from offload_runner.offload.optimizer_states import GROW_CHECKS, _Growth
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2 * GROW_CHECKS)])
+    calls = []
+    engine_ = SimpleNamespace(grow=lambda: calls.append(1))
+    params = sum(1 for _ in model.parameters())
+    hooks = host_adam.after_each_grad([model], _Growth([engine_], params))
+    assert len(hooks) == params == 4 * GROW_CHECKS
+    model(torch.ones(1, 2)).sum().backward()
+    assert len(calls) == GROW_CHECKS
 
 
 def test_window_of_one_piece_per_slot_covers_a_shard_smaller_than_the_window() -> None:

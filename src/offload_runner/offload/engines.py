@@ -25,13 +25,14 @@ class Engines:
             offload.arm()
 
     def attach(self, config, no_sync) -> None:
-        """Into the schedule's config: delayed CPU Adam arming at ``no_sync``'s exit (its copies
-        during the last backward), the windowed engines' first pieces prefetched in the
-        gradient finalize hook (set before this)."""
-        from offload_runner.offload import cpu_adam, optimizer_states
+        """Into the schedule's config and the model's backward: the engines that act during
+        the last micro-batch's backward armed at ``no_sync``'s exit (delayed CPU Adam's copies,
+        the state windows' growth), the windows' first pieces prefetched in the gradient
+        finalize hook (set before this)."""
+        from offload_runner.offload import host_adam, optimizer_states
 
-        config.no_sync_func = cpu_adam.arming(no_sync, self.cpu_adam)
-        optimizer_states.attach(self.optimizer, config)
+        config.no_sync_func = host_adam.arming(no_sync, host_adam.engines(self.optimizer))
+        optimizer_states.attach(self.optimizer, config, self.model)
 
     def begin_step(self, micro_batches: int) -> None:
         for offload in self.weights:

@@ -24,6 +24,8 @@ the GPU share of Adam for fraction < 1, and the checkpoint hooks.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -242,6 +244,17 @@ class HostAdam(HybridDeviceOptimizer):
     def streams_states(self) -> bool:
         """Some of Adam runs on the GPU over states streamed from the host (``prefetch``)."""
         return False
+
+    @property
+    def arms(self) -> bool:
+        """Something runs during the last micro-batch's backward (``arm``, from ``arming``)."""
+        return self.streams_states
+
+    def arm(self) -> None:
+        """The last micro-batch's forward and backward follow."""
+
+    def grow(self) -> None:
+        """During the armed backward: streamed states into the memory it has freed."""
 
     def prefetch(self) -> None:
         """Start bringing in the first streamed states (at the tail of backward)."""
@@ -520,3 +533,42 @@ def install(optimizer, build) -> list[HostAdam]:
         part.optimizer = build(part, index)
         built.append(part.optimizer)
     return built
+
+
+def arming(no_sync, built: list):
+    """Megatron-Core's ``config.no_sync_func`` for the schedules: DDP's ``no_sync``, and on its
+    exit (the last micro-batch follows, as DDP's own grad sync reads it) the engines of
+    ``built`` that act during its backward ``arm``; ``no_sync`` itself where none does."""
+    armed = [e for e in built if e.arms]
+    if not armed:
+        return no_sync
+
+    @contextlib.contextmanager
+    def no_sync_then_arm():
+        with no_sync():
+            yield
+        for engine in armed:
+            engine.arm()
+
+    return no_sync_then_arm
+
+
+def after_each_grad(chunks, hook) -> list:
+    """``hook(param)`` after each trainable parameter's gradient accumulation in ``chunks`` (on
+    its autograd node, after Megatron-Core DDP's own hook there, so the DDP buffer holds the
+    gradient when it runs); returns the (node, handle) pairs."""
+    import torch
+
+    hooks = []
+    with torch.enable_grad():
+        for chunk in chunks:
+            for param in chunk.parameters():
+                if param.requires_grad:
+                    node = param.expand_as(param).grad_fn.next_functions[0][0]
+                    call = functools.partial(_call_with, hook, param)
+                    hooks.append((node, node.register_hook(call)))
+    return hooks
+
+
+def _call_with(hook, param, *unused) -> None:
+    hook(param)

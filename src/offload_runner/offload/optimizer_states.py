@@ -6,20 +6,24 @@ holds the states and masters whole. They live in page-locked host arrays (12 B/p
 step streams them through a GPU window (512 MiB, or 4 pieces of
 ``optimizer_state_offload_chunk_size_mb``), ``SLOTS`` slots of one piece each:
 
-1. at the tail of backward (Megatron-Core's gradient finalize, before the data-parallel reduction)
-   the side stream ``h2d`` starts bringing in the first ``SLOTS`` pieces (masters, exp_avg,
-   exp_avg_sq: three copies, one per host array);
+1. the last micro-batch's backward brings in the first pieces (masters, exp_avg, exp_avg_sq: three
+   copies, one per host array) on the side stream ``h2d``, each into a slot of its own taken from
+   the memory the backward has freed (never above the step's peak so far, less a SLOTS-slot
+   window: ``StatesWindow.grow``, armed at ``no_sync``'s exit, looked at every 1/GROW_CHECKS of
+   the parameters' gradients); at its tail (Megatron-Core's gradient finalize, before the
+   data-parallel reduction) the window is topped up to ``SLOTS`` slots;
 2. ``step()`` (after Megatron-Core's norm and clipping): on the compute stream, Adam on piece i as
    soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
    Adam, so the run is bit-identical to the baseline; torch's fused AdamW without TE), its masters
    rounded into the bf16 parameters; the side stream ``d2h`` takes piece i out, and as soon as
-   it has, ``h2d`` brings piece i + SLOTS into the same slot: both directions run at once;
+   it has, ``h2d`` brings piece i + slots into the same slot: both directions run at once;
 3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
    the next forward (``finish()`` waits for them: checkpoints).
 
 The first step plans the pieces (the gradients' places in the DDP buffer are known then) and has
-no prefetch. The window comes from the allocator's pool of the ``h2d`` stream each step, so
-forward and backward never see it allocated. Pieces are cut as the CPU-Adam engine cuts them
+no prefetch. The SLOTS-slot window comes from the allocator's pool of the ``h2d`` stream each
+step, so forward and backward never see it allocated; slots grown during the backward come from
+the compute stream's, where its activations were. Pieces are cut as the CPU-Adam engine cuts them
 (host_adam.HostAdam._plan): contiguous in the host arrays, the gradient buffer and the parameter
 buffer, so each array of a piece moves with one copy.
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from offload_runner.config.schema import (
     TORCH_DTYPES,
@@ -58,6 +62,7 @@ log = logging.getLogger("offload_runner")
 BYTES_PER_PARAM = ADAM_BYTES  # fp32 master + exp_avg + exp_avg_sq
 SLOTS = WINDOW_SLOTS  # pieces in the window: one in Adam, one going out, one or two coming in
 HISTORY = 500  # steps kept for the metrics
+GROW_CHECKS = 32  # times per backward the windows look for memory it has freed
 
 
 DISABLED = {"optimizer.offload_optimizer_states": False}
@@ -91,17 +96,22 @@ class _Pass:
     """One step's pass of some pieces' states through the window: its events and timing."""
 
     pieces: list[Piece]
-    window: object  # the GPU (or, in tests, CPU) window: up to SLOTS x 3 (or 4) arrays of a piece
-    loaded: list  # per piece: event, its copy in has finished (None without CUDA)
-    freed: list  # per slot: event, the copy out of its last piece has read it
+    # the window's slots, each the arrays of one piece ((3 or 4) x piece_numel fp32; the bf16
+    # ones the moments stored in bf16 travel in, in ``low``); piece i passes through slot
+    # i % len(slots), the slots fixed once the Adam calls are issued
+    slots: list = field(default_factory=list)
+    low: list = field(default_factory=list)
+    loaded: list = field(default_factory=list)  # per piece: event, its copy in has finished
+    freed: list = field(default_factory=list)  # per slot: event, the copy out of its last piece
     # a step-late pass (StatesWindow.run_late): per piece, before its copy in, what it waits
     # for (its gradients on the host: a CUDA event or None); its gradients' scale (or None)
     before_load: object = None
     scale_of: object = None
-    low: object = None  # bf16 slots the moments stored in bf16 travel in (upcast for Adam)
     began: object = None  # event on the compute stream when the Adam calls start
     ended: object = None  # event after the last copy out
     queued: int = 0  # pieces whose copy in is queued
+    grown: int = 0  # slots added during the last micro-batch's backward (``grow``)
+    growing: bool = False  # ``grow`` may add slots (armed, until the pass is issued)
 
 
 class StatesWindow:
@@ -130,11 +140,16 @@ class StatesWindow:
         self._timed: _Pass | None = None  # the last pass, its events not read yet
         self.history: list[tuple[float, int]] = []  # per pass: seconds (Adam to last copy out),
         # params
+        self.grown: list[int] = []  # per pass: params that came in during the last backward
 
     @property
     def nbytes(self) -> int:
-        """The most a pass holds: SLOTS pieces (fewer where it passes fewer)."""
-        return SLOTS * (self._arrays * 4 + len(self._low) * 2) * self.piece_numel
+        """The window a pass always holds: SLOTS slots (fewer where it passes fewer pieces)."""
+        return SLOTS * self.slot_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return (self._arrays * 4 + len(self._low) * 2) * self.piece_numel
 
     @property
     def _arrays(self) -> int:
@@ -143,30 +158,90 @@ class StatesWindow:
 
     @property
     def prefetched(self) -> bool:
-        """This step's pass has begun (its first pieces are coming in)."""
+        """This step's pass has begun (armed, or its first pieces are coming in)."""
         return self._pass is not None
 
-    def prefetch(self, pieces: list[Piece], late: bool = False) -> None:
-        """Start the pass of ``pieces``: the window, and the first SLOTS pieces coming in (at the
-        tail of backward; ``run`` does it if nothing did; ``run_late`` brings them in itself)."""
-        import torch
-
+    def begin(self, pieces: list[Piece], growing: bool = False) -> None:
+        """Start the pass of ``pieces``, no slot yet (``growing``: ``grow`` may add them)."""
         if self._pass is not None or not pieces:
             return
         self._collect_timing()
-        shape = (min(SLOTS, len(pieces)), self._arrays, self.piece_numel)
-        low_shape = (shape[0], len(self._low), shape[2])
-        streams = self.streams
-        if streams is not None:
-            streams[0].wait_stream(streams[1])  # the last copies out have written the host
-        # the window comes from (and returns to) h2d's pool
-        with torch.cuda.stream(streams[0]) if streams else contextlib.nullcontext():
-            window = torch.empty(shape, dtype=torch.float32, device=self.device)
-            low = torch.empty(low_shape, dtype=self._low_dtype, device=self.device) if (
-                self._low) else None  # fmt: skip
-        self._pass = _Pass(pieces, window, [None] * len(pieces), [None] * len(window), low=low)
-        for _ in range(0 if late else len(window)):
+        if self.streams is not None:
+            self.streams[0].wait_stream(self.streams[1])  # the last copies out wrote the host
+        self._pass = _Pass(pieces, loaded=[None] * len(pieces), growing=growing)
+
+    def grow(self, budget: int | None = None) -> int:
+        """During the last micro-batch's backward (the pass armed by ``begin(growing=True)``):
+        slots for the next pieces, each loaded at once, in the memory the backward has freed:
+        ``budget`` bytes, by default ``_freed_bytes`` (the SLOTS-slot window left for the
+        step's own allocations), so the peak does not grow. The slots come from the current
+        stream's pool (the activations just freed) and their copies in wait for what is queued
+        there. Returns the slots added."""
+        import torch
+
+        p = self._pass
+        if p is None or not p.growing:
+            return 0
+        if budget is None:
+            budget = self._freed_bytes()
+        added = 0
+        while p.queued < len(p.pieces) and budget >= self.slot_bytes * (added + 1):
+            try:
+                self._add_slot(on_h2d=False)
+            except torch.cuda.OutOfMemoryError:  # the pool's free blocks are too small: stop here
+                p.growing = False
+                break
             self._load_next()
+            added += 1
+        p.grown += added
+        return added
+
+    def _freed_bytes(self) -> int:
+        """This step's peak so far less what is allocated, less the SLOTS-slot window (none
+        without CUDA); no more than the allocator holds free plus what the device has left,
+        so it need not give back its cache (a device-wide synchronisation) to find it."""
+        import torch
+
+        if self.streams is None:
+            return 0
+        stats = torch.cuda.memory_stats(self.device)
+        allocated = stats["allocated_bytes.all.current"]
+        free_on_device, _ = torch.cuda.mem_get_info(self.device)
+        room = min(stats["allocated_bytes.all.peak"],
+                   stats["reserved_bytes.all.current"] + free_on_device)  # fmt: skip
+        return room - allocated - self.nbytes
+
+    def prefetch(self, pieces: list[Piece], late: bool = False) -> None:
+        """Start the pass of ``pieces`` (unless armed), the window up to SLOTS slots, their
+        pieces coming in (at the tail of backward; ``run`` does it if nothing did; a late pass
+        brings them in itself)."""
+        self.begin(pieces)
+        p = self._pass
+        if p is None:
+            return
+        if p.growing:  # the tail of the armed backward: whatever else it freed
+            self.grow()
+            p.growing = False
+        while len(p.slots) < min(SLOTS, len(pieces)):
+            self._add_slot(on_h2d=True)  # from (and back to) h2d's pool: never the backward's
+            if not late:
+                self._load_next()
+
+    def _add_slot(self, on_h2d: bool) -> None:
+        """One more slot at the end of the window (on the current stream's pool, its copies in
+        after what is queued there, unless ``on_h2d``)."""
+        import torch
+
+        shape, streams = (self._arrays, self.piece_numel), self.streams
+        with torch.cuda.stream(streams[0]) if streams and on_h2d else contextlib.nullcontext():
+            slot = torch.empty(shape, dtype=torch.float32, device=self.device)
+            low = torch.empty((len(self._low), shape[1]), dtype=self._low_dtype,
+                              device=self.device) if self._low else None  # fmt: skip
+        if streams is not None and not on_h2d:
+            streams[0].wait_stream(torch.cuda.current_stream())  # the memory's last readers
+        self._pass.slots.append(slot)
+        self._pass.low.append(low)
+        self._pass.freed.append(None)
 
     def run(self, pieces: list[Piece], step: int, hypers: list[dict]) -> None:
         """The pass of ``pieces``: on the current stream, Adam on each as soon as it is in, its
@@ -194,7 +269,7 @@ class StatesWindow:
             if self._pass is None:
                 return []
             self._pass.before_load, self._pass.scale_of = before_load, scale_of
-            for _ in range(len(self._pass.window)):
+            for _ in range(len(self._pass.slots)):
                 self._load_next()
             freed = self._issue(step, hypers)
         return freed
@@ -223,7 +298,7 @@ class StatesWindow:
     def _slot(self, index: int) -> tuple:
         """The window's (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``."""
         n = self._pass.pieces[index].numel
-        slot = self._pass.window[index % len(self._pass.window)]
+        slot = self._pass.slots[index % len(self._pass.slots)]
         return slot[0, :n], slot[1, :n], slot[2, :n]
 
     def _staged(self, index: int) -> tuple:
@@ -232,13 +307,13 @@ class StatesWindow:
         n = self._pass.pieces[index].numel
         arrays = list(self._slot(index))
         for k, i in enumerate(self._low):
-            arrays[i] = self._pass.low[index % len(self._pass.window)][k, :n]
+            arrays[i] = self._pass.low[index % len(self._pass.slots)][k, :n]
         return tuple(arrays)
 
     def _slot_grad(self, index: int):
         """A late pass's gradient array in the slot of its piece ``index``."""
         n = self._pass.pieces[index].numel
-        return self._pass.window[index % len(self._pass.window)][3, :n]
+        return self._pass.slots[index % len(self._pass.slots)][3, :n]
 
     def _on_host(self, piece: Piece) -> tuple:
         return tuple(array[piece.start : piece.stop] for array in self.host)
@@ -321,14 +396,16 @@ class StatesWindow:
         import torch
 
         done, self._pass = self._pass, None
+        self.grown.append(sum(p.numel for p in done.pieces[: done.grown]))
+        if len(self.grown) > 2 * HISTORY:
+            del self.grown[2:-HISTORY]
         if self.streams is None:
             return
         done.ended = _record(self.streams[1])
         for stream in (torch.cuda.current_stream(), *self.streams):
-            done.window.record_stream(stream)  # not reused before the copies out have read it
-            if done.low is not None:
-                done.low.record_stream(stream)
-        done.window = done.low = None
+            for slot in (*done.slots, *(low for low in done.low if low is not None)):
+                slot.record_stream(stream)  # not reused before the copies out have read it
+        done.slots = done.low = None
         self._timed = done
 
     def _collect_timing(self) -> None:
@@ -392,6 +469,15 @@ class WindowedStates(HostAdam):
     def streams_states(self) -> bool:
         return True
 
+    def arm(self) -> None:
+        """The last micro-batch follows: its backward may bring in pieces (``grow``)."""
+        if self._pieces is not None:
+            self._window.begin(self._pieces, growing=True)
+
+    def grow(self) -> None:
+        """During the armed backward: pieces into the memory it has freed (StatesWindow.grow)."""
+        self._window.grow()
+
     def prefetch(self) -> None:
         """Start bringing in the first pieces (at the tail of backward; ``step()`` does it if
         nothing did, e.g. at the first step, whose gradients' places are known only then)."""
@@ -420,8 +506,11 @@ class WindowedStates(HostAdam):
             return {}
         seconds = statistics.median(s for s, _ in steady)
         moved = self.state_bytes_per_param * self.offloaded_numel
+        grown = self._window.grown[skip:] or self._window.grown
         return {"states_offloaded_params": self.offloaded_numel,
                 "states_moved_gb": moved / 1e9,
+                "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param
+                / 1e9,
                 "states_stream_s_median": seconds,
                 "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
                 "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
@@ -484,6 +573,7 @@ def metrics(optimizer) -> dict:
         if seconds
         else None,
         "states_window_gb": max(m["states_window_gb"] for m in found),
+        "states_in_backward_gb": sum(m["states_in_backward_gb"] for m in found),
         "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
     }
 
@@ -522,12 +612,31 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     return built
 
 
-def attach(optimizer, transformer_config) -> None:
+def attach(optimizer, transformer_config, chunks) -> None:
     """Wire the engines that stream states through a window (this module's, and the CPU-Adam
-    engine's GPU share) into Megatron-Core's gradient finalize hook, where they prefetch their
+    engine's GPU share) into the backward of the model ``chunks``, where the last micro-batch's
+    lets them grow into the memory it frees (every 1/GROW_CHECKS of its parameters'
+    gradients), and into Megatron-Core's gradient finalize hook, where they prefetch their
     first pieces."""
     engines = [e for e in host_adam.engines(optimizer) if e.streams_states]
-    if engines:
-        transformer_config.finalize_model_grads_func = _prefetching(
-            engines, transformer_config.finalize_model_grads_func
-        )
+    if not engines:
+        return
+    transformer_config.finalize_model_grads_func = _prefetching(
+        engines, transformer_config.finalize_model_grads_func
+    )
+    params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
+    host_adam.after_each_grad(chunks, _Growth(engines, params))
+
+
+class _Growth:
+    """After each parameter's gradient accumulation: every ``stride``-th lets the windows
+    grow (a pass armed for the last backward only; the others return at once)."""
+
+    def __init__(self, engines: list[HostAdam], params: int) -> None:
+        self.engines, self.stride, self.seen = engines, max(1, -(-params // GROW_CHECKS)), 0
+
+    def __call__(self, param) -> None:
+        self.seen += 1
+        if self.seen % self.stride == 0:
+            for engine in self.engines:
+                engine.grow()

@@ -29,7 +29,6 @@ from offload_runner.offload.cpu_adam.cores import (
 from offload_runner.offload.cpu_adam.delayed import (
     GUESS_BLOCK,
     LAST_LR,
-    arming,
     before_clip,
     grads_clipped,
 )
@@ -53,7 +52,7 @@ from offload_runner.plan import part_delays, part_fractions
 
 __all__ = [
     "BALANCE_STEPS", "DISABLED", "GPU_SHARE", "GUESS_BLOCK", "HOST_BYTES_PER_PARAM", "LAST_LR",
-    "CpuAdam", "Delayed", "Exact", "arming", "attach", "balanced_share", "before_clip",
+    "CpuAdam", "Delayed", "Exact", "attach", "balanced_share", "before_clip",
     "cpu_ranges", "cpu_worker", "delayed_dense_warning", "describe", "engines",
     "exact_steps", "grads_clipped", "launch_slowdown", "metrics", "mode_name", "mode_of",
     "part_delays", "part_fractions", "report_hidden_fraction", "runtime_environment",

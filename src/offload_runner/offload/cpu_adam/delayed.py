@@ -4,12 +4,10 @@ on the CPU afterwards), and weight prediction's extrapolation."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
 
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import hyper
+from offload_runner.offload.host_adam import after_each_grad, hyper
 
 LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last update
 GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
@@ -43,21 +41,19 @@ class DelayedUpdates:
         ``arm`` (the schedule's ``no_sync`` exit: the last micro-batch follows); only on a shard
         whose gradients nothing edits after the backward (``cpu_adam_copies_during_backward``);
         the CPU applies the clip factor (``grads_clipped``)."""
-        import torch
+        self._grad_hooks += after_each_grad(chunks, self._after_grad)
+        self._hooked.update((id(p), p) for chunk in chunks for p in chunk.parameters()
+                            if p.requires_grad)  # fmt: skip
 
-        with torch.enable_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    if not param.requires_grad:
-                        continue
-                    node = param.expand_as(param).grad_fn.next_functions[0][0]
-                    hook = functools.partial(self._after_grad, id(param))
-                    self._grad_hooks.append((node, node.register_hook(hook)))
-                    self._hooked[id(param)] = param
+    @property
+    def arms(self) -> bool:
+        return self.mode.copy_during_backward or self.streams_states
 
     def arm(self) -> None:
-        """The last micro-batch's backward follows: copy during it where the coming step is
-        delayed (the exact steps before need their gradients clipped at ``step()``)."""
+        """The last micro-batch's backward follows: the GPU share's states may come in during
+        it (exact steps: ``_arm_window``), and this step's gradients go down during it where
+        the coming step is delayed (the exact steps before need them clipped at ``step()``)."""
+        self._arm_window()
         self._early.clear()
         if not (self._grad_hooks and self.mode.delayed_at(self.steps_taken + 1)):
             self._remaining = None
@@ -72,12 +68,12 @@ class DelayedUpdates:
         self._previous = self._pending
         self._remaining = list(self._piece_params)
 
-    def _after_grad(self, key: int, *unused) -> None:
+    def _after_grad(self, param) -> None:
         """A parameter's gradient is accumulated: the pieces it completes start their copies."""
         remaining = self._remaining
         if remaining is None:
             return
-        for i in self._param_pieces.get(key, ()):
+        for i in self._param_pieces.get(id(param), ()):
             remaining[i] -= 1
             if remaining[i] == 0:
                 event = None
@@ -153,24 +149,6 @@ class DelayedUpdates:
         guess.copy_(self.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
         guess.reciprocal_().mul_(self.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
         guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
-
-
-def arming(no_sync, built: list):
-    """Megatron-Core's ``config.no_sync_func`` for the schedules: DDP's ``no_sync``, and on its
-    exit (the last micro-batch follows, as DDP's own grad sync reads it) the engines that copy
-    during the backward arm (``CpuAdam.arm``); ``no_sync`` itself where none does."""
-    armed = [e for e in built if e.mode.copy_during_backward]
-    if not armed:
-        return no_sync
-
-    @contextlib.contextmanager
-    def no_sync_then_arm():
-        with no_sync():
-            yield
-        for engine in armed:
-            engine.arm()
-
-    return no_sync_then_arm
 
 
 def before_clip(built: list) -> None:

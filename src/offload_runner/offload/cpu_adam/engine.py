@@ -419,6 +419,10 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             "cpu_adam_busy_s_median": busy,
             "cpu_adam_params_on_gpu": statistics.median(n for _, n in passes) if passes else 0,
             "cpu_adam_stream_s_median": statistics.median(t for t, _ in passes) if passes else 0.0,
+            # the GPU share's params whose states came in during the last backward
+            "cpu_adam_in_backward_params": statistics.median(self._window.grown[skip:])
+            if passes and self._window.grown[skip:]
+            else 0,
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
             "cpu_adam_forward_wait_s_median": statistics.median(u.forward_wait_s for u in steady),

@@ -37,19 +37,42 @@ class GpuShare:
     def window_bytes(self) -> int:
         return self._window.nbytes if self._window is not None else 0
 
+    def _arm_window(self) -> None:
+        """Exact mode's GPU share, before the last micro-batch: this step's split, and its pass
+        begun, so the backward may bring in its states (``grow``)."""
+        if self._exact_share_pending():
+            self._split()
+            self._window.begin(self._streamed, growing=True)
+
+    def grow(self) -> None:
+        """During the armed backward: the GPU share's states into the memory it has freed."""
+        if self._window is not None:
+            self._window.grow()
+
     def prefetch(self) -> None:
-        """Exact mode's GPU share: where the split between the CPU and the GPU falls this step
-        (``_rebalance``), and the first of the GPU share's states coming in (at the tail of
-        backward, through optimizer_states' hook; ``step()`` does it where nothing did)."""
-        if self._window is None or self._pieces is None or self._window.prefetched:
+        """Exact mode's GPU share: its split (unless armed), and its first states coming in (at
+        the tail of backward, through optimizer_states' hook; ``step()`` does it where nothing
+        did)."""
+        if self._window is None or self._pieces is None:
             return
         if self.mode.delayed_at(self.steps_taken + 1):
             return  # a late pass: the worker splits the update (_update_pieces)
+        if not self._window.prefetched:
+            self._split()
+        self._window.prefetch(self._streamed)
+
+    def _exact_share_pending(self) -> bool:
+        """An exact step with a GPU share comes, and its pass has not begun."""
+        return (self._window is not None and self._pieces is not None
+                and not self._window.prefetched
+                and not self.mode.delayed_at(self.steps_taken + 1))  # fmt: skip
+
+    def _split(self) -> None:
+        """Where the split between the CPU and the GPU falls this step (``_rebalance``)."""
         self._window.finish()  # pieces the last pass streamed may go to the CPU now
         self._rebalance()
         self._on_cpu = self._cpu_pieces(self._share)
         self._streamed = self._pieces[self._on_cpu :]
-        self._window.prefetch(self._streamed)
 
     def _cpu_pieces(self, gpu_share: float, order: list[int] | None = None) -> int:
         """How many leading pieces (of ``order``, default their own) hold about ``1 -

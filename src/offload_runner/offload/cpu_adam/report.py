@@ -57,6 +57,8 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
         "cpu_adam_gpu_share": on_gpu / params if params else 0.0,
         "cpu_adam_stream_s_median": stream_s,  # the GPU share's pass, first Adam to last copy
         "cpu_adam_stream_params_per_s": on_gpu / stream_s if stream_s else None,
+        # ... of which the states came in during the last backward
+        "cpu_adam_in_backward_params": sum(m["cpu_adam_in_backward_params"] for m in found),
         "cpu_adam_hidden_fraction": hidden,
         "cpu_adam_busy_s_median": busy,
         "cpu_adam_wall_s_median": sum(m["cpu_adam_wall_s_median"] for m in found),
