@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """docs/BENCHMARKS.md's section "Exact offload against the global batch", from suites ``gbs-N``
-(H200: no offload twice, the exact engines, HDO and delayed mode) and ``gbs-N-pairs`` (no
-offload and the exact engines in turn):
+(H200: no offload twice, the exact engines, HDO and delayed mode), ``gbs-N-pairs`` (no
+offload and the exact engines in turn) and ``gbs-N-grown`` (gbs-N's rows again, one H100, after
+the state windows grow during the last backward):
 
     python bench/gbs_report.py cost    # each engine run against its suite's no-offload runs
     python bench/gbs_report.py ends    # where exact CPU Adam's update ends (suites gbs-N)
@@ -83,13 +84,16 @@ def load(path: Path, gbs: int) -> Suite:
 
 
 def suites(gbs: int, pairs: bool = True) -> list[Suite]:
-    """Suite gbs-N, then (``pairs``) every gbs-N-pairs call."""
+    """Suite gbs-N, then (``pairs``) every later call at that batch (gbs-N-pairs*, gbs-N-grown),
+    in the order they ran."""
     paths = [RESULTS / f"results-gbs-{gbs}.json"]
     if pairs:
-        paths += sorted(
-            RESULTS.glob(f"results-gbs-{gbs}-pairs*.json"), key=lambda p: (len(p.name), p.name)
-        )
+        paths += sorted(RESULTS.glob(f"results-gbs-{gbs}-*.json"), key=_date)
     return [load(path, gbs) for path in paths if path.exists()]
+
+
+def _date(path: Path) -> str:
+    return json.loads(path.read_text())["environment"]["date"]
 
 
 def floors(s: Suite) -> dict[str, float]:
@@ -291,6 +295,10 @@ def host() -> str:
         "b_window": re.search(r"^b1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
         "a_window": re.search(r"^a1 .*?\(([\d.]+) G params/s\)", trial, re.M)[1],
     }
+    ab_grow = (EVIDENCE / "grow-4-ab-h100.txt").read_text()
+    fell = re.search(r"fell ([\d.]+) s under cpu_adam and ([\d.]+) s under states", ab_grow)
+    came = re.search(r"\(([\d.]+) GB and ([\d.]+) GB of states\)", ab_grow)
+    grown = {"ca": fell[1], "st": fell[2], "in": came[1], "in_states": came[2]}
     return (
         "What the host could give the update (`python bench/host_memory_probe.py`, "
         "docs/evidence/host-memory-probe-h100.txt, one H100 machine): fused AdamW on fp32 "
@@ -332,8 +340,11 @@ def host() -> str:
         f"{share['s0.45']} and {share['s0.5']} s against {share['sb']} s balanced, the optimizer "
         "phase shorter and the next forward+backward longer by about as much "
         "(docs/evidence/share-4-h100.txt). On these hosts the exact update is where its link and "
-        "its CPU put it; what is left is cover: the link idles during the last micro-batch's "
-        "backward, which the CPU part's gradients (the first layers, final last) cannot use."
+        "its CPU put it, less the cover the last micro-batch's backward gives: the window's first "
+        f"pieces now come in during it ({grown['in']} GB of states under cpu_adam, "
+        f"{grown['in_states']} GB under states), the optimizer phase {grown['ca']} s and "
+        f"{grown['st']} s shorter in one A/B call (docs/evidence/grow-4-ab-h100.txt). The CPU "
+        "part's gradients (the first layers, final last) cannot use that backward."
     )
 
 

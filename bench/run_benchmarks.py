@@ -1034,6 +1034,8 @@ def _states_line(r: dict, base: dict) -> str | None:
                  f"{s['states_stream_s_median'] * 1000:.0f} ms, "
                  f"{s['states_link_gb_per_s']:.1f} GB/s each way; window "
                  f"{s['states_window_gb'] * 1024:.0f} MiB")  # fmt: skip
+    if s.get("states_in_backward_gb"):  # those came in before the pass: its rate counts them
+        line += f", {s['states_in_backward_gb']:.1f} GB in during the last backward"
     return line
 
 
@@ -1246,6 +1248,8 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             f"{_ms(s['cpu_adam_wait_s_median'])})"
             + (f", the window's pass {_ms(s['cpu_adam_stream_s_median'])} ms"
                if s.get("cpu_adam_params_on_gpu") else "")
+            + (f" (the states of {s['cpu_adam_in_backward_params'] / 1e9:.2f}B params in "
+               "during the last backward)" if s.get("cpu_adam_in_backward_params") else "")
         )  # fmt: skip
         if s.get("cpu_adam_lands_in_forward") and not delayed:
             waited = s.get("cpu_adam_forward_wait_s_median")
