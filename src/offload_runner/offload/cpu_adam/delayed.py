@@ -45,10 +45,6 @@ class DelayedUpdates:
         self._hooked.update((id(p), p) for chunk in chunks for p in chunk.parameters()
                             if p.requires_grad)  # fmt: skip
 
-    @property
-    def arms(self) -> bool:
-        return self.mode.copy_during_backward or self.streams_states
-
     def arm(self) -> None:
         """The last micro-batch's backward follows: the GPU share's states may come in during
         it (exact steps: ``_arm_window``), and this step's gradients go down during it where

@@ -433,6 +433,11 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         }
 
     @property
+    def arms(self) -> bool:
+        """Copies during the last backward (delayed mode), or a GPU share's states coming in."""
+        return self.mode.copy_during_backward or self.streams_states
+
+    @property
     def delayed(self) -> bool:
         """Delayed mode (its first exact steps included)."""
         return isinstance(self.mode, Delayed)
