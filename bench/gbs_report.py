@@ -163,7 +163,8 @@ def asks() -> str:
         "here with the link at state offload's measured rate and the CPU at fused AdamW's rate "
         "alone, as if the copies took none of the host's memory bandwidth (outside the engine "
         "they took a fifth or more: docs/evidence/cpu-gpu-split-probe.txt). State offload must "
-        "move 12 B/param each way in that time:",
+        "move 12 B/param each way in that time, less what came in during the last backward "
+        "(suites gbs-N-grown on):",
         "",
         "| GBS | suite | GPU | time the bar leaves s | cpu_adam needs G params/s | at most, CPU "
         f"undisturbed | at most, CPU at {beside:.2f}x | best split outside the engine | the engine "
@@ -176,13 +177,14 @@ def asks() -> str:
             ca, st = s.first("cpu_adam 100%"), s.first("states")
             params, link = ca["cpu_offloaded_params"], st["states_link_gb_per_s"]
             left, rate = s.left(bar), update_rate(ca)
-            ratios.append(params * 12 / left / 1e9 / link)
+            moved = params * 12 - st.get("states_in_backward_gb", 0.0) * 1e9  # in the step
+            ratios.append(moved / left / 1e9 / link)
             reached.append(rate / 1e9)
             lines.append(
                 f"| {gbs} | `{s.name}` | {s.gpu} | {left:.3f} | {params / left / 1e9:.2f} | "
                 f"{(link * 1e9 + 8 * s.alone) / 12 / 1e9:.2f} | "
                 f"{(link * 1e9 + 8 * beside * s.alone) / 12 / 1e9:.2f} | {best:.2f} | "
-                f"{rate / 1e9:.2f} | {params * 12 / left / 1e9:.0f} | {link:.1f} |"
+                f"{rate / 1e9:.2f} | {moved / left / 1e9:.0f} | {link:.1f} |"
             )
     lines += ["", (
         f"State offload's bars ask the link for {min(ratios):.1f}-{max(ratios):.1f} times what it "
