@@ -40,7 +40,7 @@ class GpuShare:
     def _arm_window(self) -> None:
         """Exact mode's GPU share, before the last micro-batch: this step's split, and its pass
         begun, so the backward may bring in its states (``grow``)."""
-        if self._exact_share_pending():
+        if self._exact_share_comes() and not self._window.prefetched:
             self._split()
             self._window.begin(self._streamed, growing=True)
 
@@ -53,18 +53,15 @@ class GpuShare:
         """Exact mode's GPU share: its split (unless armed), and its first states coming in (at
         the tail of backward, through optimizer_states' hook; ``step()`` does it where nothing
         did)."""
-        if self._window is None or self._pieces is None:
-            return
-        if self.mode.delayed_at(self.steps_taken + 1):
-            return  # a late pass: the worker splits the update (_update_pieces)
+        if not self._exact_share_comes():
+            return  # none, or a late pass: the worker splits the update (_update_pieces)
         if not self._window.prefetched:
             self._split()
         self._window.prefetch(self._streamed)
 
-    def _exact_share_pending(self) -> bool:
-        """An exact step with a GPU share comes, and its pass has not begun."""
+    def _exact_share_comes(self) -> bool:
+        """The coming step is exact and has a GPU share (its pieces planned)."""
         return (self._window is not None and self._pieces is not None
-                and not self._window.prefetched
                 and not self.mode.delayed_at(self.steps_taken + 1))  # fmt: skip
 
     def _split(self) -> None:
