@@ -21,6 +21,7 @@ class Engines:
         self.cpu_adam = cpu_adam.engines(optimizer)
         self.weights = weight.of(model)
         self.all = [*host_adam.engines(optimizer), *self.weights]
+        self._growth_hooks: list = []  # the state windows' backward hooks (attach)
         for offload in self.weights:
             offload.arm()
 
@@ -32,7 +33,7 @@ class Engines:
         from offload_runner.offload import host_adam, optimizer_states
 
         config.no_sync_func = host_adam.arming(no_sync, host_adam.engines(self.optimizer))
-        optimizer_states.attach(self.optimizer, config, self.model)
+        self._growth_hooks = optimizer_states.attach(self.optimizer, config, self.model)
 
     def begin_step(self, micro_batches: int) -> None:
         for offload in self.weights:
@@ -91,6 +92,10 @@ class Engines:
         return found
 
     def close(self) -> None:
-        """Their threads and host memory go (on failure and Ctrl-C too: call in ``finally``)."""
+        """Their threads, host memory and backward hooks go (on failure and Ctrl-C too: call in
+        ``finally``)."""
+        for _, hook in self._growth_hooks:
+            hook.remove()
+        self._growth_hooks = []
         for engine in self.all:
             engine.close()

@@ -614,20 +614,20 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     return built
 
 
-def attach(optimizer, transformer_config, chunks) -> None:
+def attach(optimizer, transformer_config, chunks) -> list:
     """Wire the engines that stream states through a window (this module's, and the CPU-Adam
     engine's GPU share) into the backward of the model ``chunks``, where the last micro-batch's
     lets them grow into the memory it frees (every 1/GROW_CHECKS of its parameters'
     gradients), and into Megatron-Core's gradient finalize hook, where they prefetch their
-    first pieces."""
+    first pieces. Returns the backward hooks' (node, handle) pairs, for the caller to remove."""
     engines = [e for e in host_adam.engines(optimizer) if e.streams_states]
     if not engines:
-        return
+        return []
     transformer_config.finalize_model_grads_func = _prefetching(
         engines, transformer_config.finalize_model_grads_func
     )
     params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
-    host_adam.after_each_grad(chunks, _Growth(engines, params))
+    return host_adam.after_each_grad(chunks, _Growth(engines, params))
 
 
 class _Growth:
