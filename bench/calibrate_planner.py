@@ -106,13 +106,30 @@ def ran_before_gpu_share(result: dict) -> bool:
     return "cpu_offloaded_params" in summary and "cpu_adam_params_on_gpu" not in summary
 
 
-def plan_of(result: dict) -> Plan:
-    """The planner's plan for a recorded run's command line, on the run's GPU count (as the run
-    behaved at its commit: ``ran_before_gpu_share``)."""
-    nproc = result["case"].get("nproc", 1)
+def ran_with_fp32_masters(result: dict) -> bool:
+    """A state-offload run from before its host kept the masters as remainders (2 B/param
+    instead of 4 on the host and each way; optimizer.store_param_remainders, on by default
+    since): its summary has no ``states_master_bytes``."""
+    summary = result.get("summary") or {}
+    return "states_offloaded_params" in summary and "states_master_bytes" not in summary
+
+
+def as_it_ran(result: dict) -> list[str]:
+    """A recorded run's overrides, with what its engine did by default at its commit spelt
+    out (``ran_before_gpu_share``, ``ran_with_fp32_masters``)."""
     overrides = overrides_of(result["command"])
     if ran_before_gpu_share(result) and "offload/optimizer=cpu_adam" in overrides:
         overrides.append("optimizer.cpu_adam_gpu_share=0")
+    if ran_with_fp32_masters(result):
+        overrides.append("optimizer.store_param_remainders=false")
+    return overrides
+
+
+def plan_of(result: dict) -> Plan:
+    """The planner's plan for a recorded run's command line, on the run's GPU count (as the run
+    behaved at its commit: ``as_it_ran``)."""
+    nproc = result["case"].get("nproc", 1)
+    overrides = as_it_ran(result)
     chosen = ((result.get("summary") or {}).get("auto") or "").split(" (")[0]
     if chosen and "," not in chosen:  # what auto chose for the run, where its overrides say all
         # (auto times the CPU: here it could choose otherwise)
@@ -186,7 +203,7 @@ def predicted_step(result: dict, baseline_s: float, reference: dict) -> float:
     from offload_runner.step_cost import StepCost
 
     nproc = result["case"].get("nproc", 1)
-    run = to_run_config(compose_config(overrides_of(result["command"])))
+    run = to_run_config(compose_config(as_it_ran(result)))
     threads = str(result["summary"].get("cpu_adam_threads"))
     rate = reference.get(threads) or max(reference.values(), default=0) or (
         REFERENCE_CPU_ADAM_PARAMS_PER_S

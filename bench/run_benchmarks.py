@@ -487,6 +487,19 @@ def _pairs(gbs: int, runs: int) -> list[Case]:
 
 GBS8_PAIRS = _pairs(8, 8)
 
+
+def _remainder_cases(gbs: int) -> list[Case]:
+    """State offload with its masters as remainders beside the bf16 parameters (10 B/param each
+    way, the default) against fp32 masters (12 B/param: optimizer.store_param_remainders=false),
+    between two no-offload runs."""
+    base = f"remainders GBS{gbs} no offload"
+    states = ("offload/optimizer=states",)
+    rows = (("no offload", ()), ("states", states),
+            ("states, fp32 masters", (*states, "optimizer.store_param_remainders=false")),
+            ("no offload (repeat)", ()))  # fmt: skip
+    return [Case(f"remainders GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
+            for name, extra in rows]  # fmt: skip
+
 # The held-out dense shape of the exact-offload issue: llama3_8b at seq 8192, GBS 8, MB 1, with
 # offload/optimizer=auto on one H200 (its step and peak beside the GBS 4 run's 4.49 s, 121.7 GB).
 LLAMA_AUTO = Case("llama3_8b seq 8192 GBS 8, auto", "llama3_8b",
@@ -686,6 +699,7 @@ SUITES: dict[str, list[Case]] = {
     # the acceptance suites again after the windows grow during the last backward (one H100)
     **{f"gbs-{gbs}-grown": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "gbs-8-pairs-2": _pairs(8, 4),  # GBS 8 again after that change: one round, no offload again
+    **{f"remainders-{gbs}": _remainder_cases(gbs) for gbs in (4, 8)},
     # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
     # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
     "share-4": [

@@ -3,8 +3,9 @@ the CLI, as a user runs it, in deterministic mode.
 
 - the same seed twice gives identical losses;
 - activation offload gives the baseline's losses; optimizer-state offload gives them bit for bit
-  (windowed: the same Transformer Engine Adam kernel on the same fp32 numbers, piece by piece),
-  and its step holds only the window of the states, not all of them;
+  (windowed: the same Transformer Engine Adam kernel on the same fp32 numbers, piece by piece;
+  with the masters as remainders, those of Megatron-Core's precision-aware optimizer, which keeps
+  them so too), and its step holds only the window of the states, not all of them;
 - a run resumed from a checkpoint continues the uninterrupted run within 1e-3: optimizer on the
   GPU, its states offloaded, and half of it on the CPU (HybridDeviceOptimizer, which needs
   offload.optimizer.restore_after_load: without it, max |Δloss| was 3.5e-2 after resume);
@@ -94,15 +95,24 @@ def test_activation_offload_tracks_baseline(root: str) -> None:
     assert max_delta(run["losses"], baseline(root)["losses"]) < 1e-3
 
 
-def test_state_offload_matches_baseline_and_moves_the_states(root: str) -> None:
-    run = train(Path(root) / "states", "offload/optimizer=states",
-                "optimizer.optimizer_state_offload_chunk_size_mb=1")  # fmt: skip
-    base = baseline(root)
+@pytest.mark.parametrize("masters", ["remainders", "fp32"])
+def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters: str) -> None:
+    """The masters as remainders (the default: Transformer Engine's remainder kernel, 10 B/param
+    each way) give Megatron-Core's precision-aware optimizer's losses bit for bit, which keeps
+    them so too; fp32 masters (optimizer.store_param_remainders=false, 12 B/param) the plain
+    baseline's."""
+    fp32 = masters == "fp32"
+    run = train(Path(root) / f"states-{masters}", "offload/optimizer=states",
+                "optimizer.optimizer_state_offload_chunk_size_mb=1",
+                f"optimizer.store_param_remainders={str(not fp32).lower()}")  # fmt: skip
+    base = baseline(root) if fp32 else train(Path(root) / "baseline-precision-aware",
+                                             "optimizer.use_precision_aware_optimizer=true")
     assert run["losses"] == base["losses"]
+    assert run["states_master_bytes"] == (4 if fp32 else 2)
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
     # forward/backward runs without fp32 masters and Adam states (12 B/param), and the step
     # holds a 4 MiB window of them instead of all
-    states_gb = 12 * run["states_offloaded_params"] / 1024**3
+    states_gb = (8 + run["states_master_bytes"]) * run["states_offloaded_params"] / 1024**3
     assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"]
     assert run["gpu_peak_step_gb"] < base["gpu_peak_step_gb"] - states_gb / 2
 
@@ -120,7 +130,9 @@ def test_weight_offload_matches_state_offload(root: str, clip: str) -> None:
     acts every step) the global norm adds the host's part in another order than Megatron-Core's
     one multi-tensor norm: its last bit moved the losses by 3e-5 at iteration 3 and by more than
     1e-3 by iteration 20 (H100, 9b205a6 and 4d1edf0), as any two norm orders would."""
-    iters = ("train.train_iters=20", f"optimizer.clip_grad={clip}")
+    # fp32 masters in both (weight offload keeps its layers' so: rounded to nearest even)
+    iters = ("train.train_iters=20", f"optimizer.clip_grad={clip}",
+             "optimizer.store_param_remainders=false")  # fmt: skip
     states = train(Path(root) / f"weights-base-{clip}", *iters, "offload/optimizer=states")
     run = train(Path(root) / f"weights-{clip}", *iters, *WEIGHTS)
     assert run["weight_offload_layers"] == 2 and run["weight_offload_params"] > 0

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from offload_runner.offload import host_adam
+from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.cpu_adam import CpuAdam
 from offload_runner.offload.optimizer_states import (
     BYTES_PER_PARAM,
@@ -41,35 +41,66 @@ from tests.test_cpu_adam import SIZES as ENGINE_SIZES
 PIECE = 1500  # params per piece of the window: the shard spans several pieces and windows
 
 
-def windowed(buffers: Buffers, piece: int = PIECE) -> WindowedStates:
+def windowed(buffers: Buffers, piece: int = PIECE, rem: bool = False) -> WindowedStates:
     return WindowedStates(buffers.groups(lr_at(1)), lr=1e-3, weight_decay=0.1, betas=BETAS,
-                          eps=EPS, window_bytes=SLOTS * BYTES_PER_PARAM * piece)  # fmt: skip
+                          eps=EPS, window_bytes=SLOTS * per_param(rem) * piece,
+                          remainders=rem)  # fmt: skip
 
 
-def test_windowed_update_is_bit_identical_to_torch_fused_adamw() -> None:
+def per_param(rem: bool) -> int:
+    """Window and host bytes per param: fp32 master and moments, or the master's remainder."""
+    return BYTES_PER_PARAM - 2 * rem
+
+
+def fp32_masters(eng: WindowedStates, buffers: Buffers) -> list[torch.Tensor]:
+    """The engine's masters, rebuilt from the parameters where it keeps remainders."""
+    found = masters(eng, buffers)
+    if not eng.remainders:
+        return found
+    return [remainders.rebuild(view, rem) for view, rem in zip(buffers.views, found, strict=True)]
+
+
+def assert_params_round_masters(eng: WindowedStates, buffers: Buffers) -> None:
+    """The bf16 parameters are the masters rounded: to nearest even (fp32 masters), or as
+    Transformer Engine's remainder kernel splits them (ties away from zero)."""
+    for mine, view in zip(fp32_masters(eng, buffers), buffers.views, strict=True):
+        if eng.remainders:
+            param, rem = torch.empty_like(view), torch.empty(view.shape, dtype=torch.int16)
+            remainders.split(mine, param, rem)
+            assert torch.equal(view, param)
+        else:
+            assert torch.equal(view, mine.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rem", [False, True], ids=["fp32-masters", "remainders"])
+def test_windowed_update_is_bit_identical_to_torch_fused_adamw(rem: bool) -> None:
+    """The masters follow torch's fused AdamW whether they travel whole or as the remainders
+    beside the bf16 parameters (2 B/param less each way and on the host)."""
     buffers = Buffers()
-    eng, ref = windowed(buffers), Reference(buffers)
+    eng, ref = windowed(buffers, rem=rem), Reference(buffers)
     for step in range(1, STEPS + 1):
         ref.step(step, drive(eng, buffers, step))
-        assert_matches(masters(eng, buffers), ref.params, step)
-        for mine, view in zip(masters(eng, buffers), buffers.views, strict=True):
-            assert torch.equal(view, mine.to(torch.bfloat16))
+        assert_matches(fp32_masters(eng, buffers), ref.params, step)
+        assert_params_round_masters(eng, buffers)
     assert len(eng._pieces) == -(-sum(ENGINE_SIZES) // PIECE) > SLOTS  # more pieces than slots
     assert eng.offloaded_numel == sum(ENGINE_SIZES)
-    assert eng.window_bytes == SLOTS * BYTES_PER_PARAM * PIECE
-    assert eng.host_bytes >= BYTES_PER_PARAM * sum(ENGINE_SIZES)
+    assert eng.window_bytes == SLOTS * per_param(rem) * PIECE
+    assert eng.state_bytes_per_param == per_param(rem)
+    assert eng.host_master.dtype == (torch.int16 if rem else torch.float32)
+    assert eng.host_bytes >= per_param(rem) * sum(ENGINE_SIZES)
     assert eng.metrics() == {}  # no CUDA: nothing timed
     eng.close()
 
 
-@pytest.mark.parametrize("grown", [0, 1, SLOTS + 2, 10**6])
-def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int) -> None:
+@pytest.mark.parametrize(("grown", "rem"), [(0, False), (1, False), (SLOTS + 2, False),
+                                           (10**6, False), (SLOTS + 2, True)])  # fmt: skip
+def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int, rem: bool) -> None:
     """Armed for the last micro-batch (``host_adam.arming``), the pass grows slots into the
     memory the backward frees, each loaded at once (``grown`` of them the budget allows, up to
     every piece), then the step tops the window up to SLOTS and passes every piece through
     slot ``i % slots``: the update is the same. Nothing grows unarmed or after the prefetch."""
     buffers = Buffers()
-    eng, ref = windowed(buffers), Reference(buffers)
+    eng, ref = windowed(buffers, rem=rem), Reference(buffers)
     window = eng._window
     no_sync = host_adam.arming(contextlib.nullcontext, [eng])
     ref.step(1, drive(eng, buffers, 1))  # plans the pieces
@@ -85,9 +116,8 @@ def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int) ->
         assert len(window._pass.slots) == max(min(grown, pieces), SLOTS)
         ref.step(step, drive(eng, buffers, step))
         assert window.grown[-1] == sum(p.numel for p in eng._pieces[: min(grown, pieces)])
-        assert_matches(masters(eng, buffers), ref.params, step)
-        for mine, view in zip(masters(eng, buffers), buffers.views, strict=True):
-            assert torch.equal(view, mine.to(torch.bfloat16))
+        assert_matches(fp32_masters(eng, buffers), ref.params, step)
+        assert_params_round_masters(eng, buffers)
     eng.close()
 
 
@@ -118,18 +148,23 @@ def test_window_of_one_piece_per_slot_covers_a_shard_smaller_than_the_window() -
     eng.close()
 
 
-def test_windowed_checkpoint_continues_the_run_and_moves_to_cpu_adam() -> None:
-    """Its state dict has HybridDeviceOptimizer's layout, like the CPU-Adam engine's: loaded into
-    a fresh windowed engine, or into a CpuAdam, over the saved bf16 weights, both continue the
+@pytest.mark.parametrize("rem", [False, True], ids=["fp32-masters", "remainders"])
+def test_windowed_checkpoint_continues_the_run_and_moves_to_cpu_adam(rem: bool) -> None:
+    """Its state dict has HybridDeviceOptimizer's layout, like the CPU-Adam engine's (fp32
+    masters: rebuilt from the remainders for the checkpoint, ``fp32_masters``): loaded into a
+    fresh windowed engine, or into a CpuAdam, over the saved bf16 weights, both continue the
     original run (the CPU engine within the fused kernel's one-ulp tail differences)."""
     a_buf = Buffers()
-    a = windowed(a_buf)
+    a = windowed(a_buf, rem=rem)
     for step in range(1, 7):
         drive(a, a_buf, step)
-    a.finish()
-    saved = copy.deepcopy(a.state_dict())
+    with host_adam.fp32_masters(SimpleNamespace(optimizer=a)):  # as checkpoint.py saves
+        saved = copy.deepcopy(a.state_dict())
+    assert all(s["master_param"].dtype == torch.float32 for s in saved["state"].values())
+    assert a.state[a_buf.views[0]]["master_param"].dtype == a.host_master.dtype  # views again
     copies = {}
-    for name, build in (("windowed", windowed), ("cpu_adam", lambda b: engine(b, 1.0))):
+    for name, build in (("windowed", lambda b: windowed(b, rem=rem)),
+                        ("cpu_adam", lambda b: engine(b, 1.0))):  # fmt: skip
         buf = Buffers(seed=1)
         buf.param.copy_(a_buf.param)  # the model's own checkpoint: the bf16 weights as they are
         eng = build(buf)
@@ -142,7 +177,7 @@ def test_windowed_checkpoint_continues_the_run_and_moves_to_cpu_adam() -> None:
             drive(eng, buf, step)
         assert torch.equal(a_buf.param, copies["windowed"][1].param), f"step {step}"
     eng, buf = copies["cpu_adam"]
-    assert_matches(masters(eng, buf), masters(a, a_buf), 11)
+    assert_matches(masters(eng, buf), fp32_masters(a, a_buf), 11)
     assert copies["windowed"][0].param_groups[0]["step"] == 11
     for eng, _ in copies.values():
         assert isinstance(eng, CpuAdam) or eng.state_dict()["state"].keys() == saved["state"].keys()

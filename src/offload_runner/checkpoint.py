@@ -83,11 +83,14 @@ def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, sc
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from offload_runner.offload import host_adam
+
     path = iteration_dir(Path(root), iteration)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    with _pageable_weights(model):
+    # fp32 masters in the checkpoint: the host engines' layout, whatever an engine keeps
+    with _pageable_weights(model), host_adam.fp32_masters(optimizer):
         state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
         dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
     _save_weight_offload(path, model)
@@ -106,16 +109,17 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
-    with _pageable_weights(model):
-        state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
-        loaded = dist_checkpointing.load(state, str(load_dir))
-        for key, chunk in zip(model_keys(len(model)), model, strict=True):
-            unwrap_model(chunk).load_state_dict(loaded[key])
-    _load_weight_offload(load_dir, model)
-    optimizer.load_state_dict(loaded["optimizer"])
-    hybrid_optimizer.restore_after_load(optimizer)
-    for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload
-        engine.restore_after_load()
+    with host_adam.fp32_masters(optimizer):  # the templates of the saved fp32 masters
+        with _pageable_weights(model):
+            state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
+            loaded = dist_checkpointing.load(state, str(load_dir))
+            for key, chunk in zip(model_keys(len(model)), model, strict=True):
+                unwrap_model(chunk).load_state_dict(loaded[key])
+        _load_weight_offload(load_dir, model)
+        optimizer.load_state_dict(loaded["optimizer"])
+        hybrid_optimizer.restore_after_load(optimizer)
+        for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload
+            engine.restore_after_load()
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
 

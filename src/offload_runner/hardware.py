@@ -10,11 +10,12 @@ import math
 import os
 from functools import cache
 
-from offload_runner.config.schema import WINDOW_PIECES, RunConfig
+from offload_runner.config.schema import WINDOW_PIECES, RunConfig, states_offloaded
 
 # --- bytes per parameter ------------------------------------------------------------------------
 
 ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+REMAINDER_BYTES = 2  # an fp32 master kept as its 16-bit remainder beside its bf16 parameter
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
@@ -75,15 +76,26 @@ def low_moments(run: RunConfig) -> int:
 
 
 def window_bytes_per_param(run: RunConfig) -> int:
-    """GPU bytes a state window takes per param of its pieces: fp32 master and moments, and the
-    bf16 copies of the moments stored in bf16."""
-    return ADAM_BYTES + 2 * low_moments(run)
+    """GPU bytes a state window takes per param of its pieces: the master (fp32, or the
+    remainder of state offload's) and fp32 moments, and the bf16 copies of the moments stored in
+    bf16."""
+    return master_bytes(run) + 8 + 2 * low_moments(run)
+
+
+def master_bytes(run: RunConfig) -> int:
+    """What a host engine keeps of an fp32 master: state offload of a bf16 model keeps its
+    16-bit remainder (offload/remainders.py; Megatron-Core's optimizer.store_param_remainders,
+    on by default), the CPU-Adam engine the fp32 master."""
+    o = run.optimizer
+    remainders = run.model.bf16 and getattr(o, "store_param_remainders", True) is not False
+    return REMAINDER_BYTES if states_offloaded(run) and remainders else 4
 
 
 def host_state_bytes(run: RunConfig) -> int:
     """What a host engine keeps, and state offload moves each way, per offloaded param: the
-    fp32 master and the two moments (12 B, 8 with bf16 moments)."""
-    return 4 + moment_bytes(run)
+    master and the two moments (12 B, 8 with bf16 moments; 2 B less with state offload's
+    remainders)."""
+    return master_bytes(run) + moment_bytes(run)
 
 
 # --- rates --------------------------------------------------------------------------------------

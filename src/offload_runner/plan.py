@@ -283,8 +283,9 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     model. On the GPU precision-aware path they take their configured dtypes, and an fp32 master
     is kept as its 16-bit remainder only."""
     o = run.optimizer
-    if states_offloaded(run) or cpu_adam_on(run):  # offload-runner's host engines
-        return host_state_bytes(run) if run.model.bf16 else moment_bytes(run)
+    if states_offloaded(run) or cpu_adam_on(run):  # offload-runner's host engines: fp32 masters
+        # where they keep them on the GPU (host_state_bytes: on the host)
+        return 4 + moment_bytes(run) if run.model.bf16 else moment_bytes(run)
     gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
     moments = moment_bytes(run) if gpu_aware else ADAM_BYTES - 4
     if not run.model.bf16:
@@ -345,10 +346,10 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
     if states_offloaded(run):
         share = o.optimizer_state_offload_fraction
         states = int(shard * share * host_state_bytes(run))
-        # the window: its MiB of fp32 arrays, and the bf16 moments' copies beside them
-        window = states_window_mb(run) * 1024**2 * window_bytes_per_param(run) // ADAM_BYTES
+        # the window: its MiB, SLOTS pieces of window_bytes_per_param each
+        window = states_window_mb(run) * 1024**2
         whole = int(shard * share * window_bytes_per_param(run))  # a window as large as it
-        resident, step_only = adam - states, min(whole, window)
+        resident, step_only = int(adam * (1 - share)), min(whole, window)
     return OptimizerMemory(shard, adam, hdo, delayed, resident, step_only, int(pinned), on_cpu,
                            states)  # fmt: skip
 

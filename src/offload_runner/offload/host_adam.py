@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
+from offload_runner.offload import remainders
 from offload_runner.offload.host_memory import HostArenas, aligned
 
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
@@ -115,12 +116,16 @@ class HostAdam(HybridDeviceOptimizer):
         arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, what)
         return _typed(arena, dtype, n)
 
-    def _allocate_states(self, pin_moments: bool, what: str) -> None:
+    def _allocate_states(self, pin_moments: bool, what: str, remainders: bool = False) -> None:
         """Host masters (page-locked where CUDA copies them) and moments for the offloaded part,
-        GPU arrays for the rest, masters copied from the bf16 parameters, moments zero."""
+        GPU arrays for the rest, masters copied from the bf16 parameters, moments zero. With
+        ``remainders`` the host keeps each master as the int16 remainder beside its bf16
+        parameter (remainders.py): 2 B instead of 4, zero for a master equal to its parameter."""
         import torch
 
-        self.host_master = self._host_array(torch.float32, self.on_cuda, what)
+        self.remainders = remainders
+        master = torch.int16 if remainders else torch.float32
+        self.host_master = self._host_array(master, self.on_cuda, what)
         pin_moments = pin_moments and self.on_cuda
         first, second = self.moment_dtypes
         self.host_exp_avg = self._host_array(first, pin_moments, what)  # arenas come zeroed
@@ -136,10 +141,13 @@ class HostAdam(HybridDeviceOptimizer):
     def _lay_out(self, params: list, master, exp_avg, exp_avg_sq) -> dict[int, int]:
         """Consecutive slices of the flat arrays for ``params`` (their state), masters copied
         from the bf16 parameters; returns each parameter's start."""
+        import torch
+
         starts, start = {}, 0
         for _, p in params:
             view = slice(start, start + p.numel())
-            _upcast_into(master[view], p.detach().view(-1))
+            if master.dtype != torch.int16:  # remainders come zeroed: the master is the param
+                _upcast_into(master[view], p.detach().view(-1))
             self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
                                 "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
             self.state[p] = self._views(p)
@@ -155,8 +163,9 @@ class HostAdam(HybridDeviceOptimizer):
 
     @property
     def state_bytes_per_param(self) -> int:
-        """The fp32 master and the moments in their dtypes, per offloaded param."""
-        return 4 + sum(d.itemsize for d in self.moment_dtypes)
+        """The fp32 master (or its remainder) and the moments in their dtypes, per offloaded
+        param."""
+        return self.host_master.element_size() + sum(d.itemsize for d in self.moment_dtypes)
 
     @property
     def host_bytes(self) -> int:
@@ -278,6 +287,8 @@ class HostAdam(HybridDeviceOptimizer):
         self._land_loaded_masters()
 
     def _land_loaded_masters(self) -> None:
+        if self.remainders:  # _adopt split the loaded masters into the parameters already
+            return
         for _, p in self.offloaded:
             a = self._flat[id(p)]
             p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
@@ -292,8 +303,12 @@ class HostAdam(HybridDeviceOptimizer):
         own = self._views(p)
         for key in STATE_KEYS:
             value = loaded.get(key)
-            if value is not None and value is not own[key]:
+            if value is None or value is own[key]:
+                continue
+            if own[key].dtype == value.dtype or key != "master_param":
                 own[key].copy_(value.reshape(-1))
+            else:  # an fp32 master into a remainder: the parameter rounded as it rounds it
+                _split_into(value.reshape(-1), p.detach().view(-1), own[key])
         self.state[p] = own
 
     # -- what Megatron-Core's DistributedOptimizer calls on a HybridDeviceOptimizer -------------
@@ -327,10 +342,38 @@ class HostAdam(HybridDeviceOptimizer):
     def update_fp32_param_by_new_param(self) -> None:
         """Masters from the bf16 parameters (Megatron-Core's reload of model weights)."""
         self.finish()
-        params = self.offloaded + self.kept
+        params = self.kept + ([] if self.remainders else self.offloaded)
         for _, p in params:
             _upcast_into(self.state[p]["master_param"], p.detach().view(-1))
         _upcasts_landed(params)
+        if self.remainders:
+            self.host_master.zero_()  # each master is its parameter
+
+    @contextlib.contextmanager
+    def fp32_masters(self):
+        """For a checkpoint's save or load: ``state[p]["master_param"]`` an fp32 host array (the
+        masters rebuilt from the parameters and remainders), HybridDeviceOptimizer's layout, so
+        a checkpoint moves between the engines; the remainders' views again after (a load's
+        masters went through ``_adopt``). Host memory for 4 B/param meanwhile."""
+        import torch
+
+        if not self.remainders:
+            yield
+            return
+        self.finish()
+        full = torch.empty(self.offloaded_numel, dtype=torch.float32)
+        for _, p in self.offloaded:
+            a = self._flat[id(p)]
+            view = full[a : a + p.numel()]
+            remainders.rebuild(p.detach().view(-1).cpu(), self.host_master[a : a + p.numel()],
+                               out=view)  # fmt: skip
+            self.state[p] = {**self._views(p), "master_param": view}
+        try:
+            yield
+        finally:
+            for _, p in self.offloaded:
+                if self.state[p].get("master_param") is not self._own[id(p)]["master_param"]:
+                    self.state[p] = self._views(p)
 
     def close(self) -> None:
         self.finish()
@@ -477,6 +520,26 @@ def _upcasts_landed(params: list) -> None:
 
     if params and params[0][1].is_cuda:
         torch.cuda.current_stream().synchronize()
+
+
+def _split_into(master, param, remainder) -> None:
+    """``remainders.split`` of a master into a parameter on any device (through a host copy of
+    it) and a host remainder."""
+    import torch
+
+    staged = param.cpu() if param.is_cuda else param
+    remainders.split(master.to("cpu", torch.float32), staged, remainder)
+    if staged is not param:
+        param.copy_(staged)
+
+
+@contextlib.contextmanager
+def fp32_masters(optimizer):
+    """``HostAdam.fp32_masters`` of every engine of ``optimizer`` at once (checkpoints)."""
+    with contextlib.ExitStack() as stack:
+        for engine in engines(optimizer):
+            stack.enter_context(engine.fp32_masters())
+        yield
 
 
 def _window(first, offset: int, numel: int):

@@ -51,9 +51,15 @@ from offload_runner.config.schema import (
     states_offloaded,
     states_window_mb,
 )
-from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS, host_state_bytes
+from offload_runner.hardware import (
+    ADAM_BYTES,
+    REMAINDER_BYTES,
+    WINDOW_SLOTS,
+    host_state_bytes,
+    master_bytes,
+)
 from offload_runner.model_size import count_parameters
-from offload_runner.offload import host_adam
+from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_adam import HostAdam, Piece, torch_adamw
 
@@ -79,7 +85,9 @@ def describe(run: RunConfig) -> OffloadSummary:
         "optimizer states",
         "offload/optimizer=states",
         True,
-        f"{share:.0%} of the fp32 masters + {o.exp_avg_dtype.value} exp_avg + "
+        f"{share:.0%} of the fp32 masters"
+        f"{' (their 16-bit remainders)' if keeps_remainders(run) else ''}"
+        f" + {o.exp_avg_dtype.value} exp_avg + "
         f"{o.exp_avg_sq_dtype.value} exp_avg_sq ({per_param} B/param, ~"
         f"{params * per_param / 1e9:.1f} GB for the whole model before DP sharding) live on "
         "the host; Adam runs on the GPU",
@@ -96,11 +104,13 @@ class _Pass:
     """One step's pass of some pieces' states through the window: its events and timing."""
 
     pieces: list[Piece]
-    # the window's slots, each the arrays of one piece ((3 or 4) x piece_numel fp32; the bf16
-    # ones the moments stored in bf16 travel in, in ``low``); piece i passes through slot
-    # i % len(slots), the slots fixed once the Adam calls are issued
+    # the window's slots, each the arrays of one piece (2 to 4 x piece_numel fp32: the master
+    # unless it travels as a remainder, the moments, a late pass's gradients; the bf16 ones the
+    # moments stored in bf16 travel in, in ``low``; the int16 remainder, in ``rem``); piece i
+    # passes through slot i % len(slots), the slots fixed once the Adam calls are issued
     slots: list = field(default_factory=list)
     low: list = field(default_factory=list)
+    rem: list = field(default_factory=list)
     loaded: list = field(default_factory=list)  # per piece: event, its copy in has finished
     freed: list = field(default_factory=list)  # per slot: event, the copy out of its last piece
     # a step-late pass (StatesWindow.run_late): per piece, before its copy in, what it waits
@@ -124,7 +134,8 @@ class StatesWindow:
                  host_grad=None) -> None:  # fmt: skip
         import torch
 
-        self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays
+        self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays; the masters
+        # as int16 remainders of the bf16 parameters (remainders.py) or fp32
         # the gradients on the host (CPU-Adam's delayed mode): a step-late pass streams them up
         # too, in a fourth array per slot
         self.host_grad = host_grad
@@ -133,8 +144,9 @@ class StatesWindow:
         on_cuda = device.type == "cuda"
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if on_cuda else None  # h2d, d2h
         self._adam = adam  # Transformer Engine's multi-tensor Adam (_te_adam), else torch's
-        # the host arrays kept in bf16 (moments): they travel at 2 B and are upcast for Adam
-        self._low = [i for i, array in enumerate(host) if array.dtype != torch.float32]
+        self._remainders = host[0].dtype == torch.int16
+        # the moments kept in bf16 on the host: they travel at 2 B and are upcast for Adam
+        self._low = [i for i, array in enumerate(host) if i and array.dtype != torch.float32]
         self._low_dtype = host[self._low[0]].dtype if self._low else None
         self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
         self._timed: _Pass | None = None  # the last pass, its events not read yet
@@ -149,12 +161,13 @@ class StatesWindow:
 
     @property
     def slot_bytes(self) -> int:
-        return (self._arrays * 4 + len(self._low) * 2) * self.piece_numel
+        return (self._arrays * 4 + len(self._low) * 2 + self._remainders * 2) * self.piece_numel
 
     @property
     def _arrays(self) -> int:
-        """fp32 arrays per slot: master, exp_avg, exp_avg_sq (and the gradient for late passes)."""
-        return BYTES_PER_PARAM // 4 + (self.host_grad is not None)
+        """fp32 arrays per slot: the master (unless a remainder), exp_avg, exp_avg_sq (and the
+        gradient for late passes)."""
+        return BYTES_PER_PARAM // 4 - self._remainders + (self.host_grad is not None)
 
     @property
     def prefetched(self) -> bool:
@@ -239,10 +252,13 @@ class StatesWindow:
             slot = torch.empty(shape, dtype=torch.float32, device=self.device)
             low = torch.empty((len(self._low), shape[1]), dtype=self._low_dtype,
                               device=self.device) if self._low else None  # fmt: skip
+            rem = torch.empty(shape[1], dtype=torch.int16,
+                              device=self.device) if self._remainders else None  # fmt: skip
         if streams is not None and not on_h2d:
             streams[0].wait_stream(torch.cuda.current_stream())  # the memory's last readers
         self._pass.slots.append(slot)
         self._pass.low.append(low)
+        self._pass.rem.append(rem)
         self._pass.freed.append(None)
 
     def run(self, pieces: list[Piece], step: int, hypers: list[dict]) -> None:
@@ -298,24 +314,27 @@ class StatesWindow:
         return out
 
     def _slot(self, index: int) -> tuple:
-        """The window's (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``."""
+        """The window's fp32 (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``
+        (no master where it travels as a remainder)."""
         n = self._pass.pieces[index].numel
-        slot = self._pass.slots[index % len(self._pass.slots)]
-        return slot[0, :n], slot[1, :n], slot[2, :n]
+        rows = self._pass.slots[index % len(self._pass.slots)][:, :n]
+        return (None, rows[0], rows[1]) if self._remainders else (rows[0], rows[1], rows[2])
 
     def _staged(self, index: int) -> tuple:
-        """What travels for piece ``index``: its fp32 slot arrays, a bf16 one for each moment
-        stored in bf16."""
-        n = self._pass.pieces[index].numel
+        """What travels for piece ``index``: its fp32 slot arrays, the remainder of its masters
+        where they travel so, a bf16 array for each moment stored in bf16."""
+        n, at = self._pass.pieces[index].numel, index % len(self._pass.slots)
         arrays = list(self._slot(index))
+        if self._remainders:
+            arrays[0] = self._pass.rem[at][:n]
         for k, i in enumerate(self._low):
-            arrays[i] = self._pass.low[index % len(self._pass.slots)][k, :n]
+            arrays[i] = self._pass.low[at][k, :n]
         return tuple(arrays)
 
     def _slot_grad(self, index: int):
         """A late pass's gradient array in the slot of its piece ``index``."""
         n = self._pass.pieces[index].numel
-        return self._pass.slots[index % len(self._pass.slots)][3, :n]
+        return self._pass.slots[index % len(self._pass.slots)][self._arrays - 1, :n]
 
     def _on_host(self, piece: Piece) -> tuple:
         return tuple(array[piece.start : piece.stop] for array in self.host)
@@ -384,14 +403,17 @@ class StatesWindow:
         for a, b, gi in piece.groups:
             h, span = hypers[gi], slice(a - piece.start, b - piece.start)
             grad = (grads[span] if late else piece.grad[span]).float()  # a bf16 buffer's: fp32
-            if self._adam is not None:
-                self._adam([grad], [master[span]], [exp_avg[span]], [exp_avg_sq[span]], step, h)
+            moments = [exp_avg[span]], [exp_avg_sq[span]]
+            if self._remainders:  # the master is its bf16 parameter and remainder (updated)
+                _remainder_adam(self._adam, steps, step, h, grad, piece.param[span],
+                                staged[0][span], moments)  # fmt: skip
+            elif self._adam is not None:
+                self._adam([[grad], [master[span]], *moments], step, h)
             else:
-                torch_adamw(steps, h, scale)([master[span]], [grad], [exp_avg[span]],
-                                             [exp_avg_sq[span]])  # fmt: skip
+                torch_adamw(steps, h, scale)([master[span]], [grad], *moments)
         for i in self._low:  # ... rounded back to nearest even, as TE's FusedAdam rounds them
             staged[i].copy_(slot[i])
-        if not late:
+        if not (late or self._remainders):
             piece.param.copy_(master)
 
     def _end_pass(self) -> None:
@@ -405,9 +427,9 @@ class StatesWindow:
             return
         done.ended = _record(self.streams[1])
         for stream in (torch.cuda.current_stream(), *self.streams):
-            for slot in (*done.slots, *(low for low in done.low if low is not None)):
+            for slot in (*done.slots, *(t for t in (*done.low, *done.rem) if t is not None)):
                 slot.record_stream(stream)  # not reused before the copies out have read it
-        done.slots = done.low = None
+        done.slots = done.low = done.rem = None
         self._timed = done
 
     def _collect_timing(self) -> None:
@@ -447,20 +469,23 @@ class WindowedStates(HostAdam):
         order_key=None,
         fraction: float = 1.0,
         moment_dtypes: tuple = (),
+        remainders: bool = False,
     ) -> None:
         import torch
 
-        # a piece of n params takes 12 n bytes of the window (fp32 master and moments), 2 n more
-        # per moment stored in bf16 (it travels as such): chunk_bytes counts 4 B per param
-        low = sum(d != torch.float32 for d in moment_dtypes)
+        # a piece of n params takes 12 n bytes of the window (fp32 master and moments; 10 with
+        # the master as a remainder), 2 n more per moment stored in bf16 (it travels as such):
+        # chunk_bytes counts 4 B per param
+        per_param = 12 - 2 * remainders + 2 * sum(d != torch.float32 for d in moment_dtypes)
         super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay, betas=betas,
-                         eps=eps, chunk_bytes=window_bytes * 4 // (SLOTS * (12 + 2 * low)),
+                         eps=eps, chunk_bytes=window_bytes * 4 // (SLOTS * per_param),
                          order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
-        self._allocate_states(pin_moments=True, what="offload/optimizer=states")
+        self._allocate_states(pin_moments=True, what="offload/optimizer=states",
+                              remainders=remainders)  # fmt: skip
         self._window = StatesWindow(
             (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
             min(self.chunk_numel, self.offloaded_numel),
-            _te_adam(self.device) if self.on_cuda else None,
+            _te_adam(self.device, remainders) if self.on_cuda else None,
         )  # fmt: skip
 
     @property
@@ -511,6 +536,7 @@ class WindowedStates(HostAdam):
         grown = self._window.grown[skip:] or self._window.grown
         return {"states_offloaded_params": self.offloaded_numel,
                 "states_moved_gb": moved / 1e9,
+                "states_master_bytes": self.host_master.element_size(),
                 "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param
                 / 1e9,
                 "states_stream_s_median": seconds,
@@ -526,10 +552,12 @@ def _record(stream):
     return event
 
 
-def _te_adam(device):
+def _te_adam(device, remainders: bool = False):
     """Transformer Engine's multi-tensor Adam (AdamW mode, bias correction), as its FusedAdam
-    calls it on fp32 masters: the kernel Megatron-Core's GPU Adam runs, so the windowed step
-    gives the baseline's numbers bit for bit. None without TE (torch's fused AdamW then)."""
+    calls it: on fp32 masters ``[grads, masters, exp_avgs, exp_avg_sqs]``, or with
+    ``remainders`` on ``[grads, bf16 params, exp_avgs, exp_avg_sqs, int16 remainders]``: the
+    kernels Megatron-Core's GPU Adam runs (the second on its precision-aware path), so the
+    windowed step gives their numbers bit for bit. None without TE (torch's fused AdamW then)."""
     try:
         import torch
         import transformer_engine_torch as tex
@@ -537,13 +565,33 @@ def _te_adam(device):
     except ImportError:
         return None
     noop = torch.zeros(1, dtype=torch.int, device=device)
+    kernel = tex.multi_tensor_adam_param_remainder if remainders else tex.multi_tensor_adam
 
-    def adam(grads, masters, exp_avgs, exp_avg_sqs, step: int, h: dict) -> None:
-        multi_tensor_applier(tex.multi_tensor_adam, noop, [grads, masters, exp_avgs, exp_avg_sqs],
-                             h["lr"], h["beta1"], h["beta2"], h["eps"], step, 1, 1,
-                             h["weight_decay"])  # fmt: skip
+    def adam(lists: list, step: int, h: dict) -> None:
+        multi_tensor_applier(kernel, noop, lists, h["lr"], h["beta1"], h["beta2"], h["eps"],
+                             step, 1, 1, h["weight_decay"])  # fmt: skip
 
     return adam
+
+
+def _remainder_adam(adam, steps, step: int, h: dict, grad, param, remainder,
+                    moments: tuple) -> None:  # fmt: skip
+    """Adam on masters held as bf16 ``param`` + int16 ``remainder``, both updated in place:
+    Transformer Engine's remainder kernel (``adam``), else torch's fused AdamW on the rebuilt
+    fp32 masters, split again as that kernel splits them (remainders.py)."""
+    if adam is not None:
+        adam([[grad], [param], *moments, [remainder]], step, h)
+        return
+    master = remainders.rebuild(param, remainder)
+    torch_adamw(steps, h)([master], [grad], *moments)
+    remainders.split(master, param, remainder)
+
+
+def keeps_remainders(run: RunConfig) -> bool:
+    """The host keeps each master as its remainder beside the bf16 parameter (remainders.py): a
+    bf16 model, unless optimizer.store_param_remainders=false (Megatron-Core's key, on by
+    default; off, the masters are fp32 and the parameters their round-to-nearest-even)."""
+    return master_bytes(run) == REMAINDER_BYTES
 
 
 def moment_dtypes(run: RunConfig) -> tuple:
@@ -575,6 +623,7 @@ def metrics(optimizer) -> dict:
         if seconds
         else None,
         "states_window_gb": max(m["states_window_gb"] for m in found),
+        "states_master_bytes": max(m["states_master_bytes"] for m in found),
         "states_in_backward_gb": sum(m["states_in_backward_gb"] for m in found),
         "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
     }
@@ -603,12 +652,15 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
         betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         window_bytes=states_window_mb(run) * 1024**2,
         fraction=o.optimizer_state_offload_fraction, moment_dtypes=moment_dtypes(run),
+        remainders=keeps_remainders(run),
     ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
     shard = sum(e.shard_numel for e in built)
     log.info("optimizer states: %.3fB of %.3fB params of this rank's shard on the host (%.1f GB "
-             "page-locked, moments in %s), streamed through a %.0f MiB GPU window; the rest "
-             "stays on the GPU", numel / 1e9, shard / 1e9, sum(e.host_bytes for e in built) / 1e9,
+             "page-locked, masters %s, moments in %s), streamed through a %.0f MiB GPU window; "
+             "the rest stays on the GPU", numel / 1e9, shard / 1e9,
+             sum(e.host_bytes for e in built) / 1e9,
+             "as remainders of the bf16 params" if keeps_remainders(run) else "in fp32",
              run.optimizer.exp_avg_dtype.value, max((e.window_bytes for e in built), default=0)
              / 1024**2)  # fmt: skip
     return built
