@@ -500,6 +500,7 @@ def _remainder_cases(gbs: int) -> list[Case]:
     return [Case(f"remainders GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
             for name, extra in rows]  # fmt: skip
 
+
 # The held-out dense shape of the exact-offload issue: llama3_8b at seq 8192, GBS 8, MB 1, with
 # offload/optimizer=auto on one H200 (its step and peak beside the GBS 4 run's 4.49 s, 121.7 GB).
 LLAMA_AUTO = Case("llama3_8b seq 8192 GBS 8, auto", "llama3_8b",

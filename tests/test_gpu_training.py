@@ -105,8 +105,13 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     run = train(Path(root) / f"states-{masters}", "offload/optimizer=states",
                 "optimizer.optimizer_state_offload_chunk_size_mb=1",
                 f"optimizer.store_param_remainders={str(not fp32).lower()}")  # fmt: skip
-    base = baseline(root) if fp32 else train(Path(root) / "baseline-precision-aware",
-                                             "optimizer.use_precision_aware_optimizer=true")
+    base = (
+        baseline(root)
+        if fp32
+        else train(
+            Path(root) / "baseline-precision-aware", "optimizer.use_precision_aware_optimizer=true"
+        )
+    )
     assert run["losses"] == base["losses"]
     assert run["states_master_bytes"] == (4 if fp32 else 2)
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
