@@ -495,7 +495,7 @@ class WeightOffload:
             compute.wait_stream(streams[0])
         if clip != 1.0:
             grad.mul_(clip)
-        adam([grad], [master], [exp_avg], [exp_avg_sq], self.steps, h)
+        adam([[grad], [master], [exp_avg], [exp_avg_sq]], self.steps, h)
         rounded = master.to(torch.bfloat16)
         down = [
             (self.master, master),
@@ -637,7 +637,8 @@ def _gpu_adam(device):
     if te is not None:
         return te
 
-    def adam(grads, masters, exp_avgs, exp_avg_sqs, step: int, h: dict) -> None:
+    def adam(lists: list, step: int, h: dict) -> None:  # [grads, masters, moments, moments]
+        grads, masters, exp_avgs, exp_avg_sqs = lists
         steps = torch.tensor(float(step), device=device)
         torch_adamw(steps, h)(masters, grads, exp_avgs, exp_avg_sqs)
 
