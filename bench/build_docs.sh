@@ -31,6 +31,18 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py host
   echo
+  echo "### State offload's masters as remainders (suites \`remainders-N\`)"
+  echo
+  echo "State offload keeps each fp32 master as its bf16 parameter and a 16-bit remainder, as"
+  echo "Megatron-Core's precision-aware optimizer does (\`optimizer.store_param_remainders\`, on by"
+  echo "default), and updates it with Transformer Engine's remainder kernel: 10 B/param on the host"
+  echo "and each way instead of 12. One H100 per global batch, one call each: no offload, state"
+  echo "offload with remainders, with fp32 masters (\`optimizer.store_param_remainders=false\`), no"
+  echo "offload again (\`bash bench/device_session.sh remainders-4\`; \`python bench/gbs_report.py"
+  echo "remainders\`). The host's no-offload step drifted within each call."
+  echo
+  python bench/gbs_report.py remainders
+  echo
   echo "bf16 moments (8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\")."
   echo
   echo "## Where exact offload's forward+backward time goes"

@@ -9,6 +9,7 @@ the state windows grow during the last backward):
     python bench/gbs_report.py asks    # what the bars ask of the update, beside the machine
     python bench/gbs_report.py pairs   # forward+backward against no offload at its moment
     python bench/gbs_report.py host    # what the host could give the update, and the engine's gap
+    python bench/gbs_report.py remainders  # state offload's masters as remainders (remainders-N)
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def asks() -> str:
         "here with the link at state offload's measured rate and the CPU at fused AdamW's rate "
         "alone, as if the copies took none of the host's memory bandwidth (outside the engine "
         "they took a fifth or more: docs/evidence/cpu-gpu-split-probe.txt). State offload must "
-        "move 12 B/param each way in that time, less what came in during the last backward "
+        "move 12 B/param each way in that time (suites up to gbs-8-pairs-2; 10 since its masters "
+        "travel as remainders, section below), less what came in during the last backward "
         "(suites gbs-N-grown on):",
         "",
         "| GBS | suite | GPU | time the bar leaves s | cpu_adam needs G params/s | at most, CPU "
@@ -177,7 +179,8 @@ def asks() -> str:
             ca, st = s.first("cpu_adam 100%"), s.first("states")
             params, link = ca["cpu_offloaded_params"], st["states_link_gb_per_s"]
             left, rate = s.left(bar), update_rate(ca)
-            moved = params * 12 - st.get("states_in_backward_gb", 0.0) * 1e9  # in the step
+            per = 8 + st.get("states_master_bytes", 4)  # 12 B/param, 10 with remainders
+            moved = params * per - st.get("states_in_backward_gb", 0.0) * 1e9  # in the step
             ratios.append(moved / left / 1e9 / link)
             reached.append(rate / 1e9)
             lines.append(
@@ -350,5 +353,50 @@ def host() -> str:
     )
 
 
+def remainders() -> str:
+    """Suites remainders-N: state offload with its masters as remainders (the default) and as
+    fp32 masters (optimizer.store_param_remainders=false), between two no-offload runs."""
+    lines = [
+        "| GBS | suite | GPU | no offload s (runs) | masters | B/param each way | step s | step | "
+        "bar | optimizer phase s | pass s | link GB/s | host GB | GPU peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    phases, links = {}, {}
+    for gbs in sorted(BARS):
+        path = RESULTS / f"results-remainders-{gbs}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        gpu = data["environment"]["gpu"].replace("NVIDIA ", "")
+        rows = [(r["case"]["name"], r["summary"]) for r in data["results"]]
+        bases = [s for name, s in rows if "no offload" in name]
+        base = statistics.mean(b["step_time_s_median"] for b in bases)
+        for name, r in rows:
+            if "states" not in name:
+                continue
+            kind = "fp32" if "fp32" in name else "remainders"
+            phases.setdefault(gbs, {})[kind] = r["optimizer_time_s_median"]
+            links.setdefault(kind, []).append(r["states_link_gb_per_s"])
+            runs = ", ".join(f"{b['step_time_s_median']:.3f}" for b in bases)
+            lines.append(
+                f"| {gbs} | `remainders-{gbs}` | {gpu} | {runs} | {kind} | "
+                f"{8 + r['states_master_bytes']} | {r['step_time_s_median']:.3f} | "
+                f"{r['step_time_s_median'] / base:.2f}x | {BARS[gbs]}x | "
+                f"{r['optimizer_time_s_median']:.3f} | {r['states_stream_s_median']:.3f} | "
+                f"{r['states_link_gb_per_s']:.1f} | {r['states_host_gb']:.1f} | "
+                f"{r['gpu_peak_allocated_gb']:.2f} |"
+            )
+    cut = [1 - p["remainders"] / p["fp32"] for p in phases.values() if len(p) == 2]
+    span = "-".join(dict.fromkeys(f"{x:.0%}" for x in (min(cut), max(cut)))) if cut else ""
+    lines += ["", (
+        f"The remainders took {span} off the optimizer phase, where they take 2 of 12 "
+        f"B/param (17%) off the link, which ran {min(links['remainders']):.1f}-"
+        f"{max(links['remainders']):.1f} GB/s with them against {min(links['fp32']):.1f}-"
+        f"{max(links['fp32']):.1f} with fp32 masters."
+    )] if cut else []  # fmt: skip
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host}[sys.argv[1]]())
+    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host,
+           "remainders": remainders}[sys.argv[1]]())  # fmt: skip

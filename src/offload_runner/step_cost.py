@@ -28,6 +28,7 @@ from offload_runner.hardware import (
     host_state_bytes,
     low_moments,
     measured_rate,
+    moment_bytes,
     rank_cpus,
     rank_link_gb_per_s,
     worker_cpus,
@@ -325,9 +326,9 @@ def weight_offload_sum_bytes(run: RunConfig, params: float) -> float:
 
 
 def weight_offload_update_bytes(run: RunConfig, params: float) -> tuple[float, float]:
-    """Bytes weight offload's update moves, (up, down): the gradients, masters and moments up;
-    the masters, moments and rounded bf16 weights down."""
-    states = host_state_bytes(run)
+    """Bytes weight offload's update moves, (up, down): the gradients, fp32 masters and moments
+    up; the masters, moments and rounded bf16 weights down."""
+    states = 4 + moment_bytes(run)
     return params * (grad_bytes(run) + states), params * (states + 2)
 
 
