@@ -374,6 +374,9 @@ PY
        python bench/run_benchmarks.py run --suite exact-4-ab --iters 10 --work-dir "$WORK/$run" \
          --out "$OUT/results-exact-4-ab-$run.json")
     done ;;
+  capacity-auto-37)  # (H200) the largest slice --plan --largest finds for one H200 box, with auto
+    python bench/run_benchmarks.py run --suite "$1" --iters 22 --time-limit 560 \
+      --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
     python bench/run_benchmarks.py run --suite llama3-8b-auto --iters 10 --time-limit 560 \
       --out "$OUT/results-llama3-8b-auto.json" --work-dir "$WORK/bench" ;;

@@ -732,6 +732,8 @@ SUITES: dict[str, list[Case]] = {
     "capacity-auto-28": [CAPACITY_CASES[0], _capacity_auto(28)],
     # the largest slice `--plan --largest` predicts for that box (31 layers), its own device call
     "capacity-auto-31": [_capacity_auto(31)],
+    # ... and again once state offload's host kept each master as its 2 B remainder (37 layers)
+    "capacity-auto-37": [_capacity_auto(37)],
     "determinism": _determinism_cases(),
     "profile-8": _profile_cases(8),
     "adam-parity": ADAM_PARITY,
@@ -1378,6 +1380,7 @@ HEADLINE = [
     ("capacity-auto-28", "28 layers, no offload"),
     ("capacity-auto-28", "28 layers, auto"),
     ("capacity-auto-31", "31 layers, auto"),
+    ("capacity-auto-37", "37 layers, auto"),
     ("two-gpu-full-1", "full EP2 no offload"),
     ("two-gpu-full-2", "full EP2 auto"),
     ("two-gpu-engines", "proxy DP2 GBS8 cpu_adam"),
