@@ -2,7 +2,9 @@
 
 Not in any megatron-core release. ``WindowedStates`` is the inner optimizer of Megatron-Core's
 precision-aware DistributedOptimizer (host_adam.HostAdam: layout, checkpoints), so the GPU never
-holds the states and masters whole. They live in page-locked host arrays (12 B/param) and the Adam
+holds the states and masters whole. They live in page-locked host arrays (10 B/param: each master
+as the 16-bit remainder its bf16 parameter lacks, as Megatron-Core's precision-aware optimizer
+keeps it, remainders.py; 12 with fp32 masters, optimizer.store_param_remainders=false) and the Adam
 step streams them through a GPU window (512 MiB, or 4 pieces of
 ``optimizer_state_offload_chunk_size_mb``), ``SLOTS`` slots of one piece each:
 
@@ -14,8 +16,9 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    data-parallel reduction) the window is topped up to ``SLOTS`` slots;
 2. ``step()`` (after Megatron-Core's norm and clipping): on the compute stream, Adam on piece i as
    soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
-   Adam, so the run is bit-identical to the baseline; torch's fused AdamW without TE), its masters
-   rounded into the bf16 parameters; the side stream ``d2h`` takes piece i out, and as soon as
+   Adam, so the run is bit-identical to the baseline; its remainder variant, which updates the
+   bf16 parameters and remainders in place, to the precision-aware baseline; torch's fused AdamW
+   without TE), fp32 masters rounded into the bf16 parameters; the side stream ``d2h`` takes piece i out, and as soon as
    it has, ``h2d`` brings piece i + slots into the same slot: both directions run at once;
 3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
    the next forward (``finish()`` waits for them: checkpoints).
@@ -27,8 +30,9 @@ the compute stream's, where its activations were. Pieces are cut as the CPU-Adam
 (host_adam.HostAdam._plan): contiguous in the host arrays, the gradient buffer and the parameter
 buffer, so each array of a piece moves with one copy.
 
-Cost: 12 B/param each way, the two directions concurrently: about 12 B/param / 50.8 GB/s on PCIe
-Gen5 (0.74 s for the 3.11B-param proxy); the peak is forward+backward's own plus the window.
+Cost: 10 B/param each way (12 with fp32 masters), the two directions concurrently, at about
+50 GB/s on PCIe Gen5 (0.63-0.66 s for the 3.11B-param proxy on one H100, 0.83-0.84 with fp32
+masters: suites remainders-4/8); the peak is forward+backward's own plus the window.
 
 Whole tensors, the first design (every state parked on the host between steps and all brought
 back before Adam, copies out under the next forward and back under the tail of backward), was
