@@ -18,8 +18,9 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
    Adam, so the run is bit-identical to the baseline; its remainder variant, which updates the
    bf16 parameters and remainders in place, to the precision-aware baseline; torch's fused AdamW
-   without TE), fp32 masters rounded into the bf16 parameters; the side stream ``d2h`` takes piece i out, and as soon as
-   it has, ``h2d`` brings piece i + slots into the same slot: both directions run at once;
+   without TE), fp32 masters rounded into the bf16 parameters; the side stream ``d2h`` takes
+   piece i out, and as soon as it has, ``h2d`` brings piece i + slots into the same slot: both
+   directions run at once;
 3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
    the next forward (``finish()`` waits for them: checkpoints).
 
