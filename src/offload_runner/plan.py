@@ -19,9 +19,10 @@ Per rank (its pipeline stage, its share of TP/EP and its distributed-optimizer s
 
 The GPU peak is the larger of the forward/backward phase and the optimizer-step phase (the
 optimizer-state offload moves memory from one to the other). Host memory per rank: HDO's CPU
-Adam (12 B/param) and pinned transfer buffers, the state-offload arena (12 B/param), activation
-offload's pinned buffers; summed per node. The tensor counts were read from four runs of the
-calibration spread (bench/calibrate_planner.py FITTED_ON) and hold within 10% on the rest
+Adam (12 B/param) and pinned transfer buffers, the state-offload arena (10 B/param, the masters
+as remainders), activation offload's pinned buffers; summed per node. The tensor counts were
+read from four runs of the calibration spread (bench/calibrate_planner.py FITTED_ON) and hold
+within 10% on the rest
 (tests/test_plan.py); ``bench/calibrate_planner.py`` prints the error for each run.
 """
 

@@ -121,8 +121,8 @@ class StepCost:
     HDO_RATE_SHARE of it) and is not hidden in exact mode; in delayed mode it hides under
     ``forward_backward_s`` (when known), and the copies at the step boundary (4 B/param each way,
     both at once) are what remains where they cannot run during the backward
-    (``RankPlan.boundary_params``). State offload streams its 12 B/param through the GPU window
-    both ways at once, at ``host_link_gb_per_s`` each way."""
+    (``RankPlan.boundary_params``). State offload streams its 10 B/param (12 with fp32 masters)
+    through the GPU window both ways at once, at ``host_link_gb_per_s`` each way."""
 
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float

@@ -6,7 +6,8 @@ distributed-optimizer shard on the host and hand Megatron-Core an inner optimize
 - ``cpu_adam.CpuAdam`` (``offload/optimizer=cpu_adam*``): Adam runs on the CPU; gradients go down
   and masters come up, 4 B/param each way;
 - ``optimizer_states.WindowedStates`` (``offload/optimizer=states``): Adam runs on the GPU; masters
-  and moments stream through a small GPU window, 12 B/param each way.
+  and moments stream through a small GPU window, 10 B/param each way (each master as its
+  16-bit remainder beside the bf16 parameter: remainders.py; 12 with fp32 masters).
 
 Both are the inner optimizer of a precision-aware Megatron-Core DistributedOptimizer (built with
 ``use_precision_aware_optimizer=True``, so Megatron-Core allocates no fp32 masters on the GPU) and

@@ -569,8 +569,11 @@ def _te_adam(device, remainders: bool = False):
         from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
     except ImportError:
         return None
+    kernel = getattr(tex, "multi_tensor_adam_param_remainder" if remainders else
+                     "multi_tensor_adam", None)  # fmt: skip
+    if kernel is None:  # a TE before 2.1: no remainder kernel
+        return None
     noop = torch.zeros(1, dtype=torch.int, device=device)
-    kernel = tex.multi_tensor_adam_param_remainder if remainders else tex.multi_tensor_adam
 
     def adam(lists: list, step: int, h: dict) -> None:
         multi_tensor_applier(kernel, noop, lists, h["lr"], h["beta1"], h["beta2"], h["eps"],
@@ -614,7 +617,8 @@ def windowed_engines(optimizer) -> list[WindowedStates]:
 
 def metrics(optimizer) -> dict:
     """summary.json fields of the windowed engines of a rank: params, the pass's time and the
-    link rate it reached (12 B/param each way, 8 with bf16 moments), the window, host memory."""
+    link rate it reached (10 B/param each way, 12 with fp32 masters, 4 less with bf16 moments),
+    the window, the master's bytes on the host, host memory."""
     built = windowed_engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
