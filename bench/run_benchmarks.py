@@ -700,7 +700,7 @@ SUITES: dict[str, list[Case]] = {
     # the acceptance suites again after the windows grow during the last backward (one H100)
     **{f"gbs-{gbs}-grown": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "gbs-8-pairs-2": _pairs(8, 4),  # GBS 8 again after that change: one round, no offload again
-    **{f"remainders-{gbs}": _remainder_cases(gbs) for gbs in (4, 8)},
+    **{f"remainders-{gbs}": _remainder_cases(gbs) for gbs in (4, 8, 32)},
     # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
     # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
     "share-4": [
