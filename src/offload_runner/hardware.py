@@ -15,7 +15,10 @@ from offload_runner.config.schema import WINDOW_PIECES, RunConfig, states_offloa
 # --- bytes per parameter ------------------------------------------------------------------------
 
 ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
-REMAINDER_BYTES = 2  # an fp32 master kept as its 16-bit remainder beside its bf16 parameter
+# An fp32 master kept as the 16 bits its bf16 parameter lacks: Megatron-Core's precision-aware
+# optimizer does so by default (store_param_remainders; measured on the proxy: 52.50 against 58.30
+# GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json), state offload too.
+REMAINDER_BYTES = 2
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
@@ -82,13 +85,23 @@ def window_bytes_per_param(run: RunConfig) -> int:
     return master_bytes(run) + 8 + 2 * low_moments(run)
 
 
+def stores_param_remainders(run: RunConfig) -> bool:
+    """Megatron-Core's optimizer.store_param_remainders (on by default; a megatron-core without
+    the key keeps them too): an fp32 master as the 16 bits its bf16 parameter lacks."""
+    return getattr(run.optimizer, "store_param_remainders", True) is not False
+
+
+def keeps_remainders(run: RunConfig) -> bool:
+    """State offload keeps each master on the host as its remainder beside the bf16 parameter
+    (offload/remainders.py): a bf16 model, unless optimizer.store_param_remainders=false (then
+    fp32 masters, the parameters their round-to-nearest-even)."""
+    return states_offloaded(run) and run.model.bf16 and stores_param_remainders(run)
+
+
 def master_bytes(run: RunConfig) -> int:
-    """What a host engine keeps of an fp32 master: state offload of a bf16 model keeps its
-    16-bit remainder (offload/remainders.py; Megatron-Core's optimizer.store_param_remainders,
-    on by default), the CPU-Adam engine the fp32 master."""
-    o = run.optimizer
-    remainders = run.model.bf16 and getattr(o, "store_param_remainders", True) is not False
-    return REMAINDER_BYTES if states_offloaded(run) and remainders else 4
+    """What a host engine keeps of an fp32 master: state offload's remainder
+    (``keeps_remainders``), else the fp32 master (the CPU-Adam engine's too)."""
+    return REMAINDER_BYTES if keeps_remainders(run) else 4
 
 
 def host_state_bytes(run: RunConfig) -> int:

@@ -52,12 +52,14 @@ from offload_runner.hardware import (
     DTYPE_BYTES,
     HDO_PINNED_BYTES,
     LATE_BYTES,
+    REMAINDER_BYTES,
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
     WINDOW_SLOTS,
     cpu_adam_piece_bytes,
     host_state_bytes,
     moment_bytes,
+    stores_param_remainders,
     weight_ring_sizes,
     window_bytes_per_param,
 )
@@ -69,10 +71,6 @@ from offload_runner.model_size import (
 )
 
 GiB = 1024**3
-# Megatron-Core's precision-aware optimizer keeps, by default (store_param_remainders), only the
-# 16 bits of each fp32 master that its bf16 parameter lacks: 2 B instead of 4 (measured on the
-# proxy: 52.50 against 58.30 GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json).
-PARAM_REMAINDER_BYTES = 2
 # A rank's process beside what it pins or allocates for offload: the node's RAM in use at the
 # peak over the planned host bytes, in suites capacity-28 (one H200), profile-8 and cost-32 (one
 # H100): 5.7-6.0 GB with the OS's ~2 GB before the run; the planner's margin_gb keeps the OS's.
@@ -294,8 +292,8 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     if not gpu_aware:
         return moments + 4
     master = DTYPE_BYTES[o.main_params_dtype.value]
-    remainders = master == 4 and getattr(o, "store_param_remainders", True) is not False
-    return moments + (PARAM_REMAINDER_BYTES if remainders else master)
+    remainders = master == 4 and stores_param_remainders(run)
+    return moments + (REMAINDER_BYTES if remainders else master)
 
 
 @dataclass(frozen=True)

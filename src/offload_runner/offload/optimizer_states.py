@@ -56,13 +56,7 @@ from offload_runner.config.schema import (
     states_offloaded,
     states_window_mb,
 )
-from offload_runner.hardware import (
-    ADAM_BYTES,
-    REMAINDER_BYTES,
-    WINDOW_SLOTS,
-    host_state_bytes,
-    master_bytes,
-)
+from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS, host_state_bytes, keeps_remainders
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.base import OffloadSummary
@@ -593,13 +587,6 @@ def _remainder_adam(adam, steps, step: int, h: dict, grad, param, remainder,
     master = remainders.rebuild(param, remainder)
     torch_adamw(steps, h)([master], [grad], *moments)
     remainders.split(master, param, remainder)
-
-
-def keeps_remainders(run: RunConfig) -> bool:
-    """The host keeps each master as its remainder beside the bf16 parameter (remainders.py): a
-    bf16 model, unless optimizer.store_param_remainders=false (Megatron-Core's key, on by
-    default; off, the masters are fp32 and the parameters their round-to-nearest-even)."""
-    return master_bytes(run) == REMAINDER_BYTES
 
 
 def moment_dtypes(run: RunConfig) -> tuple:
