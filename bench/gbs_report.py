@@ -371,13 +371,13 @@ def remainders() -> str:
         rows = [(r["case"]["name"], r["summary"]) for r in data["results"]]
         bases = [s for name, s in rows if "no offload" in name]
         base = statistics.mean(b["step_time_s_median"] for b in bases)
+        runs = ", ".join(f"{b['step_time_s_median']:.3f}" for b in bases)
         for name, r in rows:
             if "states" not in name:
                 continue
             kind = "fp32" if "fp32" in name else "remainders"
             phases.setdefault(gbs, {})[kind] = r["optimizer_time_s_median"]
             links.setdefault(kind, []).append(r["states_link_gb_per_s"])
-            runs = ", ".join(f"{b['step_time_s_median']:.3f}" for b in bases)
             lines.append(
                 f"| {gbs} | `remainders-{gbs}` | {gpu} | {runs} | {kind} | "
                 f"{8 + r['states_master_bytes']} | {r['step_time_s_median']:.3f} | "

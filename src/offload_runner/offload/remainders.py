@@ -19,13 +19,15 @@ BLOCK = 1 << 24  # elements converted at a time (the int64 temporaries: 128 MiB 
 
 def split(master, param, remainder) -> None:
     """``param`` (bf16) and ``remainder`` (int16) from ``master`` (fp32), all of one length."""
+    import torch
+
     for a in range(0, master.numel(), BLOCK):
         b = min(a + BLOCK, master.numel())
-        bits = master[a:b].view(_int32()).long() & 0xFFFFFFFF
+        bits = master[a:b].view(torch.int32).long() & 0xFFFFFFFF
         low = bits & 0xFFFF
         high = (bits >> 16) + (low >= 0x8000).long()  # up where the remainder is negative
-        remainder[a:b].copy_(_signed16(low))
-        param[a:b].view(_int16()).copy_(_signed16(high))
+        remainder[a:b].copy_(_signed(low, 16, torch.int16))
+        param[a:b].view(torch.int16).copy_(_signed(high, 16, torch.int16))
 
 
 def rebuild(param, remainder, out=None):
@@ -37,28 +39,13 @@ def rebuild(param, remainder, out=None):
     for a in range(0, param.numel(), BLOCK):
         b = min(a + BLOCK, param.numel())
         low = remainder[a:b].long()
-        high = param[a:b].view(_int16()).long() - (low < 0).long()  # undo the rounding up
+        high = param[a:b].view(torch.int16).long() - (low < 0).long()  # undo the rounding up
         bits = ((high & 0xFFFF) << 16) | (low & 0xFFFF)
-        out[a:b].view(_int32()).copy_(_signed32(bits))
+        out[a:b].view(torch.int32).copy_(_signed(bits, 32, torch.int32))
     return out
 
 
-def _signed16(x):
-    """int64 values in [0, 2^16) (mod 2^16) as the int16 of the same bits."""
-    return ((x & 0xFFFF) ^ 0x8000).sub_(0x8000).to(_int16())
-
-
-def _signed32(x):
-    return ((x & 0xFFFFFFFF) ^ 0x80000000).sub_(0x80000000).to(_int32())
-
-
-def _int16():
-    import torch
-
-    return torch.int16
-
-
-def _int32():
-    import torch
-
-    return torch.int32
+def _signed(x, bits: int, dtype):
+    """int64 values taken mod 2^bits, as the signed ``dtype`` of the same bits."""
+    sign = 1 << (bits - 1)
+    return ((x & ((1 << bits) - 1)) ^ sign).sub_(sign).to(dtype)
