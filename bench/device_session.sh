@@ -347,7 +347,7 @@ PY
       -p no:cacheprovider -k "cpu_adam or cpu-adam" tests/test_gpu_training.py \
       > "$OUT/pytest-gpu-cpu-adam-n.txt" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-gpu-cpu-adam-n.txt" | tail -24 ;;
-  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-4-pairs-2|gbs-32-pairs|gbs-32-pairs-2|gbs-32-pairs-3|gbs-32-pairs-4|share-4|gbs-4-grown|gbs-8-grown|gbs-32-grown|gbs-8-pairs-2|remainders-4|remainders-8|remainders-32)  # exact offload's cost at one global batch, beside no offload (twice)
+  gbs-4|gbs-8|gbs-32|gbs-8-pairs|gbs-4-pairs|gbs-4-pairs-2|gbs-32-pairs|gbs-32-pairs-2|gbs-32-pairs-3|gbs-32-pairs-4|share-4|gbs-4-grown|gbs-8-grown|gbs-32-grown|gbs-8-pairs-2|remainders-4|remainders-8|remainders-32|gbs-4-beside|gbs-8-beside|gbs-32-beside)  # exact offload's cost at one global batch, beside no offload (twice)
     python bench/run_benchmarks.py run --suite "$1" --iters 10 --time-limit 560 \
       --out "$OUT/results-$1.json" --work-dir "$WORK/bench" ;;
   states-tests-n)  # state offload's gpu tests on one GPU, 8 at a time: parity (remainders against

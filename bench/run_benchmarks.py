@@ -701,6 +701,11 @@ SUITES: dict[str, list[Case]] = {
     **{f"gbs-{gbs}-grown": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "gbs-8-pairs-2": _pairs(8, 4),  # GBS 8 again after that change: one round, no offload again
     **{f"remainders-{gbs}": _remainder_cases(gbs) for gbs in (4, 8, 32)},
+    # state offload's pass beside the next forward (its Adam calls on a side stream, the forward
+    # waiting module by module): no offload and states at two commits in turn (commit-ab), then
+    # the acceptance suites again (one GPU)
+    "beside-4-ab": [_cost_cases(4)[0], _cost_cases(4)[2]],
+    **{f"gbs-{gbs}-beside": _cost_cases(gbs) for gbs in (4, 8, 32)},
     # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
     # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
     "share-4": [

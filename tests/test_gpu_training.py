@@ -115,6 +115,7 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     assert run["losses"] == base["losses"]
     assert run["states_master_bytes"] == (4 if fp32 else 2)
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
+    assert run["states_beside_forward_s"] is not None  # one GPU: the pass ran beside the forward
     # forward/backward runs without the masters and Adam states (10 or 12 B/param), and the
     # step adds a 4 MiB window of them to what forward+backward freed (where the last backward's
     # pieces came in), not all of them

@@ -290,3 +290,62 @@ def test_host_arrays_come_zeroed_faulted_in_and_advised_huge_pages_before_pinnin
     assert {"dc", "hg"} <= flags  # MADV_DONTFORK, MADV_HUGEPAGE
     assert int(arena.count_nonzero()) == 0
     assert arenas.allocate(0, pin=False).numel() == 0 and len(arenas) == 2
+
+
+def forward_chunk(buffers: Buffers) -> torch.nn.Module:
+    """A model chunk whose modules hold the buffer's parameters as DDP lays them out: the
+    forward calls them in the reverse of their order in the buffer (a module per view, one
+    holding two, registered in the order the forward calls them)."""
+    chunk, views = torch.nn.Module(), buffers.views[::-1]
+    groups = [views[:1], views[1:3], *([v] for v in views[3:])]
+    for i, held in enumerate(groups):
+        module = torch.nn.Module()
+        for k, view in enumerate(held):
+            module.register_parameter(f"w{k}", torch.nn.Parameter(view, requires_grad=False))
+        chunk.add_module(f"m{i}", module)
+    return chunk
+
+
+def test_piece_spans_find_the_pieces_holding_each_parameter() -> None:
+    """Against the pieces' and the parameters' element ranges, for each parameter and for all
+    of them at once."""
+    buffers = Buffers()
+    eng = windowed(buffers, piece=700)
+    drive(eng, buffers, 1)
+    spans = host_adam.PieceSpans(eng._pieces)
+    base = buffers.param.data_ptr() // buffers.param.element_size()
+
+    def brute(view) -> set:
+        lo = view.data_ptr() // view.element_size() - base
+        return {i for i, q in enumerate(eng._pieces)
+                if q.param.data_ptr() // 2 - base < lo + view.numel()
+                and lo < q.param.data_ptr() // 2 - base + q.numel}  # fmt: skip
+
+    for view in buffers.views:
+        assert spans.holding([view]) == sorted(brute(view))
+    assert spans.holding(buffers.views) == list(range(len(eng._pieces)))
+    eng.close()
+
+
+@pytest.mark.parametrize("rem", [False, True], ids=["fp32-masters", "remainders"])
+def test_watched_passes_run_in_the_order_the_forward_needs_the_pieces(rem: bool) -> None:
+    """Watching a chunk (the pass beside the next forward, ``watch``), the pieces pass in the
+    order the chunk's modules, registered in forward order, first hold them, the reverse of
+    the buffer's here, and the update is still torch's fused AdamW's."""
+    buffers = Buffers()
+    eng, ref = windowed(buffers, rem=rem), Reference(buffers)
+    chunk = forward_chunk(buffers)
+    eng.watch([chunk], None)  # no CUDA: no side stream, the order alone
+    for step in range(1, 4):
+        ref.step(step, drive(eng, buffers, step))
+        assert_matches(fp32_masters(eng, buffers), ref.params, step)
+    modules = [list(m.parameters(recurse=False)) for m in chunk.children()]
+    spans = host_adam.PieceSpans(eng._pieces)
+    first = [min(k for k, held in enumerate(modules) if i in spans.holding(held))
+             for i in range(len(eng._pieces))]  # fmt: skip
+    assert first == sorted(first) and first[0] == 0 and first[-1] == len(modules) - 1
+    starts = [p.start for p in eng._pieces]
+    assert starts != sorted(starts)  # not the buffer's order
+    assert len(eng._hooks) == len(modules)
+    eng.close()
+    assert not eng._hooks

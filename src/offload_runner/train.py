@@ -314,8 +314,7 @@ class Step:
         began = time.perf_counter()
         phase = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         phase[0].record()
-        for chunk in r.model:
-            chunk.zero_grad_buffer()
+        r.engines.zero_grad_buffers()
         r.optimizer.zero_grad()
         losses = self.forward_backward(
             forward_step_func=forward_step, data_iterator=per_chunk(r.data), model=r.model,

@@ -21,7 +21,7 @@ class Engines:
         self.cpu_adam = cpu_adam.engines(optimizer)
         self.weights = weight.of(model)
         self.all = [*host_adam.engines(optimizer), *self.weights]
-        self._growth_hooks: list = []  # the state windows' backward hooks (attach)
+        self._attached = None  # the state windows' hooks (attach)
         for offload in self.weights:
             offload.arm()
 
@@ -29,11 +29,20 @@ class Engines:
         """Into the schedule's config and the model's backward: the engines that act during
         the last micro-batch's backward armed at ``no_sync``'s exit (delayed CPU Adam's copies,
         the state windows' growth), the windows' first pieces prefetched in the gradient
-        finalize hook (set before this)."""
+        finalize hook (set before this), state offload's passes beside the next forward."""
         from offload_runner.offload import host_adam, optimizer_states
 
         config.no_sync_func = host_adam.arming(no_sync, host_adam.engines(self.optimizer))
-        self._growth_hooks = optimizer_states.attach(self.optimizer, config, self.model)
+        self._attached = optimizer_states.attach(self.optimizer, config, self.model)
+
+    def zero_grad_buffers(self) -> None:
+        """Megatron-Core DDP's ``zero_grad_buffer`` of every model chunk, at a step's start
+        (behind state offload's passes where they run beside the forward: they read them)."""
+        if self._attached is not None:
+            self._attached.zero_grad_buffers(self.model)
+            return
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
 
     def begin_step(self, micro_batches: int) -> None:
         for offload in self.weights:
@@ -94,8 +103,8 @@ class Engines:
     def close(self) -> None:
         """Their threads, host memory and backward hooks go (on failure and Ctrl-C too: call in
         ``finally``)."""
-        for _, hook in self._growth_hooks:
-            hook.remove()
-        self._growth_hooks = []
+        if self._attached is not None:
+            self._attached.remove()
+            self._attached = None
         for engine in self.all:
             engine.close()

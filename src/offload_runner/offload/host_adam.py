@@ -25,6 +25,7 @@ the GPU share of Adam for fraction < 1, and the checkpoint hooks.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import threading
@@ -636,3 +637,35 @@ def after_each_grad(chunks, hook) -> list:
 
 def _call_with(hook, param, *unused) -> None:
     hook(param)
+
+
+class PieceSpans:
+    """Which pieces hold a parameter's elements, by their bytes in the parameter buffer."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        self.spans = sorted((q.param.data_ptr(), q.param.data_ptr() + q.numel *
+                             q.param.element_size(), i) for i, q in enumerate(pieces))  # fmt: skip
+        self.starts = [a for a, _, _ in self.spans]
+
+    def holding(self, params: list) -> list[int]:
+        """The indices of the pieces holding any element of ``params``, ascending."""
+        found = set()
+        for p in params:
+            lo = p.data_ptr()
+            hi = lo + p.numel() * p.element_size()
+            k = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+            while k < len(self.spans) and self.spans[k][0] < hi:
+                if lo < self.spans[k][1]:
+                    found.add(self.spans[k][2])
+                k += 1
+        return sorted(found)
+
+
+def gathers_params(part) -> bool:
+    """Megatron-Core all-gathers ``part``'s updated parameter shards right after the step
+    (several data-parallel ranks share its buffer), so its update must be whole within step()."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(getattr(part, "data_parallel_group", None)) > 1

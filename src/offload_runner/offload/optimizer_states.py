@@ -22,7 +22,12 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    piece i out, and as soon as it has, ``h2d`` brings piece i + slots into the same slot: both
    directions run at once;
 3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
-   the next forward (``finish()`` waits for them: checkpoints).
+   the next forward (``finish()`` waits for them: checkpoints). Where no data-parallel all-gather
+   reads the parameters after the step (``BesideForward``), the whole pass runs there: its Adam
+   calls on a side stream of their own, the pieces in the order the forward needs them, each
+   module's forward pre-hook making the compute stream wait for the pieces holding its
+   parameters; the gradient buffers are zeroed behind the pass on that stream, and the first
+   forward of a step ends waiting for it, before any backward writes a gradient.
 
 The first step plans the pieces (the gradients' places in the DDP buffer are known then) and has
 no prefetch. The SLOTS-slot window comes from the allocator's pool of the ``h2d`` stream each
@@ -46,6 +51,7 @@ measured beside the window in one suite and removed: it held every state again a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 from dataclasses import dataclass, field
@@ -60,7 +66,7 @@ from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS, host_state_bytes, 
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.base import OffloadSummary
-from offload_runner.offload.host_adam import HostAdam, Piece, torch_adamw
+from offload_runner.offload.host_adam import HostAdam, Piece, PieceSpans, torch_adamw
 
 log = logging.getLogger("offload_runner")
 
@@ -148,7 +154,7 @@ class StatesWindow:
         self._low = [i for i, array in enumerate(host) if i and array.dtype != torch.float32]
         self._low_dtype = host[self._low[0]].dtype if self._low else None
         self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
-        self._timed: _Pass | None = None  # the last pass, its events not read yet
+        self._timed: list[_Pass] = []  # the passes whose events are not read yet
         self.history: list[tuple[float, int]] = []  # per pass: seconds (Adam to last copy out),
         # params
         self.grown: list[int] = []  # per pass: params that came in during the last backward
@@ -177,7 +183,7 @@ class StatesWindow:
         """Start the pass of ``pieces``, no slot yet (``growing``: ``grow`` may add them)."""
         if self._pass is not None or not pieces:
             return
-        self._collect_timing()
+        self._collect_timing(wait=False)
         if self.streams is not None:
             self.streams[0].wait_stream(self.streams[1])  # the last copies out wrote the host
         self._pass = _Pass(pieces, loaded=[None] * len(pieces), growing=growing)
@@ -260,15 +266,25 @@ class StatesWindow:
         self._pass.rem.append(rem)
         self._pass.freed.append(None)
 
-    def run(self, pieces: list[Piece], step: int, hypers: list[dict]) -> None:
-        """The pass of ``pieces``: on the current stream, Adam on each as soon as it is in, its
-        masters rounded into its bf16 parameters, then out on ``d2h``; returns once queued."""
+    def run(self, pieces: list[Piece], step: int, hypers: list[dict], stream=None) -> list:
+        """The pass of ``pieces``: Adam on each as soon as it is in, its masters rounded into
+        its bf16 parameters, then out on ``d2h``; returns once queued. On the current stream,
+        or on ``stream`` behind what the current one has queued (the clipped gradients), then
+        returning, per piece, the event after its Adam call (what the next forward waits for)."""
+        import torch
 
         self.prefetch(pieces)
         if self._pass is None:
-            return
+            return []
         assert self._pass.pieces is pieces, "prefetched another set of pieces"
-        self._issue(step, hypers)
+        if stream is None:
+            self._issue(step, hypers)
+            return []
+        stream.wait_stream(torch.cuda.current_stream())
+        marks: list = []
+        with torch.cuda.stream(stream):
+            self._issue(step, hypers, marks)
+        return marks
 
     def run_late(self, pieces: list[Piece], step: int, hypers: list[dict], stream, before_load,
                  scale_of) -> list:  # fmt: skip
@@ -291,9 +307,10 @@ class StatesWindow:
             freed = self._issue(step, hypers)
         return freed
 
-    def _issue(self, step: int, hypers: list[dict]) -> list:
-        """The pass's Adam calls on the current stream, each as soon as its piece is in, and its
-        copies out behind them; returns, per piece, the event after its copy out."""
+    def _issue(self, step: int, hypers: list[dict], marks: list | None = None) -> list:
+        """The pass's Adam calls on the current stream, each as soon as its piece is in (an
+        event after each into ``marks`` where given), and its copies out behind them; returns,
+        per piece, the event after its copy out."""
         import torch
 
         # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
@@ -306,6 +323,8 @@ class StatesWindow:
             if compute is not None:
                 compute.wait_event(self._pass.loaded[index])
             self._update(piece, self._slot(index), step, steps, hypers, index)
+            if marks is not None and compute is not None:
+                marks.append(_record(compute))
             out.append(self._unload(index))
             if self._pass.queued < len(pieces):
                 self._load_next()
@@ -429,14 +448,15 @@ class StatesWindow:
             for slot in (*done.slots, *(t for t in (*done.low, *done.rem) if t is not None)):
                 slot.record_stream(stream)  # not reused before the copies out have read it
         done.slots = done.low = done.rem = None
-        self._timed = done
+        self._timed.append(done)
 
-    def _collect_timing(self) -> None:
-        if self._timed is not None:
-            self._timed.ended.synchronize()
-            seconds = self._timed.began.elapsed_time(self._timed.ended) / 1000
-            self.history.append((seconds, sum(p.numel for p in self._timed.pieces)))
-            self._timed = None
+    def _collect_timing(self, wait: bool = True) -> None:
+        """The timing of the passes that have ended (``wait``: of all, waiting for them)."""
+        while self._timed and (wait or self._timed[0].ended.query()):
+            done = self._timed.pop(0)
+            done.ended.synchronize()
+            seconds = done.began.elapsed_time(done.ended) / 1000
+            self.history.append((seconds, sum(p.numel for p in done.pieces)))
             if len(self.history) > 2 * HISTORY:
                 del self.history[2:-HISTORY]
 
@@ -469,6 +489,7 @@ class WindowedStates(HostAdam):
         fraction: float = 1.0,
         moment_dtypes: tuple = (),
         remainders: bool = False,
+        beside_forward: bool = False,
     ) -> None:
         import torch
 
@@ -486,6 +507,17 @@ class WindowedStates(HostAdam):
             min(self.chunk_numel, self.offloaded_numel),
             _te_adam(self.device, remainders) if self.on_cuda else None,
         )  # fmt: skip
+        # beside the next forward (``watch``): the side stream of the passes, the modules that
+        # hold parameters (in the order the forward calls them), their forward pre-hooks
+        self.beside_forward = beside_forward  # nothing reads the parameters before the forward
+        self._beside = None
+        self._modules: list[tuple[object, list]] = []
+        self._hooks: list = []
+        self._marks: list = []  # the pass in flight: per piece, the event after its Adam call
+        self._waited = 0  # ... pieces the forward has waited for
+        self._needs: dict[int, int] = {}  # id(module) -> the last piece holding its parameters
+        self._spans: PieceSpans | None = None
+        self._overlaps: list[tuple] = []  # per pass: (the forward's first wait, its last mark)
 
     @property
     def window_bytes(self) -> int:
@@ -513,17 +545,89 @@ class WindowedStates(HostAdam):
     def step(self, closure=None):
         step, hypers = self._next_step()
         if self._pieces is None and self.offloaded:
-            self._pieces = self._plan()
+            self._pieces = self._in_forward_order(self._plan())
         if self._pieces:
-            self._window.run(self._pieces, step, hypers)
+            self._marks = self._window.run(self._pieces, step, hypers, self._beside)
+            self._waited = 0
         self._gpu_step(step, hypers)
         self._end_step(step)
         return None
 
+    # -- beside the next forward -------------------------------------------------------------
+    def watch(self, chunks, stream) -> None:
+        """Run each pass on ``stream``, beside the next forward, in the order the forward needs
+        the pieces: a forward pre-hook on each module of ``chunks`` (the model chunks) that holds
+        parameters makes the compute stream wait for the pieces holding them (``BesideForward``
+        waits for the rest before the backward). Only where nothing reads the parameters between
+        the step and the forward (no data-parallel parameter all-gather)."""
+        self._beside = stream
+        for chunk in chunks:
+            for module in chunk.modules():
+                params = list(module.parameters(recurse=False))
+                if params:
+                    self._modules.append((module, params))
+                    hook = functools.partial(self._before_forward, params)
+                    self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
+
+    def _in_forward_order(self, pieces: list[Piece]) -> list[Piece]:
+        """``pieces`` in the order the watched modules need them (unchanged if none)."""
+        if not self._modules:
+            return pieces
+        spans, first = PieceSpans(pieces), {}
+        for position, (_, params) in enumerate(self._modules):
+            for i in spans.holding(params):
+                first.setdefault(i, position)
+        order = sorted(range(len(pieces)), key=lambda i: (first.get(i, len(self._modules)), i))
+        return [pieces[i] for i in order]
+
+    def _before_forward(self, params: list, module, args) -> None:
+        import torch
+
+        marks = self._marks
+        if not marks:
+            return
+        index = self._needs.get(id(module))
+        if index is None:
+            if self._spans is None:
+                self._spans = PieceSpans(self._pieces)
+            held = self._spans.holding(params)
+            index = self._needs[id(module)] = held[-1] if held else -1
+        if index < self._waited:
+            return
+        stream = torch.cuda.current_stream()
+        if self._waited == 0:  # how far the pass runs into the forward (metrics)
+            self._overlaps.append((_record(stream), marks[-1]))
+            del self._overlaps[:-HISTORY]
+        stream.wait_event(marks[index])  # marks[index] follows every mark before it
+        self._waited = index + 1
+        if self._waited == len(marks):
+            self._marks = []
+
     # -- around the step ---------------------------------------------------------------------
     def finish(self) -> None:
-        """The copies out have finished: the host arrays hold the newest states."""
+        """The copies out have finished: the host arrays hold the newest states (and the compute
+        stream waits for the bf16 parameters a pass beside the forward updates)."""
+        if self._beside is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_stream(self._beside)
+            self._marks = []
         self._window.finish()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        super().close()
+
+    def _beside_forward_s(self, skip: int) -> float | None:
+        """How far the pass ran into the next forward (median; from its first wait)."""
+        runs = []
+        for began, last in self._overlaps[skip:] or self._overlaps:
+            last.synchronize()
+            began.synchronize()
+            runs.append(max(0.0, began.elapsed_time(last) / 1000))
+        return statistics.median(runs) if runs else None
 
     def metrics(self, skip: int = 2) -> dict:
         history = self._window.timing()
@@ -539,6 +643,7 @@ class WindowedStates(HostAdam):
                 "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param
                 / 1e9,
                 "states_stream_s_median": seconds,
+                "states_beside_forward_s": self._beside_forward_s(skip),
                 "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
                 "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
 
@@ -605,13 +710,16 @@ def windowed_engines(optimizer) -> list[WindowedStates]:
 def metrics(optimizer) -> dict:
     """summary.json fields of the windowed engines of a rank: params, the pass's time and the
     link rate it reached (10 B/param each way, 12 with fp32 masters, 4 less with bf16 moments),
-    the window, the master's bytes on the host, host memory."""
+    how far it ran into the next forward, the window, the master's bytes on the host, host
+    memory."""
     built = windowed_engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
         return {}
     seconds = sum(m["states_stream_s_median"] for m in found)
     params = sum(m["states_offloaded_params"] for m in found)
+    beside = [m["states_beside_forward_s"] for m in found if m["states_beside_forward_s"]
+              is not None]  # fmt: skip
     return {
         "states_offloaded_params": params,
         "states_stream_s_median": seconds,
@@ -619,6 +727,7 @@ def metrics(optimizer) -> dict:
         if seconds
         else None,
         "states_window_gb": max(m["states_window_gb"] for m in found),
+        "states_beside_forward_s": max(beside, default=None),
         "states_master_bytes": max(m["states_master_bytes"] for m in found),
         "states_in_backward_gb": sum(m["states_in_backward_gb"] for m in found),
         "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
@@ -648,7 +757,7 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
         betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         window_bytes=states_window_mb(run) * 1024**2,
         fraction=o.optimizer_state_offload_fraction, moment_dtypes=moment_dtypes(run),
-        remainders=keeps_remainders(run),
+        remainders=keeps_remainders(run), beside_forward=not host_adam.gathers_params(part),
     ))  # fmt: skip
     numel = sum(e.offloaded_numel for e in built)
     shard = sum(e.shard_numel for e in built)
@@ -662,20 +771,86 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     return built
 
 
-def attach(optimizer, transformer_config, chunks) -> list:
+def attach(optimizer, transformer_config, chunks) -> Attached:
     """Wire the engines that stream states through a window (this module's, and the CPU-Adam
     engine's GPU share) into the backward of the model ``chunks``, where the last micro-batch's
     lets them grow into the memory it frees (every 1/GROW_CHECKS of its parameters'
     gradients), and into Megatron-Core's gradient finalize hook, where they prefetch their
-    first pieces. Returns the backward hooks' (node, handle) pairs, for the caller to remove."""
+    first pieces; this module's engines whose parameters no data-parallel all-gather reads
+    after the step run their passes beside the next forward (``BesideForward``)."""
     engines = [e for e in host_adam.engines(optimizer) if e.streams_states]
     if not engines:
-        return []
+        return Attached([], None)
     transformer_config.finalize_model_grads_func = _prefetching(
         engines, transformer_config.finalize_model_grads_func
     )
     params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
-    return host_adam.after_each_grad(chunks, _Growth(engines, params))
+    hooks = host_adam.after_each_grad(chunks, _Growth(engines, params))
+    beside = [e for e in windowed_engines(optimizer) if e.beside_forward and e.on_cuda]
+    return Attached(hooks, BesideForward(beside, chunks) if beside else None)
+
+
+@dataclass
+class Attached:
+    """What ``attach`` wired: the backward hooks' (node, handle) pairs, the passes beside the
+    forward (or None)."""
+
+    hooks: list
+    beside: BesideForward | None
+
+    def zero_grad_buffers(self, chunks) -> None:
+        """Megatron-Core DDP's ``zero_grad_buffer`` of every chunk, at a step's start (behind the
+        passes that read the gradients, where they run beside the forward)."""
+        if self.beside is not None:
+            self.beside.zero_grad_buffers()
+            return
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+
+    def remove(self) -> None:
+        for _, hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if self.beside is not None:
+            self.beside.remove()
+
+
+class BesideForward:
+    """The windowed engines' passes on one side stream beside the next forward (each engine's
+    ``watch``): the gradient buffers are zeroed on that stream, behind the passes that read
+    them, and each step's first forward of a chunk ends with the compute stream waiting for it,
+    so no backward writes a gradient (or reads a parameter) before the passes are through."""
+
+    def __init__(self, engines: list[WindowedStates], chunks) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream()
+        self.chunks = chunks
+        for engine in engines:
+            engine.watch(chunks, self.stream)
+        self._pending = False
+        self._hooks = [chunk.register_forward_hook(self._after_forward) for chunk in chunks]
+
+    def zero_grad_buffers(self) -> None:
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream())  # the step's other readers
+        with torch.cuda.stream(self.stream):
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+        self._pending = True
+
+    def _after_forward(self, module, args, output) -> None:
+        import torch
+
+        if self._pending:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self._pending = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 class _Growth:

@@ -9,7 +9,7 @@ import functools
 import time
 
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import Piece
+from offload_runner.offload.host_adam import Piece, PieceSpans
 
 
 class Landing:
@@ -113,17 +113,13 @@ class Landing:
 
     def _last_piece_of(self, params: list) -> int:
         """The last piece (in update order) holding any of ``params``'s elements; -1: none."""
-        return max((i for p in params for i in self._pieces_of(p)), default=-1)
+        return max(self._pieces_of(*params), default=-1)
 
-    def _pieces_of(self, param) -> list[int]:
-        """The pieces (indices in update order) holding any of ``param``'s elements."""
-        if self._spans is None:  # each piece's bytes in the parameter buffer
-            self._spans = [(q.param.data_ptr(),
-                            q.param.data_ptr() + q.numel * q.param.element_size())
-                           for q in self._pieces]  # fmt: skip
-        lo = param.data_ptr()
-        hi = lo + param.numel() * param.element_size()
-        return [i for i, (a, b) in enumerate(self._spans) if a < hi and lo < b]
+    def _pieces_of(self, *params) -> list[int]:
+        """The pieces (indices in update order) holding any of ``params``'s elements."""
+        if self._spans is None:
+            self._spans = PieceSpans(self._pieces)
+        return self._spans.holding(list(params))
 
     def _complete(self) -> None:
         """Wait for an exact update the forward has not waited for to its end (errors raise

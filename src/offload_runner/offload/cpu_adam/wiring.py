@@ -86,7 +86,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     threads = len(cpus)  # one OpenMP thread per core the team may use
     # exact updates land during the next forward, module by module, where no data-parallel
     # parameter all-gather follows the step (suite cpu-adam-landing: faster than within the step)
-    in_forward = [not _gathers_params(p) for p in parts]
+    in_forward = [not host_adam.gathers_params(p) for p in parts]
     # DDP scales every gradient, the experts' too, by 1 / data-parallel size after the backward
     in_backward = [cpu_adam_copies_during_backward(run, _data_parallel_size())] * len(parts)
     # One worker runs every part's update in the order their step() hands them over: Megatron-
@@ -137,16 +137,6 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                  "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
                  "pipeline or context parallelism)")  # fmt: skip
     return built
-
-
-def _gathers_params(part) -> bool:
-    """Megatron-Core all-gathers ``part``'s updated parameter shards right after the step
-    (several data-parallel ranks share its buffer), so its update must land within step()."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return dist.get_world_size(getattr(part, "data_parallel_group", None)) > 1
 
 
 def _data_parallel_size() -> int:
