@@ -52,7 +52,43 @@ def summarize(path: str, top: int = 12) -> str:
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
     lines += _micro_batches(ops, kernels, end)
     lines += _threads(runtime, top)
+    lines += _longest_sync(runtime, [*kernels, *copies])
     return "\n".join(lines)
+
+
+def _longest_sync(runtime: list, gpu: list, last: int = 6) -> list[str]:
+    """What the longest cudaStreamSynchronize waited for: the GPU work its thread launched last
+    before it (stream, GPU start and end from the sync's start), and each stream's busy time and
+    span during it (a stream whose work ends with the sync held it)."""
+    syncs = [e for e in runtime if e["name"] == "cudaStreamSynchronize"]
+    if not syncs:
+        return []
+    sync = max(syncs, key=lambda e: e["dur"])
+    a, b = sync["ts"], sync["ts"] + sync["dur"]
+    by_id = {e.get("args", {}).get("correlation"): e for e in gpu}
+    launched = [e for e in runtime if e.get("tid") == sync.get("tid") and e["ts"] < a
+                and e.get("args", {}).get("correlation") in by_id]  # fmt: skip
+    lines = [f"-- the longest cudaStreamSynchronize ({sync['dur'] / 1e3:.1f} ms): its thread's "
+             "last launches (stream, GPU start / end ms from the sync's start)"]  # fmt: skip
+    for e in sorted(launched, key=lambda e: e["ts"])[-last:]:
+        g = by_id[e["args"]["correlation"]]
+        lines.append(f"  {e['name']} -> stream {g.get('args', {}).get('stream', g.get('tid'))} "
+                     f"{(g['ts'] - a) / 1e3:+.1f} / {(g['ts'] + g['dur'] - a) / 1e3:+.1f}  "
+                     f"{g['name'][:60]}")  # fmt: skip
+    lines.append("-- GPU streams during it: ops, busy ms, first start / last end ms")
+    streams: dict = {}
+    for g in gpu:
+        if g["ts"] < b and g["ts"] + g["dur"] > a:
+            streams.setdefault(g.get("args", {}).get("stream", g.get("tid")), []).append(g)
+    for stream, group in sorted(streams.items(), key=lambda kv: str(kv[0])):
+        busy = _union([(max(g["ts"], a), min(g["ts"] + g["dur"], b)) for g in group])
+        names = Counter(g["name"][:40] for g in group).most_common(2)
+        lines.append(
+            f"  stream {stream}: {len(group)} ops, {busy / 1e3:.1f} ms, "
+            f"{(min(g['ts'] for g in group) - a) / 1e3:+.1f} / "
+            f"{(max(g['ts'] + g['dur'] for g in group) - a) / 1e3:+.1f}  {names}"
+        )
+    return lines
 
 
 def _threads(runtime: list, top: int) -> list[str]:
