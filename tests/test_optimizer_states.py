@@ -349,3 +349,49 @@ def test_watched_passes_run_in_the_order_the_forward_needs_the_pieces(rem: bool)
     assert len(eng._hooks) == len(modules)
     eng.close()
     assert not eng._hooks
+
+
+class ThreadOnly:
+    """A BesideForward without CUDA: its thread, no stream (the pass's order and pacing alone)."""
+
+    stream = None
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)
+
+    def submit(self, fn, *args):
+        return self.thread.submit(fn, *args)
+
+
+@pytest.mark.parametrize("grown", [0, SLOTS + 2])
+def test_a_paced_pass_on_its_thread_loads_each_piece_once_and_updates_bit_identically(
+    grown: int,
+) -> None:
+    """Beside the forward the pass is issued by a thread of its own, each piece's copy in only
+    once its slot's last piece has gone out (``_load_through``), pieces the last backward
+    brought in among them: every piece comes in once, in pass order, each mark is set, and the
+    update is torch's fused AdamW's."""
+    buffers = Buffers()
+    eng, ref = windowed(buffers, rem=True), Reference(buffers)
+    beside = ThreadOnly()
+    eng.watch([forward_chunk(buffers)], beside)
+    window, loads = eng._window, []
+    load_next = window._load_next
+    window._load_next = lambda: (loads.append(window._pass.queued), load_next())[1]
+    no_sync = host_adam.arming(contextlib.nullcontext, [eng])
+    for step in range(1, STEPS + 1):
+        loads.clear()
+        if step > 1:
+            with no_sync():
+                pass
+            window.grow(grown * window.slot_bytes)
+            eng.prefetch()
+        ref.step(step, drive(eng, buffers, step))
+        eng.finish()
+        assert loads == list(range(len(eng._pieces)))
+        assert [m.event for m in eng._marks] == list(range(len(eng._pieces)))
+        assert_matches(fp32_masters(eng, buffers), ref.params, step)
+    eng.close()
+    beside.thread.shutdown()

@@ -50,10 +50,12 @@ measured beside the window in one suite and removed: it held every state again a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import statistics
+import threading
 from dataclasses import dataclass, field
 
 from offload_runner.config.schema import (
@@ -155,6 +157,7 @@ class StatesWindow:
         self._low_dtype = host[self._low[0]].dtype if self._low else None
         self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
         self._timed: list[_Pass] = []  # the passes whose events are not read yet
+        self._job = None  # a paced pass being issued by a BesideForward's thread (run)
         self.history: list[tuple[float, int]] = []  # per pass: seconds (Adam to last copy out),
         # params
         self.grown: list[int] = []  # per pass: params that came in during the last backward
@@ -181,6 +184,7 @@ class StatesWindow:
 
     def begin(self, pieces: list[Piece], growing: bool = False) -> None:
         """Start the pass of ``pieces``, no slot yet (``growing``: ``grow`` may add them)."""
+        self._issued()
         if self._pass is not None or not pieces:
             return
         self._collect_timing(wait=False)
@@ -266,25 +270,38 @@ class StatesWindow:
         self._pass.rem.append(rem)
         self._pass.freed.append(None)
 
-    def run(self, pieces: list[Piece], step: int, hypers: list[dict], stream=None) -> list:
+    def run(self, pieces: list[Piece], step: int, hypers: list[dict], beside=None) -> list:
         """The pass of ``pieces``: Adam on each as soon as it is in, its masters rounded into
-        its bf16 parameters, then out on ``d2h``; returns once queued. On the current stream,
-        or on ``stream`` behind what the current one has queued (the clipped gradients), then
-        returning, per piece, the event after its Adam call (what the next forward waits for)."""
+        its bf16 parameters, then out on ``d2h``. On the current stream, returning once queued;
+        or, with ``beside`` (a ``BesideForward``), on its stream, behind what the current one
+        has queued (the clipped gradients), issued by its thread as the pieces come in (paced),
+        returning at once a ``_Mark`` per piece: the event after its Adam call, once issued."""
         import torch
 
         self.prefetch(pieces)
         if self._pass is None:
             return []
         assert self._pass.pieces is pieces, "prefetched another set of pieces"
-        if stream is None:
+        if beside is None:
             self._issue(step, hypers)
             return []
-        stream.wait_stream(torch.cuda.current_stream())
-        marks: list = []
-        with torch.cuda.stream(stream):
-            self._issue(step, hypers, marks)
+        if self.streams is not None:
+            beside.stream.wait_stream(torch.cuda.current_stream())
+        marks = [_Mark() for _ in pieces]
+        self._job = beside.submit(self._paced, step, hypers, marks, beside.stream)
         return marks
+
+    def _paced(self, step: int, hypers: list[dict], marks: list, stream) -> None:
+        """``_issue`` on ``stream``, on the thread of a ``BesideForward`` (every mark set at the
+        end, so no forward waits for one a failure left unissued)."""
+        import torch
+
+        try:
+            with torch.cuda.stream(stream):
+                self._issue(step, hypers, marks)
+        finally:
+            for mark in marks:
+                mark.ready.set()
 
     def run_late(self, pieces: list[Piece], step: int, hypers: list[dict], stream, before_load,
                  scale_of) -> list:  # fmt: skip
@@ -308,9 +325,11 @@ class StatesWindow:
         return freed
 
     def _issue(self, step: int, hypers: list[dict], marks: list | None = None) -> list:
-        """The pass's Adam calls on the current stream, each as soon as its piece is in (an
-        event after each into ``marks`` where given), and its copies out behind them; returns,
-        per piece, the event after its copy out."""
+        """The pass's Adam calls on the current stream, each as soon as its piece is in, and its
+        copies out behind them; returns, per piece, the event after its copy out. With
+        ``marks`` (a paced pass, ``run``): each call and copy is issued only once the copies it
+        follows are done, so the copy engines never hold a queue of them that other streams'
+        copies (a loss's ``.item()``) would wait behind, and each mark gets its event."""
         import torch
 
         # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
@@ -320,16 +339,34 @@ class StatesWindow:
         if compute is not None:
             self._pass.began = _record(compute)
         for index, piece in enumerate(pieces):
+            if marks is not None:
+                self._load_through(index)
+                if compute is not None:
+                    self._pass.loaded[index].synchronize()
             if compute is not None:
                 compute.wait_event(self._pass.loaded[index])
             self._update(piece, self._slot(index), step, steps, hypers, index)
-            if marks is not None and compute is not None:
-                marks.append(_record(compute))
+            if marks is not None:
+                marks[index].event = _record(compute) if compute is not None else index
+                marks[index].ready.set()
             out.append(self._unload(index))
-            if self._pass.queued < len(pieces):
+            if marks is None and self._pass.queued < len(pieces):
                 self._load_next()
         self._end_pass()
         return out
+
+    def _load_through(self, index: int) -> None:
+        """A paced pass, before piece ``index``'s Adam call: its copy in issued (after the copy
+        out of its slot's last piece, waited for here), and the next pieces' whose slots are
+        free already."""
+        p = self._pass
+        while p.queued < len(p.pieces) and p.queued < index + len(p.slots):
+            freed = p.freed[p.queued % len(p.slots)]
+            if p.queued > index and freed is not None and not freed.query():
+                return
+            if freed is not None:
+                freed.synchronize()
+            self._load_next()
 
     def _slot(self, index: int) -> tuple:
         """The window's fp32 (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``
@@ -460,8 +497,15 @@ class StatesWindow:
             if len(self.history) > 2 * HISTORY:
                 del self.history[2:-HISTORY]
 
+    def _issued(self) -> None:
+        """A paced pass is all issued (its thread's errors raise here)."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+
     def finish(self) -> None:
         """The copies out have finished: the host arrays hold the newest states."""
+        self._issued()
         if self.streams is not None:
             self.streams[1].synchronize()
 
@@ -554,13 +598,13 @@ class WindowedStates(HostAdam):
         return None
 
     # -- beside the next forward -------------------------------------------------------------
-    def watch(self, chunks, stream) -> None:
-        """Run each pass on ``stream``, beside the next forward, in the order the forward needs
-        the pieces: a forward pre-hook on each module of ``chunks`` (the model chunks) that holds
-        parameters makes the compute stream wait for the pieces holding them (``BesideForward``
-        waits for the rest before the backward). Only where nothing reads the parameters between
-        the step and the forward (no data-parallel parameter all-gather)."""
-        self._beside = stream
+    def watch(self, chunks, beside: BesideForward | None) -> None:
+        """Run each pass beside the next forward (on ``beside``'s stream and thread), in the
+        order the forward needs the pieces: a forward pre-hook on each module of ``chunks`` (the
+        model chunks) that holds parameters makes the compute stream wait for the pieces holding
+        them (``beside`` waits for the rest before the backward). Only where nothing reads the
+        parameters between the step and the forward (no data-parallel parameter all-gather)."""
+        self._beside = beside
         for chunk in chunks:
             for module in chunk.modules():
                 params = list(module.parameters(recurse=False))
@@ -598,7 +642,10 @@ class WindowedStates(HostAdam):
         if self._waited == 0:  # how far the pass runs into the forward (metrics)
             self._overlaps.append((_record(stream), marks[-1]))
             del self._overlaps[:-HISTORY]
-        stream.wait_event(marks[index])  # marks[index] follows every mark before it
+        marks[index].ready.wait()
+        if marks[index].event is None:  # the pass failed before this piece: its error
+            self._window.finish()
+        stream.wait_event(marks[index].event)  # it follows every mark before it
         self._waited = index + 1
         if self._waited == len(marks):
             self._marks = []
@@ -607,12 +654,12 @@ class WindowedStates(HostAdam):
     def finish(self) -> None:
         """The copies out have finished: the host arrays hold the newest states (and the compute
         stream waits for the bf16 parameters a pass beside the forward updates)."""
-        if self._beside is not None:
+        self._window.finish()
+        if self._beside is not None and self.on_cuda:
             import torch
 
-            torch.cuda.current_stream().wait_stream(self._beside)
+            torch.cuda.current_stream().wait_stream(self._beside.stream)
             self._marks = []
-        self._window.finish()
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -624,9 +671,10 @@ class WindowedStates(HostAdam):
         """How far the pass ran into the next forward (median; from its first wait)."""
         runs = []
         for began, last in self._overlaps[skip:] or self._overlaps:
-            last.synchronize()
-            began.synchronize()
-            runs.append(max(0.0, began.elapsed_time(last) / 1000))
+            if last.event is not None:
+                last.event.synchronize()
+                began.synchronize()
+                runs.append(max(0.0, began.elapsed_time(last.event) / 1000))
         return statistics.median(runs) if runs else None
 
     def metrics(self, skip: int = 2) -> dict:
@@ -648,10 +696,19 @@ class WindowedStates(HostAdam):
                 "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
 
 
+@dataclass
+class _Mark:
+    """A paced pass's piece: ``event`` follows its Adam call (without CUDA: the piece's index),
+    set once issued (``ready``; left None where the pass failed before it)."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    event: object = None
+
+
 def _record(stream):
     import torch
 
-    event = torch.cuda.Event(enable_timing=True)
+    event = torch.cuda.Event(enable_timing=True, blocking=True)
     event.record(stream)
     return event
 
@@ -816,41 +873,57 @@ class Attached:
 
 
 class BesideForward:
-    """The windowed engines' passes on one side stream beside the next forward (each engine's
-    ``watch``): the gradient buffers are zeroed on that stream, behind the passes that read
-    them, and each step's first forward of a chunk ends with the compute stream waiting for it,
-    so no backward writes a gradient (or reads a parameter) before the passes are through."""
+    """The windowed engines' passes beside the next forward (each engine's ``watch``), on one
+    side stream, issued by one thread of their own as their pieces come in (so the copy engines
+    hold no queue of them: ``StatesWindow._issue``); the gradient buffers are zeroed on that
+    stream behind them by that thread, and each step's first forward of a chunk ends waiting for
+    it, so no backward writes a gradient (or reads a parameter) before the passes are through."""
 
     def __init__(self, engines: list[WindowedStates], chunks) -> None:
         import torch
 
         self.stream = torch.cuda.Stream()
         self.chunks = chunks
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="states-pass", initializer=torch.cuda.set_device,
+            initargs=(torch.cuda.current_device(),),
+        )  # fmt: skip
+        self._zeroed: concurrent.futures.Future | None = None
         for engine in engines:
-            engine.watch(chunks, self.stream)
-        self._pending = False
+            engine.watch(chunks, self)
         self._hooks = [chunk.register_forward_hook(self._after_forward) for chunk in chunks]
 
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        return self._thread.submit(fn, *args)
+
     def zero_grad_buffers(self) -> None:
+        """Megatron-Core DDP's ``zero_grad_buffer`` of every chunk, behind the passes (on the
+        thread, after the compute stream's own readers of the gradients so far)."""
         import torch
 
-        self.stream.wait_stream(torch.cuda.current_stream())  # the step's other readers
+        self._zeroed = self.submit(self._zero, _record(torch.cuda.current_stream()))
+
+    def _zero(self, after) -> None:
+        import torch
+
+        self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
-        self._pending = True
 
     def _after_forward(self, module, args, output) -> None:
         import torch
 
-        if self._pending:
+        zeroed, self._zeroed = self._zeroed, None
+        if zeroed is not None:
+            zeroed.result()
             torch.cuda.current_stream().wait_stream(self.stream)
-            self._pending = False
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._thread.shutdown(wait=True)
 
 
 class _Growth:
