@@ -116,12 +116,14 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     assert run["states_master_bytes"] == (4 if fp32 else 2)
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
     assert run["states_beside_forward_s"] is not None  # one GPU: the pass ran beside the forward
-    # forward/backward runs without the masters and Adam states (10 or 12 B/param), and the
-    # step adds a 4 MiB window of them to what forward+backward freed (where the last backward's
-    # pieces came in), not all of them
+    # forward/backward runs without the masters and Adam states (10 or 12 B/param) but for the
+    # 4 MiB window of the pass that runs beside the next forward (the slots the last backward
+    # grew go as soon as their pieces are out), and the step adds that window to what
+    # forward+backward freed (where the last backward's pieces came in), not all of them
     states_gb = (8 + run["states_master_bytes"]) * run["states_offloaded_params"] / 1024**3
-    assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"] - states_gb / 2
-    assert run["gpu_peak_step_gb"] <= run["gpu_peak_fwd_bwd_gb"] + run["states_window_gb"]
+    window_gb = run["states_window_gb"]
+    assert run["gpu_peak_fwd_bwd_gb"] < base["gpu_peak_fwd_bwd_gb"] - states_gb / 2 + window_gb
+    assert run["gpu_peak_step_gb"] <= run["gpu_peak_fwd_bwd_gb"] + window_gb
 
 
 RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")

@@ -97,12 +97,18 @@ def test_windowed_update_is_bit_identical_to_torch_fused_adamw(rem: bool) -> Non
 def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int, rem: bool) -> None:
     """Armed for the last micro-batch (``host_adam.arming``), the pass grows slots into the
     memory the backward frees, each loaded at once (``grown`` of them the budget allows, up to
-    every piece), then the step tops the window up to SLOTS and passes every piece through
-    slot ``i % slots``: the update is the same. Nothing grows unarmed or after the prefetch."""
+    every piece), then the step adds the window's SLOTS slots: each grown slot carries its one
+    piece and goes once that is out (its memory back to the allocator before the pass ends),
+    the window's carry the rest in turn; the update is the same. Nothing grows unarmed or after
+    the prefetch."""
     buffers = Buffers()
     eng, ref = windowed(buffers, rem=rem), Reference(buffers)
     window = eng._window
     no_sync = host_adam.arming(contextlib.nullcontext, [eng])
+    released, updated = [], []  # (slot, pieces updated by then); the pieces updated
+    release, update = window._release, window._update
+    window._release = lambda at: (released.append((at, len(updated))), release(at))[1]
+    window._update = lambda *args: (updated.append(1), update(*args))[1]
     ref.step(1, drive(eng, buffers, 1))  # plans the pieces
     pieces = len(eng._pieces)
     for step in range(2, STEPS + 1):
@@ -113,9 +119,17 @@ def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int, re
         assert len(window._pass.slots) == window._pass.queued == min(grown, pieces)
         eng.prefetch()  # the tail of backward
         assert window.grow(10**9) == 0
-        assert len(window._pass.slots) == max(min(grown, pieces), SLOTS)
+        # the window's SLOTS beside the grown slots, each of which carries one piece
+        came = min(grown, pieces)
+        assert len(window._pass.slots) == came + min(SLOTS, pieces - came)
+        released.clear()
+        updated.clear()
         ref.step(step, drive(eng, buffers, step))
         assert window.grown[-1] == sum(p.numel for p in eng._pieces[: min(grown, pieces)])
+        # each grown slot right after its piece, the window's at the pass's end
+        assert released == [(i, i + 1) for i in range(came)] + [
+            (came + i, pieces) for i in range(min(SLOTS, pieces - came))
+        ]
         assert_matches(fp32_masters(eng, buffers), ref.params, step)
         assert_params_round_masters(eng, buffers)
     eng.close()

@@ -12,8 +12,9 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    copies, one per host array) on the side stream ``h2d``, each into a slot of its own taken from
    the memory the backward has freed (never above the step's peak so far, less two SLOTS-slot
    windows: ``StatesWindow.grow``, armed at ``no_sync``'s exit, looked at every 1/GROW_CHECKS of
-   the parameters' gradients); at its tail (Megatron-Core's gradient finalize, before the
-   data-parallel reduction) the window is topped up to ``SLOTS`` slots;
+   the parameters' gradients), which goes back to the allocator as soon as its piece is out; at
+   its tail (Megatron-Core's gradient finalize, before the data-parallel reduction) the window's
+   ``SLOTS`` slots come, which carry the other pieces in turn;
 2. ``step()`` (after Megatron-Core's norm and clipping): on the compute stream, Adam on piece i as
    soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
    Adam, so the run is bit-identical to the baseline; its remainder variant, which updates the
@@ -23,16 +24,21 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    directions run at once;
 3. ``step()`` returns when the last Adam call is queued: the last pieces' copies out finish under
    the next forward (``finish()`` waits for them: checkpoints). Where no data-parallel all-gather
-   reads the parameters after the step (``BesideForward``), the whole pass runs there: its Adam
-   calls on a side stream of their own, the pieces in the order the forward needs them, each
-   module's forward pre-hook making the compute stream wait for the pieces holding its
-   parameters; the gradient buffers are zeroed behind the pass on that stream, and the first
-   forward of a step ends waiting for it, before any backward writes a gradient.
+   reads the parameters after the step (``BesideForward``: one rank's whole shard), the whole pass
+   runs there instead: its Adam calls on a side stream of their own, the pieces in the order the
+   forward needs them, each module's forward pre-hook making the compute stream wait for the
+   pieces holding its parameters. A thread of its own issues the pass as its pieces come in (a
+   copy in once its slot is free, Adam and the copies out once it is in): copies issued ahead
+   would sit in the copy engines' queues, and the compute stream's own copies (the loss's
+   ``.item()``, the next batch) would wait behind all of them (616 ms: suite ``beside-probe``). The
+   gradient buffers are zeroed behind the pass on that stream, and the first forward of a step
+   ends waiting for it, before any backward writes a gradient.
 
 The first step plans the pieces (the gradients' places in the DDP buffer are known then) and has
 no prefetch. The SLOTS-slot window comes from the allocator's pool of the ``h2d`` stream each
-step, so forward and backward never see it allocated; slots grown during the backward come from
-the compute stream's, where its activations were. Pieces are cut as the CPU-Adam engine cuts them
+step (so the backward never sees it allocated; beside the forward, the first micro-batch's
+forward does); slots grown during the backward come from the compute stream's, where its
+activations were. Pieces are cut as the CPU-Adam engine cuts them
 (host_adam.HostAdam._plan): contiguous in the host arrays, the gradient buffer and the parameter
 buffer, so each array of a piece moves with one copy.
 
@@ -213,9 +219,9 @@ class StatesWindow:
             except torch.cuda.OutOfMemoryError:  # the pool's free blocks are too small: stop here
                 p.growing = False
                 break
+            p.grown += 1
             self._load_next()
             added += 1
-        p.grown += added
         return added
 
     def _freed_bytes(self) -> int:
@@ -236,9 +242,9 @@ class StatesWindow:
         return room - allocated - 2 * self.nbytes
 
     def prefetch(self, pieces: list[Piece], late: bool = False) -> None:
-        """Start the pass of ``pieces`` (unless armed), the window up to SLOTS slots, their
-        pieces coming in (at the tail of backward; ``run`` does it if nothing did; a late pass
-        brings them in itself)."""
+        """Start the pass of ``pieces`` (unless armed), the window's SLOTS slots beside those
+        the backward grew, their pieces coming in (at the tail of backward; ``run`` does it if
+        nothing did; a late pass brings them in itself)."""
         self.begin(pieces)
         p = self._pass
         if p is None:
@@ -246,7 +252,7 @@ class StatesWindow:
         if p.growing:  # the tail of the armed backward: whatever else it freed
             self.grow()
             p.growing = False
-        while len(p.slots) < min(SLOTS, len(pieces)):
+        while len(p.slots) - p.grown < min(SLOTS, len(pieces) - p.grown):
             self._add_slot(on_h2d=True)  # from (and back to) h2d's pool: never the backward's
             if not late:
                 self._load_next()
@@ -319,7 +325,7 @@ class StatesWindow:
             if self._pass is None:
                 return []
             self._pass.before_load, self._pass.scale_of = before_load, scale_of
-            for _ in range(len(self._pass.slots)):
+            for _ in range(len(self._pass.slots) - self._pass.grown):
                 self._load_next()
             freed = self._issue(step, hypers)
         return freed
@@ -350,18 +356,40 @@ class StatesWindow:
                 marks[index].event = _record(compute) if compute is not None else index
                 marks[index].ready.set()
             out.append(self._unload(index))
-            if marks is None and self._pass.queued < len(pieces):
+            if index < self._pass.grown:
+                self._release(index)
+            elif marks is None and self._pass.queued < len(pieces):
                 self._load_next()
         self._end_pass()
         return out
+
+    def _at(self, index: int) -> int:
+        """The slot of the pass's piece ``index``: a slot the backward grew carries its one piece
+        (and goes once it is out: ``_release``), the window's SLOTS carry the rest in turn."""
+        p = self._pass
+        if index < p.grown:
+            return index
+        return p.grown + (index - p.grown) % (len(p.slots) - p.grown)
+
+    def _release(self, at: int) -> None:
+        """Slot ``at`` goes back to the allocator once the streams that use it are past it."""
+        import torch
+
+        p = self._pass
+        arrays = [t for t in (p.slots[at], p.low[at], p.rem[at]) if t is not None]
+        if self.streams is not None:
+            for stream in {torch.cuda.current_stream(), *self.streams}:
+                for array in arrays:
+                    array.record_stream(stream)
+        p.slots[at] = p.low[at] = p.rem[at] = None
 
     def _load_through(self, index: int) -> None:
         """A paced pass, before piece ``index``'s Adam call: its copy in issued (after the copy
         out of its slot's last piece, waited for here), and the next pieces' whose slots are
         free already."""
         p = self._pass
-        while p.queued < len(p.pieces) and p.queued < index + len(p.slots):
-            freed = p.freed[p.queued % len(p.slots)]
+        while p.queued < len(p.pieces) and p.queued < index + len(p.slots) - p.grown:
+            freed = p.freed[self._at(p.queued)]
             if p.queued > index and freed is not None and not freed.query():
                 return
             if freed is not None:
@@ -372,13 +400,13 @@ class StatesWindow:
         """The window's fp32 (master, exp_avg, exp_avg_sq) arrays for the pass's piece ``index``
         (no master where it travels as a remainder)."""
         n = self._pass.pieces[index].numel
-        rows = self._pass.slots[index % len(self._pass.slots)][:, :n]
+        rows = self._pass.slots[self._at(index)][:, :n]
         return (None, rows[0], rows[1]) if self._remainders else (rows[0], rows[1], rows[2])
 
     def _staged(self, index: int) -> tuple:
         """What travels for piece ``index``: its fp32 slot arrays, the remainder of its masters
         where they travel so, a bf16 array for each moment stored in bf16."""
-        n, at = self._pass.pieces[index].numel, index % len(self._pass.slots)
+        n, at = self._pass.pieces[index].numel, self._at(index)
         arrays = list(self._slot(index))
         if self._remainders:
             arrays[0] = self._pass.rem[at][:n]
@@ -389,7 +417,7 @@ class StatesWindow:
     def _slot_grad(self, index: int):
         """A late pass's gradient array in the slot of its piece ``index``."""
         n = self._pass.pieces[index].numel
-        return self._pass.slots[index % len(self._pass.slots)][self._arrays - 1, :n]
+        return self._pass.slots[self._at(index)][self._arrays - 1, :n]
 
     def _on_host(self, piece: Piece) -> tuple:
         return tuple(array[piece.start : piece.stop] for array in self.host)
@@ -412,7 +440,7 @@ class StatesWindow:
                 gpu.copy_(host)
             return
         h2d = self.streams[0]
-        freed = self._pass.freed[index % len(self._pass.freed)]
+        freed = self._pass.freed[self._at(index)]
         if freed is not None:
             h2d.wait_event(freed)
         if grads_down is not None:
@@ -441,7 +469,7 @@ class StatesWindow:
         with torch.cuda.stream(d2h):
             for host, gpu in pairs:
                 host.copy_(gpu, non_blocking=True)
-        freed = self._pass.freed[index % len(self._pass.freed)] = _record(d2h)
+        freed = self._pass.freed[self._at(index)] = _record(d2h)
         return freed
 
     def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict],
@@ -472,8 +500,9 @@ class StatesWindow:
             piece.param.copy_(master)
 
     def _end_pass(self) -> None:
-        import torch
-
+        for at, slot in enumerate(self._pass.slots):
+            if slot is not None:
+                self._release(at)  # not reused before the copies out have read it
         done, self._pass = self._pass, None
         self.grown.append(sum(p.numel for p in done.pieces[: done.grown]))
         if len(self.grown) > 2 * HISTORY:
@@ -481,10 +510,6 @@ class StatesWindow:
         if self.streams is None:
             return
         done.ended = _record(self.streams[1])
-        for stream in (torch.cuda.current_stream(), *self.streams):
-            for slot in (*done.slots, *(t for t in (*done.low, *done.rem) if t is not None)):
-                slot.record_stream(stream)  # not reused before the copies out have read it
-        done.slots = done.low = done.rem = None
         self._timed.append(done)
 
     def _collect_timing(self, wait: bool = True) -> None:
