@@ -43,6 +43,18 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py remainders
   echo
+  echo "### State offload's pass beside the next forward (suite \`beside-4-ab\`)"
+  echo
+  echo "Where no data-parallel all-gather reads the parameters after the step (one rank's whole"
+  echo "shard), state offload's pass runs beside the next forward: its Adam calls on a stream of their"
+  echo "own in the order the forward needs the pieces, each module's forward pre-hook waiting for the"
+  echo "pieces holding its parameters. One H100, GBS 4: no offload and states in turn at two commits"
+  echo "per call, the pass within the step at 20c5bd1, beside the forward after (call 1: \`bash"
+  echo "bench/device_session.sh commit-ab\` with \`SUITE=beside-4-ab A_REV=20c5bd1\`, B A B; call 2: the"
+  echo "same suite B then A with \`--iters 8\`, whose device time ran out after its third run):"
+  echo
+  python bench/gbs_report.py beside
+  echo
   echo "bf16 moments (8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\")."
   echo
   echo "## Where exact offload's forward+backward time goes"

@@ -1029,8 +1029,10 @@ BOTH_WAYS_GB_PER_S = 50.8  # ... each way, when both directions run at once
 
 
 def _states_line(r: dict, base: dict) -> str | None:
-    """One state-offload run against its transfer bound and its baseline's peak. Windowed:
-    12 B/param each way, both directions at once; whole tensors: the same bytes out, then back."""
+    """One state-offload run against its transfer bound and its baseline's peak. Windowed: its
+    host arrays each way (10 B/param with the masters as remainders, 12 with fp32 masters; 12
+    where a run did not record them), both directions at once; whole tensors: the same bytes
+    out, then back."""
     s = r["summary"]
     if not (s.get("fwd_bwd_time_s_median") and base.get("fwd_bwd_time_s_median")):
         return None
@@ -1040,7 +1042,8 @@ def _states_line(r: dict, base: dict) -> str | None:
         bound = 2 * moved / HOST_LINK_GB_PER_S * 1000
         how = f"2 x {moved:.1f} GB / {HOST_LINK_GB_PER_S:.0f} GB/s"
     else:
-        moved = 12 * s["states_offloaded_params"] / 1e9
+        moved = (s["states_host_gb"] * 1024**3 if s.get("states_host_gb")
+                 else 12 * s["states_offloaded_params"]) / 1e9  # fmt: skip
         link = rank_link_gb_per_s(BOTH_WAYS_GB_PER_S, r["case"].get("nproc", 1))
         bound = moved / link * 1000
         how = f"{moved:.1f} GB each way at once / {link:.1f} GB/s"
@@ -1059,6 +1062,10 @@ def _states_line(r: dict, base: dict) -> str | None:
                  f"{s['states_window_gb'] * 1024:.0f} MiB")  # fmt: skip
     if s.get("states_in_backward_gb"):  # those came in before the pass: its rate counts them
         line += f", {s['states_in_backward_gb']:.1f} GB in during the last backward"
+    if s.get("states_beside_forward_s") is not None:
+        line += (f"; beside the next forward, its last Adam call "
+                 f"{s['states_beside_forward_s'] * 1000:.0f} ms after that forward's first "
+                 "wait for it")  # fmt: skip
     return line
 
 
