@@ -105,7 +105,7 @@ def describe(run: RunConfig) -> OffloadSummary:
         f"{params * per_param / 1e9:.1f} GB for the whole model before DP sharding) live on "
         "the host; Adam runs on the GPU",
         f"streamed through a {states_window_mb(run)} MiB GPU window during the step, both "
-        "directions at once",
+        "directions at once (beside the next forward where one rank holds its whole shard)",
     )
 
 
@@ -869,6 +869,10 @@ def attach(optimizer, transformer_config, chunks) -> Attached:
     params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
     hooks = host_adam.after_each_grad(chunks, _Growth(engines, params))
     beside = [e for e in windowed_engines(optimizer) if e.beside_forward and e.on_cuda]
+    if beside:
+        log.info("optimizer states: %d of %d shard(s) are this rank's alone: their pass runs "
+                 "beside the next forward, which waits module by module for the pieces it "
+                 "needs", len(beside), len(windowed_engines(optimizer)))  # fmt: skip
     return Attached(hooks, BesideForward(beside, chunks) if beside else None)
 
 
