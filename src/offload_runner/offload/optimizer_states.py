@@ -14,7 +14,7 @@ step streams them through a GPU window (512 MiB, or 4 pieces of
    windows: ``StatesWindow.grow``, armed at ``no_sync``'s exit, looked at every 1/GROW_CHECKS of
    the parameters' gradients), which goes back to the allocator as soon as its piece is out; at
    its tail (Megatron-Core's gradient finalize, before the data-parallel reduction) the window's
-   ``SLOTS`` slots come, which carry the other pieces in turn;
+   ``SLOTS`` slots come, which carry the other pieces in turn, each going once its last is out;
 2. ``step()`` (after Megatron-Core's norm and clipping): on the compute stream, Adam on piece i as
    soon as it is in (Transformer Engine's multi-tensor Adam, the kernel of Megatron-Core's own GPU
    Adam, so the run is bit-identical to the baseline; its remainder variant, which updates the
@@ -354,22 +354,30 @@ class StatesWindow:
             self._update(piece, self._slot(index), step, steps, hypers, index)
             if marks is not None:
                 marks[index].event = _record(compute) if compute is not None else index
-                marks[index].ready.set()
             out.append(self._unload(index))
-            if index < self._pass.grown:
-                self._release(index)
+            if self._last_in_slot(index):
+                self._release(self._at(index))
             elif marks is None and self._pass.queued < len(pieces):
                 self._load_next()
+            if marks is not None:  # after the release: the forward that follows allocates
+                marks[index].ready.set()
         self._end_pass()
         return out
 
     def _at(self, index: int) -> int:
-        """The slot of the pass's piece ``index``: a slot the backward grew carries its one piece
-        (and goes once it is out: ``_release``), the window's SLOTS carry the rest in turn."""
+        """The slot of the pass's piece ``index``: a slot the backward grew carries its one piece,
+        the window's SLOTS carry the rest in turn (each slot goes once its last piece is out:
+        ``_release``)."""
         p = self._pass
         if index < p.grown:
             return index
         return p.grown + (index - p.grown) % (len(p.slots) - p.grown)
+
+    def _last_in_slot(self, index: int) -> bool:
+        """Piece ``index`` is the last its slot carries (a grown slot's one, or one of the
+        window's last SLOTS)."""
+        p = self._pass
+        return index < p.grown or index + len(p.slots) - p.grown >= len(p.pieces)
 
     def _release(self, at: int) -> None:
         """Slot ``at`` goes back to the allocator once the streams that use it are past it."""
