@@ -658,6 +658,9 @@ class WindowedStates(HostAdam):
         return [pieces[i] for i in order]
 
     def _before_forward(self, params: list, module, args) -> None:
+        """A watched module's forward pre-hook: while a pass runs beside the forward, the host
+        waits until the last piece holding ``params`` is issued, the compute stream until it
+        is updated (a failed pass raises its error here)."""
         import torch
 
         marks = self._marks
