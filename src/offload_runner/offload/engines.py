@@ -38,8 +38,9 @@ class Engines:
     def zero_grad_buffers(self) -> None:
         """Megatron-Core DDP's ``zero_grad_buffer`` of every model chunk, at a step's start
         (behind state offload's passes where they run beside the forward: they read them)."""
-        if self._attached is not None:
-            self._attached.zero_grad_buffers(self.model)
+        beside = self._attached.beside if self._attached is not None else None
+        if beside is not None:
+            beside.zero_grad_buffers()
             return
         for chunk in self.model:
             chunk.zero_grad_buffer()

@@ -639,6 +639,20 @@ def _call_with(hook, param, *unused) -> None:
     hook(param)
 
 
+def before_each_forward(chunks, hook) -> list[tuple[list, object]]:
+    """``hook(params, module, args)`` as the first forward pre-hook of each module of ``chunks``
+    that holds parameters (``params``: its own); returns the (params, handle) pairs in the order
+    the modules are registered (a GPT model's forward order)."""
+    pairs = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            params = list(module.parameters(recurse=False))
+            if params:
+                call = functools.partial(hook, params)
+                pairs.append((params, module.register_forward_pre_hook(call, prepend=True)))
+    return pairs
+
+
 class PieceSpans:
     """Which pieces hold a parameter's elements, by their bytes in the parameter buffer."""
 
@@ -659,6 +673,11 @@ class PieceSpans:
                     found.add(self.spans[k][2])
                 k += 1
         return sorted(found)
+
+    def last_holding(self, params: list) -> int:
+        """The last piece holding any element of ``params``; -1: none."""
+        held = self.holding(params)
+        return held[-1] if held else -1
 
 
 def gathers_params(part) -> bool:

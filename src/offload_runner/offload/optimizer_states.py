@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import statistics
 import threading
@@ -508,9 +507,6 @@ class StatesWindow:
             piece.param.copy_(master)
 
     def _end_pass(self) -> None:
-        for at, slot in enumerate(self._pass.slots):
-            if slot is not None:
-                self._release(at)  # not reused before the copies out have read it
         done, self._pass = self._pass, None
         self.grown.append(sum(p.numel for p in done.pieces[: done.grown]))
         if len(self.grown) > 2 * HISTORY:
@@ -588,7 +584,7 @@ class WindowedStates(HostAdam):
         # hold parameters (in the order the forward calls them), their forward pre-hooks
         self.beside_forward = beside_forward  # nothing reads the parameters before the forward
         self._beside = None
-        self._modules: list[tuple[object, list]] = []
+        self._held: list[list] = []  # each watched module's parameters, in forward order
         self._hooks: list = []
         self._marks: list = []  # the pass in flight: per piece, the event after its Adam call
         self._waited = 0  # ... pieces the forward has waited for
@@ -638,23 +634,19 @@ class WindowedStates(HostAdam):
         them (``beside`` waits for the rest before the backward). Only where nothing reads the
         parameters between the step and the forward (no data-parallel parameter all-gather)."""
         self._beside = beside
-        for chunk in chunks:
-            for module in chunk.modules():
-                params = list(module.parameters(recurse=False))
-                if params:
-                    self._modules.append((module, params))
-                    hook = functools.partial(self._before_forward, params)
-                    self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
+        for params, hook in host_adam.before_each_forward(chunks, self._before_forward):
+            self._held.append(params)
+            self._hooks.append(hook)
 
     def _in_forward_order(self, pieces: list[Piece]) -> list[Piece]:
         """``pieces`` in the order the watched modules need them (unchanged if none)."""
-        if not self._modules:
+        if not self._held:
             return pieces
         spans, first = PieceSpans(pieces), {}
-        for position, (_, params) in enumerate(self._modules):
+        for position, params in enumerate(self._held):
             for i in spans.holding(params):
                 first.setdefault(i, position)
-        order = sorted(range(len(pieces)), key=lambda i: (first.get(i, len(self._modules)), i))
+        order = sorted(range(len(pieces)), key=lambda i: (first.get(i, len(self._held)), i))
         return [pieces[i] for i in order]
 
     def _before_forward(self, params: list, module, args) -> None:
@@ -670,8 +662,7 @@ class WindowedStates(HostAdam):
         if index is None:
             if self._spans is None:
                 self._spans = PieceSpans(self._pieces)
-            held = self._spans.holding(params)
-            index = self._needs[id(module)] = held[-1] if held else -1
+            index = self._needs[id(module)] = self._spans.last_holding(params)
         if index < self._waited:
             return
         stream = torch.cuda.current_stream()
@@ -894,15 +885,6 @@ class Attached:
 
     hooks: list
     beside: BesideForward | None
-
-    def zero_grad_buffers(self, chunks) -> None:
-        """Megatron-Core DDP's ``zero_grad_buffer`` of every chunk, at a step's start (behind the
-        passes that read the gradients, where they run beside the forward)."""
-        if self.beside is not None:
-            self.beside.zero_grad_buffers()
-            return
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
 
     def remove(self) -> None:
         for _, hook in self.hooks:

@@ -5,11 +5,10 @@ parameters."""
 
 from __future__ import annotations
 
-import functools
 import time
 
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import Piece, PieceSpans
+from offload_runner.offload.host_adam import Piece, PieceSpans, before_each_forward
 
 
 class Landing:
@@ -74,12 +73,7 @@ class Landing:
         parameters alone, so ``step()`` returns once the update is handed to the worker, which
         runs it in forward order while the forward follows it. Only where nothing reads the
         parameters between the step and the forward (no data-parallel parameter all-gather)."""
-        for chunk in chunks:
-            for module in chunk.modules():
-                params = list(module.parameters(recurse=False))
-                if params:
-                    hook = functools.partial(self._before_forward, params)
-                    self._hooks.append(module.register_forward_pre_hook(hook, prepend=True))
+        self._hooks += [hook for _, hook in before_each_forward(chunks, self._before_forward)]
 
     def _unwatch(self) -> None:
         for hook in self._hooks:
@@ -113,13 +107,16 @@ class Landing:
 
     def _last_piece_of(self, params: list) -> int:
         """The last piece (in update order) holding any of ``params``'s elements; -1: none."""
-        return max(self._pieces_of(*params), default=-1)
+        return self._piece_spans().last_holding(params)
 
-    def _pieces_of(self, *params) -> list[int]:
-        """The pieces (indices in update order) holding any of ``params``'s elements."""
+    def _pieces_of(self, param) -> list[int]:
+        """The pieces (indices in update order) holding any of ``param``'s elements."""
+        return self._piece_spans().holding([param])
+
+    def _piece_spans(self) -> PieceSpans:
         if self._spans is None:
             self._spans = PieceSpans(self._pieces)
-        return self._spans.holding(list(params))
+        return self._spans
 
     def _complete(self) -> None:
         """Wait for an exact update the forward has not waited for to its end (errors raise
