@@ -380,10 +380,10 @@ PY
   llama3-8b-auto)  # (H200) the held-out dense shape with offload/optimizer=auto
     python bench/run_benchmarks.py run --suite llama3-8b-auto --iters 10 --time-limit 560 \
       --out "$OUT/results-llama3-8b-auto.json" --work-dir "$WORK/bench" ;;
-  beside-probe)  # state offload at GBS 4: iteration 6 profiled (where the host waits while the
-    # pass runs beside the forward), then 10 iterations with 32 hardware queues
+  beside-probe)  # state offload at GBS 4: iterations 6-7 profiled (7's forward beside 6's pass:
+    # where the host waits), then (BESIDE_QUEUES32 set) 10 iterations with 32 hardware queues
     # (CUDA_DEVICE_MAX_CONNECTIONS: does the compute stream queue behind the pass's stream?)
-    for c in "profiled|profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=6" ${BESIDE_QUEUES32:+"queues32|"}; do
+    for c in "profiled|profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=7" ${BESIDE_QUEUES32:+"queues32|"}; do
       name=${c%%|*}; extra=${c#*|}
       (if [ "$name" = queues32 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=32; fi
        python run_recipe.py "${PROXY[@]}" train.train_iters=10 offload/optimizer=states $extra \
@@ -393,6 +393,7 @@ PY
     done
     python bench/profile_summary.py "$WORK/beside-profiled/profile/rank0.json.gz" > "$OUT/trace-beside.txt" || true
     head -40 "$OUT/trace-beside.txt"; grep -A12 "micro-batches" "$OUT/trace-beside.txt"
+    sed -n '/^-- annotations/,/^-- cuda runtime by thread/p' "$OUT/trace-beside.txt"
     grep -A30 "longest cudaStreamSynchronize" "$OUT/trace-beside.txt" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

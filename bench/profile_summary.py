@@ -6,8 +6,9 @@ Prints, per trace: the window's wall span, the union of kernel time (GPU busy), 
 the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time;
 then each micro-batch (from one forward's embedding lookup to the next, the last to the window's
 end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step;
-then the runtime calls by thread, and the slowest of them beside what the other threads' runtime
-calls were doing meanwhile (a call that blocks another thread's launches shows there).
+then the annotations and where the forward's thread sat idle outside CUDA; then the runtime calls
+by thread, and the slowest of them beside what the other threads' runtime calls were doing
+meanwhile (a call that blocks another thread's launches shows there).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def summarize(path: str, top: int = 12) -> str:
         lines.append(f"-- {title} by total ms")
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
     lines += _micro_batches(ops, kernels, end)
+    lines += _main_thread(timed, ops, start)
     lines += _threads(runtime, top)
     lines += _longest_sync(runtime, [*kernels, *copies])
     return "\n".join(lines)
@@ -114,6 +116,52 @@ def _threads(runtime: list, top: int) -> list[str]:
                            for _, o in beside) or "nothing"  # fmt: skip
         lines.append(f"  tid {e.get('tid')} {e['name']} {e['dur'] / 1e3:.2f} ms at "
                      f"+{(a - t0) / 1e3:.1f} ms | beside: {others}")  # fmt: skip
+    return lines
+
+
+def _total(events: list) -> float:
+    return sum(e["dur"] for e in events)
+
+
+def _main_thread(timed: list, ops: list, start: float, top: int = 10) -> list[str]:
+    """The thread that runs the forward (its ``aten::embedding``): the annotations it and the
+    others recorded (``torch.profiler.record_function``: count, total and longest ms, first
+    start), then its ``top`` longest stretches with no op or runtime call running (where it
+    waited outside CUDA: a lock, an event, another thread), each with what ended before it and
+    what began after, ms from the window's start."""
+    tids = Counter(e.get("tid") for e in ops if e["name"] == "aten::embedding")
+    if not tids:
+        return []
+    main = tids.most_common(1)[0][0]
+    notes: dict[tuple, list] = {}
+    for e in timed:
+        if e.get("cat") == "user_annotation":
+            notes.setdefault((e["name"], e.get("tid") == main), []).append(e)
+    lines = ["-- annotations: count, total ms, longest ms, first start ms (main: the forward's "
+             "thread)"]  # fmt: skip
+    for (name, on_main), group in sorted(notes.items(), key=lambda kv: -_total(kv[1])):
+        first = (min(e["ts"] for e in group) - start) / 1e3
+        lines.append(f"  {'main ' if on_main else 'other'} {len(group):5d} "
+                     f"{_total(group) / 1e3:9.1f} {max(e['dur'] for e in group) / 1e3:8.1f} "
+                     f"{first:+9.1f}  {name[:70]}")  # fmt: skip
+    mine = [e for e in timed if e.get("tid") == main and e.get("cat") in ("cpu_op", "cuda_runtime")]
+    mine.sort(key=lambda e: e["ts"])
+    gaps, reach, last = [], None, None
+    for e in mine:
+        if reach is not None and e["ts"] > reach:
+            gaps.append((e["ts"] - reach, reach, last, e))
+        if reach is None or e["ts"] + e["dur"] > reach:
+            reach, last = e["ts"] + e["dur"], e
+    marks = [e for (_, on_main), group in notes.items() if on_main for e in group]
+    lines.append("-- the forward's thread idle outside CUDA: ms, from ms, after -> before "
+                 "[the annotation around it]")  # fmt: skip
+    for gap, at, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        around = max(marks, default=None, key=lambda e: min(e["ts"] + e["dur"], after["ts"])
+                     - max(e["ts"], at))  # fmt: skip
+        inside = around and min(around["ts"] + around["dur"], after["ts"]) > max(around["ts"], at)
+        note = f" [{around['name'][:50]}]" if inside else ""
+        lines.append(f"  {gap / 1e3:8.1f} {(at - start) / 1e3:+9.1f}  {before['name'][:40]} -> "
+                     f"{after['name'][:40]}{note}")  # fmt: skip
     return lines
 
 

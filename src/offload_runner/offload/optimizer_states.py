@@ -302,7 +302,7 @@ class StatesWindow:
         import torch
 
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), torch.profiler.record_function("states: pass"):
                 self._issue(step, hypers, marks)
         finally:
             for mark in marks:
@@ -528,9 +528,12 @@ class StatesWindow:
 
     def _issued(self) -> None:
         """A paced pass is all issued (its thread's errors raise here)."""
+        import torch
+
         job, self._job = self._job, None
         if job is not None:
-            job.result()
+            with torch.profiler.record_function("states: waits until the pass is issued"):
+                job.result()
 
     def finish(self) -> None:
         """The copies out have finished: the host arrays hold the newest states."""
@@ -669,7 +672,9 @@ class WindowedStates(HostAdam):
         if self._waited == 0:  # how far the pass runs into the forward (metrics)
             self._overlaps.append((_record(stream), marks[-1]))
             del self._overlaps[:-HISTORY]
-        marks[index].ready.wait()
+        if not marks[index].ready.is_set():
+            with torch.profiler.record_function("states: the forward waits for its pieces"):
+                marks[index].ready.wait()
         if marks[index].event is None:  # the pass failed before this piece: its error
             self._window.finish()
         stream.wait_event(marks[index].event)  # it follows every mark before it
@@ -938,7 +943,8 @@ class BesideForward:
 
         zeroed, self._zeroed = self._zeroed, None
         if zeroed is not None:
-            zeroed.result()
+            with torch.profiler.record_function("states: the forward waits for the pass"):
+                zeroed.result()
             torch.cuda.current_stream().wait_stream(self.stream)
 
     def remove(self) -> None:
