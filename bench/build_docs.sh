@@ -6,14 +6,16 @@ cd "$(dirname "$0")/.."
 trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last BENCHMARKS alone
 {
   python bench/run_benchmarks.py report bench/results/*.json
-  echo "## Exact offload against the global batch (suites \`gbs-N\` and \`gbs-N-pairs\`)"
+  echo "## Exact offload against the global batch (suites \`gbs-N\`, \`gbs-N-pairs\`, \`gbs-N-grown\`, \`gbs-N-beside\`)"
   echo
   echo "The Qwen3-30B-A3B proxy (3.11B params), MB 1, each global batch in one call on one GPU"
   echo "(\`bash bench/device_session.sh gbs-4\` and so on; \`python bench/gbs_report.py cost\`):"
   echo "suites \`gbs-N\` ran no offload first and again last (its spread is the host's), both exact"
   echo "host engines with all of Adam offloaded, and at GBS 4 and 8 HybridDeviceOptimizer 100% and"
   echo "delayed CPU Adam beside them; suites \`gbs-N-pairs\` ran no offload and the two exact engines in"
-  echo "turn. Ratios are against the mean of the suite's no-offload runs; the floor is what the"
+  echo "turn; \`gbs-N-grown\` and \`gbs-N-beside\` ran \`gbs-N\`'s rows again on one H100 after the"
+  echo "windows began growing during the last backward and after state offload's pass moved beside the"
+  echo "next forward. Ratios are against the mean of the suite's no-offload runs; the floor is what the"
   echo "measured rates allow, set against the issue's bar:"
   echo
   echo "- exact CPU Adam: the update at the balanced GPU share with the run's own CPU Adam rate (beside"
@@ -43,7 +45,7 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py remainders
   echo
-  echo "### State offload's pass beside the next forward (suite \`beside-4-ab\`)"
+  echo "### State offload's pass beside the next forward (suites \`beside-4-ab\`, \`gbs-N-beside\`)"
   echo
   echo "Where no data-parallel all-gather reads the parameters after the step (one rank's whole"
   echo "shard), state offload's pass runs beside the next forward: its Adam calls on a stream of their"

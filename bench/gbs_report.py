@@ -448,14 +448,46 @@ def beside() -> str:
     ), "", *[f"- {line}" for line in streams], "", (
         "So the pass is now issued by a thread of its own as its pieces come in (commit "
         "79898f8), and the slots the last backward grew carry one piece each and go once it "
-        "is out (after the calls above; not yet measured). The one paced pair ran "
+        "is out (commit fec09ca, after the calls above: the suites below). The one paced pair ran "
         f"{paced['step_time_s_median'] / base['step_time_s_median']:.2f}x its no-offload run "
         f"(the bar is {BARS[4]}x), its optimizer phase {min(shorter):.2f}-{max(shorter):.2f} s "
         "shorter than call 1's, forward+backward longer by part of that; no offload itself "
         f"moved from {base['step_time_s_median']:.3f} to {again['step_time_s_median']:.3f} s "
-        "within that call, so the pair is one sample, not yet the suite."
-    )]  # fmt: skip
+        "within that call, so the pair is one sample."
+    ), "", *_beside_suites()]  # fmt: skip
     return "\n".join(lines)
+
+
+def _beside_suites() -> list[str]:
+    """State offload in suites gbs-N-beside (the single-use grown slots, commit 14a2ce5 on):
+    where its pass's time went, against each suite's no-offload runs."""
+    lines = ["The acceptance suites after that (`gbs-4-beside`, `gbs-8-beside`, `gbs-32-beside`, "
+             "one call each; against the mean of each call's no-offload runs):", "",
+             "| GBS | suite | commit | no offload s | states step | forward+backward more s | "
+             "optimizer phase more s | pass s | last Adam after the forward's first wait ms |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for gbs in BARS:
+        path = RESULTS / f"results-gbs-{gbs}-beside.json"
+        if not path.exists():
+            continue
+        s, commit = load(path, gbs), json.loads(path.read_text())["environment"]["commit"]
+        st = s.first("states")
+        opt = statistics.mean(b["optimizer_time_s_median"] for b in s.bases)
+        lines.append(
+            f"| {gbs} | `{s.name}` | {commit[:7]} | {s.base:.3f} | "
+            f"{st['step_time_s_median'] / s.base:.2f}x | "
+            f"{st['fwd_bwd_time_s_median'] - s.fwd_bwd:+.3f} | "
+            f"{st['optimizer_time_s_median'] - opt:+.3f} | {st['states_stream_s_median']:.3f} | "
+            f"{st['states_beside_forward_s'] * 1000:.1f} |"
+        )
+    lines += ["", (
+        "Beside the forward the pass did not overlap it: in every suite its last Adam call ended "
+        "within a millisecond of the next forward's first wait, and forward+backward grew by "
+        "about the pass while the optimizer phase shrank. The next forward began only once the "
+        "pass was through; the profile of device step `beside-probe` (iterations 6-7, the "
+        "forward's waits annotated) is to say where its thread waited."
+    )]  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":
