@@ -389,7 +389,7 @@ PY
        python run_recipe.py "${PROXY[@]}" train.train_iters=10 offload/optimizer=states $extra \
          output_dir="$WORK/beside-$name" 2>&1 | grep -E "error|Error" || true)
       cp "$WORK/beside-$name/summary.json" "$OUT/summary-beside-$name.json" || true
-      python -c "import json,sys; m=json.load(open(sys.argv[1])); print(sys.argv[2], {k: round(m[k], 3) for k in ('step_time_s_median', 'fwd_bwd_time_s_median', 'optimizer_time_s_median', 'states_stream_s_median', 'states_beside_forward_s')})" "$OUT/summary-beside-$name.json" "$name" || true
+      python -c "import json,sys; m=json.load(open(sys.argv[1])); print(sys.argv[2], {k: round(m[k], 3) for k in ('step_time_s_median', 'fwd_bwd_time_s_median', 'optimizer_time_s_median', 'states_stream_s_median', 'states_beside_forward_s', 'states_forward_wait_s_median')})" "$OUT/summary-beside-$name.json" "$name" || true
     done
     python bench/profile_summary.py "$WORK/beside-profiled/profile/rank0.json.gz" > "$OUT/trace-beside.txt" || true
     head -40 "$OUT/trace-beside.txt"; grep -A12 "micro-batches" "$OUT/trace-beside.txt"

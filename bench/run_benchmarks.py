@@ -1066,6 +1066,9 @@ def _states_line(r: dict, base: dict) -> str | None:
         line += (f"; beside the next forward, its last Adam call "
                  f"{s['states_beside_forward_s'] * 1000:.0f} ms after that forward's first "
                  "wait for it")  # fmt: skip
+    if s.get("states_forward_wait_s_median") is not None:
+        line += (f", that forward's thread waiting "
+                 f"{s['states_forward_wait_s_median'] * 1000:.0f} ms for it")  # fmt: skip
     return line
 
 

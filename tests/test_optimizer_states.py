@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +24,7 @@ from offload_runner.offload.cpu_adam import CpuAdam
 from offload_runner.offload.optimizer_states import (
     BYTES_PER_PARAM,
     SLOTS,
+    BesideForward,
     WindowedStates,
 )
 from tests.test_cpu_adam import (
@@ -408,5 +411,36 @@ def test_a_paced_pass_on_its_thread_loads_each_piece_once_and_updates_bit_identi
         assert loads == list(range(len(eng._pieces)))
         assert [m.event for m in eng._marks] == list(range(len(eng._pieces)))
         assert_matches(fp32_masters(eng, buffers), ref.params, step)
+    eng.close()
+    beside.thread.shutdown()
+
+
+def test_the_forward_waits_for_the_pieces_it_needs_and_the_wait_is_timed() -> None:
+    """Beside the forward, a watched module's forward pre-hook waits until the pass has issued
+    the pieces holding its parameters, and ``BesideForward.waiting`` adds that wait to the step's
+    (summary: states_forward_wait_s_median): a pass that starts 0.3 s late makes the first module
+    wait that long, and the modules after it none."""
+    buffers = Buffers()
+    eng = windowed(buffers, rem=True)
+    beside = ThreadOnly()
+    beside.waits = [0.0]
+    beside.waiting = functools.partial(BesideForward.waiting, beside)
+    chunk = forward_chunk(buffers)
+    eng.watch([chunk], beside)
+    drive(eng, buffers, 1)
+    eng.finish()
+    beside.waits.append(0.0)  # the next step begins (BesideForward.zero_grad_buffers)
+    beside.submit(time.sleep, 0.3)  # the thread is busy: the pass starts late
+    drive(eng, buffers, 2)
+    waited = []
+    for module in chunk.children():
+        began = time.perf_counter()
+        for hook in module._forward_pre_hooks.values():
+            hook(module, ())
+        waited.append(time.perf_counter() - began)
+    assert waited[0] >= 0.25 and max(waited[1:]) < 0.1
+    assert beside.waits[-1] == pytest.approx(sum(waited), abs=0.02)
+    eng.finish()
+    assert eng._forward_wait_s(0) == beside.waits[-1]
     eng.close()
     beside.thread.shutdown()

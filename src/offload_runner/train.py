@@ -324,9 +324,10 @@ class Step:
         phase[1].record()
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
         torch.cuda.reset_peak_memory_stats()
+        # The loss's copy to the host before the update's: behind them it would wait for them.
+        loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
         grad_norm = r.engines.step()
         r.scheduler.step(increment=t.global_batch_size)
-        loss = global_loss(losses, m.pipeline_model_parallel_size, m.context_parallel_size)
         torch.cuda.current_stream().synchronize()
         elapsed = time.perf_counter() - began
         fwd_bwd_s = phase[0].elapsed_time(phase[1]) / 1000

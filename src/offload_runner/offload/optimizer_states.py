@@ -61,6 +61,7 @@ import contextlib
 import logging
 import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 
 from offload_runner.config.schema import (
@@ -668,16 +669,17 @@ class WindowedStates(HostAdam):
             index = self._needs[id(module)] = self._spans.last_holding(params)
         if index < self._waited:
             return
-        stream = torch.cuda.current_stream()
-        if self._waited == 0:  # how far the pass runs into the forward (metrics)
+        stream = torch.cuda.current_stream() if self.on_cuda else None
+        if self._waited == 0 and stream is not None:  # how far the pass runs into the forward
             self._overlaps.append((_record(stream), marks[-1]))
             del self._overlaps[:-HISTORY]
         if not marks[index].ready.is_set():
-            with torch.profiler.record_function("states: the forward waits for its pieces"):
+            with self._beside.waiting("states: the forward waits for its pieces"):
                 marks[index].ready.wait()
         if marks[index].event is None:  # the pass failed before this piece: its error
             self._window.finish()
-        stream.wait_event(marks[index].event)  # it follows every mark before it
+        if stream is not None:
+            stream.wait_event(marks[index].event)  # it follows every mark before it
         self._waited = index + 1
         if self._waited == len(marks):
             self._marks = []
@@ -709,6 +711,14 @@ class WindowedStates(HostAdam):
                 runs.append(max(0.0, began.elapsed_time(last.event) / 1000))
         return statistics.median(runs) if runs else None
 
+    def _forward_wait_s(self, skip: int) -> float | None:
+        """How long the forward's thread waited for the passes a step (median; None where they
+        run within the step), from the second step on (the first has no pass to wait for)."""
+        if self._beside is None:
+            return None
+        waits = self._beside.waits[1:]
+        return statistics.median(waits[skip:] or waits) if waits else None
+
     def metrics(self, skip: int = 2) -> dict:
         history = self._window.timing()
         steady = history[skip:] or history
@@ -724,6 +734,7 @@ class WindowedStates(HostAdam):
                 / 1e9,
                 "states_stream_s_median": seconds,
                 "states_beside_forward_s": self._beside_forward_s(skip),
+                "states_forward_wait_s_median": self._forward_wait_s(skip),
                 "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
                 "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
 
@@ -799,16 +810,18 @@ def windowed_engines(optimizer) -> list[WindowedStates]:
 def metrics(optimizer) -> dict:
     """summary.json fields of the windowed engines of a rank: params, the pass's time and the
     link rate it reached (10 B/param each way, 12 with fp32 masters, 4 less with bf16 moments),
-    how far it ran into the next forward, the window, the master's bytes on the host, host
-    memory."""
+    how far it ran into the next forward and how long that forward's thread waited for it, the
+    window, the master's bytes on the host, host memory."""
     built = windowed_engines(optimizer)
     found = [m for m in (e.metrics() for e in built) if m]
     if not found:
         return {}
     seconds = sum(m["states_stream_s_median"] for m in found)
     params = sum(m["states_offloaded_params"] for m in found)
-    beside = [m["states_beside_forward_s"] for m in found if m["states_beside_forward_s"]
-              is not None]  # fmt: skip
+    beside, waits = (
+        [m[k] for m in found if m[k] is not None]
+        for k in ("states_beside_forward_s", "states_forward_wait_s_median")
+    )
     return {
         "states_offloaded_params": params,
         "states_stream_s_median": seconds,
@@ -817,6 +830,7 @@ def metrics(optimizer) -> dict:
         else None,
         "states_window_gb": max(m["states_window_gb"] for m in found),
         "states_beside_forward_s": max(beside, default=None),
+        "states_forward_wait_s_median": max(waits, default=None),
         "states_master_bytes": max(m["states_master_bytes"] for m in found),
         "states_in_backward_gb": sum(m["states_in_backward_gb"] for m in found),
         "states_host_gb": sum(e.host_bytes for e in built) / 1024**3,
@@ -916,6 +930,7 @@ class BesideForward:
             initargs=(torch.cuda.current_device(),),
         )  # fmt: skip
         self._zeroed: concurrent.futures.Future | None = None
+        self.waits: list[float] = []  # per step: seconds the forward's thread waited for passes
         for engine in engines:
             engine.watch(chunks, self)
         self._hooks = [chunk.register_forward_hook(self._after_forward) for chunk in chunks]
@@ -928,7 +943,22 @@ class BesideForward:
         thread, after the compute stream's own readers of the gradients so far)."""
         import torch
 
+        self.waits.append(0.0)
+        if len(self.waits) > 2 * HISTORY:
+            del self.waits[1:-HISTORY]
         self._zeroed = self.submit(self._zero, _record(torch.cuda.current_stream()))
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """The forward's thread waits for the passes here: timed (``waits``) and named in
+        profiles."""
+        import torch
+
+        began = time.perf_counter()
+        with torch.profiler.record_function(what):
+            yield
+        if self.waits:
+            self.waits[-1] += time.perf_counter() - began
 
     def _zero(self, after) -> None:
         import torch
@@ -943,7 +973,7 @@ class BesideForward:
 
         zeroed, self._zeroed = self._zeroed, None
         if zeroed is not None:
-            with torch.profiler.record_function("states: the forward waits for the pass"):
+            with self.waiting("states: the forward waits for the pass"):
                 zeroed.result()
             torch.cuda.current_stream().wait_stream(self.stream)
 
