@@ -23,7 +23,9 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo "  4 B/param up for the CPU part's landings), less the first micro-batch's forward, under which it"
   echo "  lands (a third of a micro-batch's forward+backward);"
   echo "- state offload: its measured pass (every state up and back after the global norm), less what"
-  echo "  could move up during the last backward into the room the 0.45x GPU-peak bar leaves."
+  echo "  could move up during the last backward into the room the 0.45x GPU-peak bar leaves, and in"
+  echo "  suites \`gbs-N-beside\` less the first micro-batch's forward, beside which the pass runs there:"
+  echo "  every state must be down again before that forward's peak, but for what that room holds."
   echo
   python bench/gbs_report.py cost
   echo

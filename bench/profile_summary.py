@@ -6,7 +6,8 @@ Prints, per trace: the window's wall span, the union of kernel time (GPU busy), 
 the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time;
 then each micro-batch (from one forward's embedding lookup to the next, the last to the window's
 end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step;
-then the annotations and where the forward's thread sat idle outside CUDA; then the runtime calls
+then the annotations and where the forward's thread (and each other busy thread) sat idle outside
+CUDA, where a lock, an event or the interpreter held it; then the runtime calls
 by thread, and the slowest of them beside what the other threads' runtime calls were doing
 meanwhile (a call that blocks another thread's launches shows there).
 """
@@ -144,14 +145,8 @@ def _main_thread(timed: list, ops: list, start: float, top: int = 10) -> list[st
         lines.append(f"  {'main ' if on_main else 'other'} {len(group):5d} "
                      f"{_total(group) / 1e3:9.1f} {max(e['dur'] for e in group) / 1e3:8.1f} "
                      f"{first:+9.1f}  {name[:70]}")  # fmt: skip
-    mine = [e for e in timed if e.get("tid") == main and e.get("cat") in ("cpu_op", "cuda_runtime")]
-    mine.sort(key=lambda e: e["ts"])
-    gaps, reach, last = [], None, None
-    for e in mine:
-        if reach is not None and e["ts"] > reach:
-            gaps.append((e["ts"] - reach, reach, last, e))
-        if reach is None or e["ts"] + e["dur"] > reach:
-            reach, last = e["ts"] + e["dur"], e
+    gaps = _idle([e for e in timed if e.get("tid") == main
+                  and e.get("cat") in ("cpu_op", "cuda_runtime")])  # fmt: skip
     marks = [e for (_, on_main), group in notes.items() if on_main for e in group]
     lines.append("-- the forward's thread idle outside CUDA: ms, from ms, after -> before "
                  "[the annotation around it]")  # fmt: skip
@@ -162,7 +157,35 @@ def _main_thread(timed: list, ops: list, start: float, top: int = 10) -> list[st
         note = f" [{around['name'][:50]}]" if inside else ""
         lines.append(f"  {gap / 1e3:8.1f} {(at - start) / 1e3:+9.1f}  {before['name'][:40]} -> "
                      f"{after['name'][:40]}{note}")  # fmt: skip
+    lines.append(
+        "-- the other threads with 100 runtime calls or more: idle outside CUDA "
+        "between calls, total ms and the longest three (from ms, after which call)"
+    )
+    calls: dict = {}
+    for e in timed:
+        if e.get("cat") == "cuda_runtime" and e.get("tid") != main:
+            calls.setdefault(e.get("tid"), []).append(e)
+    for tid, group in sorted(calls.items(), key=lambda kv: -len(kv[1])):
+        if len(group) < 100:
+            continue
+        idle = sorted(_idle(group), key=lambda g: -g[0])
+        longest = "; ".join(f"{g / 1e3:.1f} at {(at - start) / 1e3:+.1f} after {b['name']}"
+                            for g, at, b, _ in idle[:3])  # fmt: skip
+        lines.append(f"  tid {tid}: {len(group)} calls, idle {sum(g for g, *_ in idle) / 1e3:.1f}"
+                     f" ms; {longest}")  # fmt: skip
     return lines
+
+
+def _idle(events: list) -> list[tuple]:
+    """The stretches between ``events`` (one thread's) where none ran: (µs, from, the event
+    before, the event after)."""
+    gaps, reach, last = [], None, None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if reach is not None and e["ts"] > reach:
+            gaps.append((e["ts"] - reach, reach, last, e))
+        if reach is None or e["ts"] + e["dur"] > reach:
+            reach, last = e["ts"] + e["dur"], e
+    return gaps
 
 
 def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
