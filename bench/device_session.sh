@@ -382,8 +382,10 @@ PY
       --out "$OUT/results-llama3-8b-auto.json" --work-dir "$WORK/bench" ;;
   beside-probe)  # state offload at GBS 4: iterations 6-7 profiled (7's forward beside 6's pass:
     # where the host waits), then (BESIDE_QUEUES32 set) 10 iterations with 32 hardware queues
-    # (CUDA_DEVICE_MAX_CONNECTIONS: does the compute stream queue behind the pass's stream?)
-    for c in "profiled|profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=7" ${BESIDE_QUEUES32:+"queues32|"}; do
+    # (CUDA_DEVICE_MAX_CONNECTIONS: does the compute stream queue behind the pass's stream?),
+    # then each BESIDE_RUNS entry ("name|overrides;name|overrides"), 10 iterations each
+    IFS=';' read -r -a more <<< "${BESIDE_RUNS:-}"
+    for c in "profiled|profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=7" ${BESIDE_QUEUES32:+"queues32|"} "${more[@]}"; do
       name=${c%%|*}; extra=${c#*|}
       (if [ "$name" = queues32 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=32; fi
        python run_recipe.py "${PROXY[@]}" train.train_iters=10 offload/optimizer=states $extra \
