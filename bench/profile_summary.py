@@ -7,13 +7,15 @@ the kernels and CUDA runtime calls that take the most time, and the Python-side 
 then each micro-batch (from one forward's embedding lookup to the next, the last to the window's
 end): its host span and the GPU's busy time in it, so a slowdown shows where it sits in the step;
 then the annotations and where the forward's thread (and each other busy thread) sat idle outside
-CUDA, where a lock, an event or the interpreter held it; then the runtime calls
+CUDA, where a lock, an event or the interpreter held it; the copies that waited longest for the
+copy engines (another stream's queue of copies ahead of them); then the runtime calls
 by thread, and the slowest of them beside what the other threads' runtime calls were doing
 meanwhile (a call that blocks another thread's launches shows there).
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import sys
@@ -54,6 +56,7 @@ def summarize(path: str, top: int = 12) -> str:
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
     lines += _micro_batches(ops, kernels, end)
     lines += _main_thread(timed, ops, start)
+    lines += _copy_delays(runtime, kernels, copies, start, top)
     lines += _threads(runtime, top)
     lines += _longest_sync(runtime, [*kernels, *copies])
     return "\n".join(lines)
@@ -92,6 +95,44 @@ def _longest_sync(runtime: list, gpu: list, last: int = 6) -> list[str]:
             f"{(max(g['ts'] + g['dur'] for g in group) - a) / 1e3:+.1f}  {names}"
         )
     return lines
+
+
+def _copy_delays(runtime: list, kernels: list, copies: list, start: float,
+                 top: int) -> list[str]:  # fmt: skip
+    """The copies that waited longest to start on the GPU once launched and once their own
+    stream's work before them had ended, each with its stream and what the other streams' copies
+    were doing meanwhile (a small copy of the training's stream that waits for another stream's
+    queue of copies shows here)."""
+    launched = {e.get("args", {}).get("correlation"): e for e in runtime}
+    ends: dict = {}  # per stream: (start, end) of its GPU work, in order
+    for g in sorted([*kernels, *copies], key=lambda g: g["ts"]):
+        ends.setdefault(_stream(g), []).append((g["ts"], g["ts"] + g["dur"]))
+    waits = []
+    for c in copies:
+        call = launched.get(c.get("args", {}).get("correlation"))
+        if call is None:
+            continue
+        spans = ends[_stream(c)]
+        k = bisect.bisect_left(spans, (c["ts"],))  # the stream's work that began before it
+        ready = max([call["ts"] + call["dur"], *(end for _, end in spans[k - 1 : k])])
+        waits.append((c["ts"] - ready, c))
+    lines = ["-- copies that waited longest once launched and their stream free: ms, stream, "
+             "ready at ms, name | the other streams' copies meanwhile (count, MB)"]  # fmt: skip
+    for wait, c in sorted(waits, key=lambda w: -w[0])[:top]:
+        a, stream = c["ts"] - wait, _stream(c)
+        others: dict = {}
+        for o in copies:
+            if _stream(o) != stream and o["ts"] < c["ts"] and o["ts"] + o["dur"] > a:
+                n, mb = others.get(_stream(o), (0, 0.0))
+                others[_stream(o)] = (n + 1, mb + o.get("args", {}).get("bytes", 0) / 1e6)
+        beside = ", ".join(f"stream {k}: {n}, {mb:.0f}" for k, (n, mb) in others.items())
+        lines.append(f"  {wait / 1e3:8.1f} stream {stream} at {(a - start) / 1e3:+9.1f} "
+                     f"{c['name'][:32]} | {beside or 'none'}")  # fmt: skip
+    return lines
+
+
+def _stream(event: dict):
+    return event.get("args", {}).get("stream", event.get("tid"))
 
 
 def _threads(runtime: list, top: int) -> list[str]:
