@@ -73,7 +73,7 @@ import pathlib, re
 rows = {}
 for name in ("base", "cpu_adam", "states"):
     text = pathlib.Path(f"docs/evidence/profile-mb/trace-{name}.txt").read_text()
-    part = text.split("-- micro-batches", 1)[1].splitlines()[1:]
+    part = text.split("-- micro-batches", 1)[1].split("\n--", 1)[0].splitlines()[1:]
     rows[name] = [tuple(float(x) for x in line.split()[1:3]) for line in part if line.strip()]
 names = {"base": "no offload", "cpu_adam": "cpu_adam", "states": "states"}
 count = len(rows["base"])

@@ -254,17 +254,23 @@ print(cpu_ranges(rank_cpus($i, 2)))" 2>/dev/null)
       cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
       python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" | tee "$OUT/trace-$name.txt" | head -20
     done ;;
-  profile-mb)  # GBS 8: no offload, cpu_adam, states, iteration 6 profiled: each micro-batch's
-    # host span and GPU busy time (bench/profile_summary.py), where forward+backward slows
+  profile-mb)  # GBS 8: no offload, cpu_adam, states, iteration 6 profiled (to PROFILE_END: 7
+    # puts 7's forward beside 6's update in the window): each micro-batch's host span and GPU
+    # busy time (bench/profile_summary.py), where forward+backward slows; with PROFILE_END set,
+    # where the forward's thread waited and which copies waited for the copy engines
+    end=${PROFILE_END:-6}
     for c in "base|" "cpu_adam|offload/optimizer=cpu_adam" "states|offload/optimizer=states"; do
       name=${c%%|*}; extra=${c#*|}
       python run_recipe.py --recipe qwen3_30b_a3b_proxy train.global_batch_size=8 \
-        train.micro_batch_size=1 train.train_iters=7 $extra output_dir="$WORK/profile-$name" \
-        profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=6 \
+        train.micro_batch_size=1 train.train_iters=$((end + 1)) $extra output_dir="$WORK/profile-$name" \
+        profiling.use_pytorch_profiler=true profiling.profile_step_start=6 profiling.profile_step_end=$end \
         2>&1 | grep -E "error|summary" || true
       cp "$WORK/profile-$name/summary.json" "$OUT/summary-$name.json" || true
       python bench/profile_summary.py "$WORK/profile-$name/profile/rank0.json.gz" > "$OUT/trace-$name.txt"
-      grep -A12 "micro-batches" "$OUT/trace-$name.txt"
+      grep -A18 "micro-batches" "$OUT/trace-$name.txt"
+      if [ -n "${PROFILE_END:-}" ]; then
+        sed -n '/^-- annotations/,/^-- cuda runtime by thread/p' "$OUT/trace-$name.txt"
+      fi
     done ;;
   profile-threads)  # exact CPU Adam at GBS 4, iterations 9-10 profiled (its GPU share fixed since 6):
     # every thread's CUDA runtime calls, the longest beside what the others did meanwhile
