@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Does a small copy of the training's stream wait behind another stream's copies?
+
+State offload's pass beside the next forward keeps both copy directions busy from a thread of
+its own, a few pieces queued ahead at a time; the forward meanwhile copies its batch up and, in
+each MoE layer, its tokens per expert down (then waits for them). This probe does the same
+without the model, on one GPU: a thread copies CHUNK-sized pieces up and down on two side
+streams, at most DEPTH queued per direction, while the main thread, every 20 ms, copies a batch
+up (four 32 KiB tensors) and a 4-byte value down and waits for each. It prints, per chunk size,
+the small copies' latency (median and largest) and what the side traffic moved:
+
+    python bench/copy_queue_probe.py [--chunks-mb 0,128,16,2] [--seconds 4]
+
+A chunk size of 0 is no side traffic (the small copies' own latency). If the small copies wait
+about one chunk's time, the copy engines take the streams' copies in turn; if they wait far
+longer, a stream that keeps its queue full holds them off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+DEPTH = 4  # copies queued ahead per direction, as the pass's window of four slots
+LINK_MB = 1024  # the side traffic's buffers each way
+
+
+def side_traffic(chunk_mb: int, stop: threading.Event, moved: list) -> None:
+    """Copies of ``chunk_mb`` MiB up and down, paced: a direction's next copy waits until the
+    copy DEPTH before it has finished."""
+    n = chunk_mb * 2**20 // 4
+    slots = LINK_MB // chunk_mb
+    host = [torch.empty(slots * n, dtype=torch.float32).pin_memory() for _ in range(2)]
+    device = [torch.empty(slots * n, dtype=torch.float32, device="cuda") for _ in range(2)]
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    pending: list = []
+    i = 0
+    while not stop.is_set():
+        view = slice(i % slots * n, (i % slots + 1) * n)
+        done = []
+        for stream, dst, src in ((up, device[0], host[0]), (down, host[1], device[1])):
+            with torch.cuda.stream(stream):
+                dst[view].copy_(src[view], non_blocking=True)
+                done.append(torch.cuda.Event())
+                done[-1].record(stream)
+        pending.append(done)
+        if len(pending) > DEPTH:
+            for event in pending.pop(0):
+                event.synchronize()
+        i += 1
+    for events in pending:
+        for event in events:
+            event.synchronize()
+    moved.append(i * chunk_mb * 2**20)
+
+
+def small_copies(seconds: float) -> tuple[list[float], list[float]]:
+    """Every 20 ms: a batch up (waited for), then a 4-byte value down (``.item()``); their
+    latencies in ms."""
+    batch = [torch.zeros(4096, dtype=torch.int64).pin_memory() for _ in range(4)]
+    value = torch.ones(1, device="cuda")
+    ups, downs = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        on_gpu = [t.cuda(non_blocking=True) for t in batch]
+        torch.cuda.current_stream().synchronize()
+        ups.append((time.perf_counter() - began) * 1e3)
+        began = time.perf_counter()
+        value.item()
+        downs.append((time.perf_counter() - began) * 1e3)
+        del on_gpu
+        time.sleep(0.02)
+    return ups, downs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks-mb", default="0,128,16,2")
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args()
+    torch.cuda.init()
+    print(f"{torch.cuda.get_device_name()}, CUDA_DEVICE_MAX_CONNECTIONS="
+          f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}, {DEPTH} queued per "
+          f"direction")  # fmt: skip
+    print(
+        "chunk MiB | batch up ms (median / max) | 4 B down ms (median / max) | side GB/s each way"
+    )
+    for chunk_mb in (int(x) for x in args.chunks_mb.split(",")):
+        stop, moved = threading.Event(), []
+        thread = None
+        if chunk_mb:
+            thread = threading.Thread(target=side_traffic, args=(chunk_mb, stop, moved))
+            thread.start()
+            time.sleep(0.5)  # the side traffic under way
+        began = time.perf_counter()
+        ups, downs = small_copies(args.seconds)
+        stop.set()
+        if thread is not None:
+            thread.join()
+        rate = sum(moved) / (time.perf_counter() - began + 0.5) / 1e9 if moved else 0.0
+        print(
+            f"{chunk_mb:9d} | {statistics.median(ups):7.2f} / {max(ups):7.2f} | "
+            f"{statistics.median(downs):7.2f} / {max(downs):7.2f} | {rate:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
