@@ -115,7 +115,9 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     assert run["losses"] == base["losses"]
     assert run["states_master_bytes"] == (4 if fp32 else 2)
     assert run["host_pinned_gb_max"] > 0 and run["states_link_gb_per_s"] > 0
-    assert run["states_beside_forward_s"] is not None  # one GPU: the pass ran beside the forward
+    # one GPU: the pass ran beside the forward, whose thread's waits for it were timed
+    assert run["states_beside_forward_s"] is not None
+    assert run["states_forward_wait_s_median"] is not None
     # forward/backward runs without the masters and Adam states (10 or 12 B/param) but for the
     # 4 MiB window of the pass that runs beside the next forward (the slots the last backward
     # grew go as soon as their pieces are out), and the step adds that window to what
