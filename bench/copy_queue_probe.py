@@ -6,14 +6,15 @@ its own, a few pieces queued ahead at a time; the forward meanwhile copies its b
 each MoE layer, its tokens per expert down (then waits for them). This probe does the same
 without the model, on one GPU: a thread copies CHUNK-sized pieces up and down on two side
 streams, at most DEPTH queued per direction, while the main thread, every 20 ms, copies a batch
-up (four 32 KiB tensors) and a 4-byte value down and waits for each. It prints, per chunk size,
-the small copies' latency (median and largest) and what the side traffic moved:
+up (four 32 KiB tensors) and a 4-byte value down and waits for each. It prints, per chunk size
+and depth, the small copies' latency (median and largest) and what the side traffic moved:
 
-    python bench/copy_queue_probe.py [--chunks-mb 0,128,16,2] [--seconds 4]
+    python bench/copy_queue_probe.py [--runs 0x0,128x4,16x4,2x4,128x1,16x1] [--seconds 4]
 
-A chunk size of 0 is no side traffic (the small copies' own latency). If the small copies wait
-about one chunk's time, the copy engines take the streams' copies in turn; if they wait far
-longer, a stream that keeps its queue full holds them off.
+Run 0x0 is no side traffic (the small copies' own latency). If the small copies wait about
+DEPTH chunks' time, the copy engines take the streams' copies in order; if they wait far longer,
+a stream that keeps its queue full holds them off, and a depth of 1 (the queue empties between
+chunks) shows whether a gap lets them through and what that costs the side traffic.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ import time
 
 import torch
 
-DEPTH = 4  # copies queued ahead per direction, as the pass's window of four slots
 LINK_MB = 1024  # the side traffic's buffers each way
 
 
-def side_traffic(chunk_mb: int, stop: threading.Event, moved: list) -> None:
+def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, moved: list) -> None:
     """Copies of ``chunk_mb`` MiB up and down, paced: a direction's next copy waits until the
-    copy DEPTH before it has finished."""
+    copy ``depth`` before it has finished (4: the pass's window of four slots)."""
     n = chunk_mb * 2**20 // 4
     slots = LINK_MB // chunk_mb
     host = [torch.empty(slots * n, dtype=torch.float32).pin_memory() for _ in range(2)]
@@ -49,7 +49,7 @@ def side_traffic(chunk_mb: int, stop: threading.Event, moved: list) -> None:
                 done.append(torch.cuda.Event())
                 done[-1].record(stream)
         pending.append(done)
-        if len(pending) > DEPTH:
+        if len(pending) >= depth:
             for event in pending.pop(0):
                 event.synchronize()
         i += 1
@@ -81,21 +81,25 @@ def small_copies(seconds: float) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunks-mb", default="0,128,16,2")
+    parser.add_argument("--runs", default="0x0,128x4,16x4,2x4,128x1,16x1",
+                        help="CHUNK_MiBxDEPTH, comma-separated")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args()
     torch.cuda.init()
-    print(f"{torch.cuda.get_device_name()}, CUDA_DEVICE_MAX_CONNECTIONS="
-          f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}, {DEPTH} queued per "
-          f"direction")  # fmt: skip
     print(
-        "chunk MiB | batch up ms (median / max) | 4 B down ms (median / max) | side GB/s each way"
+        f"{torch.cuda.get_device_name()}, CUDA_DEVICE_MAX_CONNECTIONS="
+        f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}"
     )
-    for chunk_mb in (int(x) for x in args.chunks_mb.split(",")):
+    print(
+        "chunk MiB x depth | batch up ms (median / max) | 4 B down ms (median / max) | "
+        "side GB/s each way"
+    )
+    for run in args.runs.split(","):
+        chunk_mb, depth = (int(x) for x in run.split("x"))
         stop, moved = threading.Event(), []
         thread = None
         if chunk_mb:
-            thread = threading.Thread(target=side_traffic, args=(chunk_mb, stop, moved))
+            thread = threading.Thread(target=side_traffic, args=(chunk_mb, depth, stop, moved))
             thread.start()
             time.sleep(0.5)  # the side traffic under way
         began = time.perf_counter()
@@ -105,7 +109,7 @@ def main() -> None:
             thread.join()
         rate = sum(moved) / (time.perf_counter() - began + 0.5) / 1e9 if moved else 0.0
         print(
-            f"{chunk_mb:9d} | {statistics.median(ups):7.2f} / {max(ups):7.2f} | "
+            f"{run:>17} | {statistics.median(ups):7.2f} / {max(ups):7.2f} | "
             f"{statistics.median(downs):7.2f} / {max(downs):7.2f} | {rate:.1f}"
         )
 
