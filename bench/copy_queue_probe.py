@@ -30,16 +30,18 @@ import torch
 LINK_MB = 1024  # the side traffic's buffers each way
 
 
-def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, moved: list) -> None:
+def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, started: threading.Event,
+                 moved: list) -> None:  # fmt: skip
     """Copies of ``chunk_mb`` MiB up and down, paced: a direction's next copy waits until the
-    copy ``depth`` before it has finished (4: the pass's window of four slots)."""
+    copy ``depth`` before it has finished (4: the pass's window of four slots). ``started`` is
+    set once the first copies are queued; ``moved`` gets (bytes each way, seconds)."""
     n = chunk_mb * 2**20 // 4
     slots = LINK_MB // chunk_mb
     host = [torch.empty(slots * n, dtype=torch.float32).pin_memory() for _ in range(2)]
     device = [torch.empty(slots * n, dtype=torch.float32, device="cuda") for _ in range(2)]
     up, down = torch.cuda.Stream(), torch.cuda.Stream()
     pending: list = []
-    i = 0
+    i, began = 0, time.perf_counter()
     while not stop.is_set():
         view = slice(i % slots * n, (i % slots + 1) * n)
         done = []
@@ -49,6 +51,7 @@ def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, moved: list) 
                 done.append(torch.cuda.Event())
                 done[-1].record(stream)
         pending.append(done)
+        started.set()
         if len(pending) >= depth:
             for event in pending.pop(0):
                 event.synchronize()
@@ -56,7 +59,7 @@ def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, moved: list) 
     for events in pending:
         for event in events:
             event.synchronize()
-    moved.append(i * chunk_mb * 2**20)
+    moved.append((i * chunk_mb * 2**20, time.perf_counter() - began))
 
 
 def small_copies(seconds: float) -> tuple[list[float], list[float]]:
@@ -96,18 +99,19 @@ def main() -> None:
     )
     for run in args.runs.split(","):
         chunk_mb, depth = (int(x) for x in run.split("x"))
-        stop, moved = threading.Event(), []
+        stop, started, moved = threading.Event(), threading.Event(), []
         thread = None
         if chunk_mb:
-            thread = threading.Thread(target=side_traffic, args=(chunk_mb, depth, stop, moved))
+            thread = threading.Thread(target=side_traffic,
+                                      args=(chunk_mb, depth, stop, started, moved))  # fmt: skip
             thread.start()
-            time.sleep(0.5)  # the side traffic under way
-        began = time.perf_counter()
+            started.wait()
+            time.sleep(0.2)  # under way
         ups, downs = small_copies(args.seconds)
         stop.set()
         if thread is not None:
             thread.join()
-        rate = sum(moved) / (time.perf_counter() - began + 0.5) / 1e9 if moved else 0.0
+        rate = moved[0][0] / moved[0][1] / 1e9 if moved else 0.0
         print(
             f"{run:>17} | {statistics.median(ups):7.2f} / {max(ups):7.2f} | "
             f"{statistics.median(downs):7.2f} / {max(downs):7.2f} | {rate:.1f}"
