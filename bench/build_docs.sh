@@ -59,7 +59,8 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py beside
   echo
-  echo "bf16 moments (8 B/param) shorten both engines' update (section \"Suite \`bf16-moments\`\")."
+  echo "bf16 moments (6 B/param each way with remainders, 8 with fp32 masters) shorten both engines'"
+  echo "update (section \"Suite \`bf16-moments\`\")."
   echo
   echo "## Where exact offload's forward+backward time goes"
   echo

@@ -489,12 +489,20 @@ def _beside_suites() -> list[str]:
     found = [load(RESULTS / f"results-gbs-{gbs}-beside.json", gbs) for gbs in BARS
              if (RESULTS / f"results-gbs-{gbs}-beside.json").exists()]  # fmt: skip
     runs = [s.first("states") for s in found]
+    held = [r["optimizer_time_s_median"]
+            - statistics.mean(b["optimizer_time_s_median"] for b in s.bases)
+            for r, s in zip(runs, found, strict=True)]  # fmt: skip
     lines += ["", (
         "Beside the forward the pass did not overlap it: in every suite its last Adam call ended "
-        "within a millisecond of the next forward's first wait, and forward+backward grew by "
-        "about the pass while the optimizer phase shrank. The next forward began only once the "
-        "pass was through; the profile of device step `beside-probe` (iterations 6-7, the "
-        "forward's waits annotated) is to say where its thread waited."
+        f"within {max(r['states_beside_forward_s'] for r in runs) * 1000:.1f} ms of the event "
+        "the next forward records on the compute stream at its "
+        "first wait, and forward+backward grew by about the pass, the optimizer phase holding "
+        f"only {min(held):.2f}-{max(held):.2f} s of it. That event follows the first "
+        "micro-batch's batch copy up on the "
+        "compute stream; whether that copy waited behind the pass's copies, or the forward's "
+        "thread waited elsewhere, is for the profile of device step `beside-probe` (iterations "
+        "6-7, the forward's waits annotated, the copies' waits listed) and for "
+        "bench/copy_queue_probe.py to say."
     ), "", (
         "Even overlapped in full it would not meet every bar. Every state goes down again after "
         "the global norm, and the next forward reaches its peak only once they are down, but for "
