@@ -9,12 +9,13 @@ streams, at most DEPTH queued per direction, while the main thread, every 20 ms,
 up (four 32 KiB tensors) and a 4-byte value down and waits for each. It prints, per chunk size
 and depth, the small copies' latency (median and largest) and what the side traffic moved:
 
-    python bench/copy_queue_probe.py [--runs 0x0,128x4,16x4,2x4,128x1,16x1] [--seconds 4]
+    python bench/copy_queue_probe.py [--runs 0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1] [--seconds 4]
 
 Run 0x0 is no side traffic (the small copies' own latency). If the small copies wait about
 DEPTH chunks' time, the copy engines take the streams' copies in order; if they wait far longer,
-a stream that keeps its queue full holds them off, and a depth of 1 (the queue empties between
-chunks) shows whether a gap lets them through and what that costs the side traffic.
+a stream that keeps its queue full holds them off. A trailing k puts a one-element kernel after
+each side copy (what the state window does: does the engine yield there?); a depth of 1 empties
+the queue between chunks; both show what the gap costs the side traffic.
 """
 
 from __future__ import annotations
@@ -30,24 +31,30 @@ import torch
 LINK_MB = 1024  # the side traffic's buffers each way
 
 
-def side_traffic(chunk_mb: int, depth: int, stop: threading.Event, started: threading.Event,
-                 moved: list) -> None:  # fmt: skip
+def side_traffic(chunk_mb: int, depth: int, gaps: bool, stop: threading.Event,
+                 started: threading.Event, moved: list) -> None:  # fmt: skip
     """Copies of ``chunk_mb`` MiB up and down, paced: a direction's next copy waits until the
-    copy ``depth`` before it has finished (4: the pass's window of four slots). ``started`` is
-    set once the first copies are queued; ``moved`` gets (bytes each way, seconds)."""
+    copy ``depth`` before it has finished (4: the pass's window of four slots); with ``gaps``, a
+    one-element kernel on the copy's stream after each (as the state window issues them).
+    ``started`` is set once the first copies are queued; ``moved`` gets (bytes each way,
+    seconds)."""
     n = chunk_mb * 2**20 // 4
     slots = LINK_MB // chunk_mb
     host = [torch.empty(slots * n, dtype=torch.float32).pin_memory() for _ in range(2)]
     device = [torch.empty(slots * n, dtype=torch.float32, device="cuda") for _ in range(2)]
-    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    tick = [torch.zeros(1, device="cuda") for _ in range(2)]
+    up, down = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
     pending: list = []
     i, began = 0, time.perf_counter()
     while not stop.is_set():
         view = slice(i % slots * n, (i % slots + 1) * n)
         done = []
-        for stream, dst, src in ((up, device[0], host[0]), (down, host[1], device[1])):
+        for k, (stream, dst, src) in enumerate(((up, device[0], host[0]),
+                                                (down, host[1], device[1]))):  # fmt: skip
             with torch.cuda.stream(stream):
                 dst[view].copy_(src[view], non_blocking=True)
+                if gaps:
+                    tick[k].neg_()
                 done.append(torch.cuda.Event())
                 done[-1].record(stream)
         pending.append(done)
@@ -84,8 +91,9 @@ def small_copies(seconds: float) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="0x0,128x4,16x4,2x4,128x1,16x1",
-                        help="CHUNK_MiBxDEPTH, comma-separated")  # fmt: skip
+    parser.add_argument("--runs", default="0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1",
+                        help="CHUNK_MiBxDEPTH[k], comma-separated (k: a kernel after each "
+                             "copy)")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=4.0)
     args = parser.parse_args()
     torch.cuda.init()
@@ -98,12 +106,13 @@ def main() -> None:
         "side GB/s each way"
     )
     for run in args.runs.split(","):
-        chunk_mb, depth = (int(x) for x in run.split("x"))
+        chunk_mb, depth = (int(x) for x in run.rstrip("k").split("x"))
         stop, started, moved = threading.Event(), threading.Event(), []
         thread = None
         if chunk_mb:
             thread = threading.Thread(target=side_traffic,
-                                      args=(chunk_mb, depth, stop, started, moved))  # fmt: skip
+                                      args=(chunk_mb, depth, run.endswith("k"), stop, started,
+                                            moved))  # fmt: skip
             thread.start()
             started.wait()
             time.sleep(0.2)  # under way

@@ -404,7 +404,8 @@ PY
     sed -n '/^-- annotations/,/^-- cuda runtime by thread/p' "$OUT/trace-beside.txt"
     grep -A30 "longest cudaStreamSynchronize" "$OUT/trace-beside.txt" ;;
   copy-queue-probe)  # the training's small copies beside another stream's paced copies, in
-    # 128, 16 and 2 MiB chunks, 4 and 1 queued (bench/copy_queue_probe.py), 8 and 32 hardware queues
+    # 128, 16 and 2 MiB chunks, 4 or 1 queued, with or without a kernel after each copy
+    # (bench/copy_queue_probe.py), 8 and 32 hardware queues
     for queues in unset 32; do
       (if [ "$queues" = 32 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=32; fi
        timeout 120 python bench/copy_queue_probe.py)
