@@ -502,7 +502,11 @@ def _beside_suites() -> list[str]:
         "compute stream; whether that copy waited behind the pass's copies, or the forward's "
         "thread waited elsewhere, is for the profile of device step `beside-probe` (iterations "
         "6-7, the forward's waits annotated, the copies' waits listed) and for "
-        "bench/copy_queue_probe.py to say."
+        "bench/copy_queue_probe.py to say. A copy engine runs one stream's ready copies back to "
+        "back and yields to other streams' copies in the same direction only where a kernel "
+        "stands between them (torchrec's copy-engine studies found that; the probe is to measure "
+        "it here): since commit 5336bf0, after these suites, each copy of the window is "
+        "followed by a one-element kernel on its stream."
     ), "", (
         "Even overlapped in full it would not meet every bar. Every state goes down again after "
         "the global norm, and the next forward reaches its peak only once they are down, but for "
