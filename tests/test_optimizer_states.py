@@ -444,3 +444,18 @@ def test_the_forward_waits_for_the_pieces_it_needs_and_the_wait_is_timed() -> No
     assert eng._forward_wait_s(0) == beside.waits[-1]
     eng.close()
     beside.thread.shutdown()
+
+
+def test_each_window_copy_is_followed_by_a_gap_kernel() -> None:
+    """``_copy_all`` copies every pair and puts the one-element gap op (a sign flip) after each
+    copy, where a copy engine yields to other streams: two copies leave the gap's sign as it
+    was, three flip it."""
+    from offload_runner.offload.optimizer_states import _copy_all
+
+    for count, sign in ((2, 1.0), (3, -1.0)):
+        sources = [torch.arange(5, dtype=torch.float32) + i for i in range(count)]
+        targets = [torch.zeros(5) for _ in sources]
+        gap = torch.ones(1)
+        _copy_all(list(zip(targets, sources, strict=True)), gap)
+        assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+        assert gap.item() == sign
