@@ -88,6 +88,8 @@ class HostAdam(HybridDeviceOptimizer):
         self.chunk_numel = max(1, chunk_bytes // 4)
         self._arenas = HostArenas()
         self._pieces: list[Piece] | None = None
+        self._spans: PieceSpans | None = None  # the pieces' bytes in the parameter buffer
+        self._needs: dict[int, int] = {}  # id(module) -> the last piece holding its parameters
         self._own: dict[int, dict] = {}  # id(param) -> its views of the engine's arrays
         self._flat: dict[int, int] = {}  # id(param) -> its start in the flat host arrays
 
@@ -207,6 +209,20 @@ class HostAdam(HybridDeviceOptimizer):
                 pieces.append(Piece(a, b, _window(grad0, a - base, b - a),
                                     _window(param0, a - base, b - a), groups))  # fmt: skip
         return pieces
+
+    def _piece_spans(self) -> PieceSpans:
+        """Which of the planned pieces hold a parameter's elements."""
+        if self._spans is None:
+            self._spans = PieceSpans(self._pieces)
+        return self._spans
+
+    def _last_piece_needed(self, module, params: list) -> int:
+        """The last piece (in update order) holding any of a watched ``module``'s ``params``
+        (-1: none), found once per module."""
+        index = self._needs.get(id(module))
+        if index is None:
+            index = self._needs[id(module)] = self._piece_spans().last_holding(params)
+        return index
 
     def _grad(self, p):
         """``p``'s gradient (a view of the DDP buffer, bound by Megatron-Core's step)."""

@@ -593,8 +593,6 @@ class WindowedStates(HostAdam):
         self._hooks: list = []
         self._marks: list = []  # the pass in flight: per piece, the event after its Adam call
         self._waited = 0  # ... pieces the forward has waited for
-        self._needs: dict[int, int] = {}  # id(module) -> the last piece holding its parameters
-        self._spans: PieceSpans | None = None
         self._overlaps: list[tuple] = []  # per pass: (the forward's first wait, its last mark)
 
     @property
@@ -663,11 +661,7 @@ class WindowedStates(HostAdam):
         marks = self._marks
         if not marks:
             return
-        index = self._needs.get(id(module))
-        if index is None:
-            if self._spans is None:
-                self._spans = PieceSpans(self._pieces)
-            index = self._needs[id(module)] = self._spans.last_holding(params)
+        index = self._last_piece_needed(module, params)
         if index < self._waited:
             return
         stream = torch.cuda.current_stream() if self.on_cuda else None
@@ -902,11 +896,12 @@ def attach(optimizer, transformer_config, chunks) -> Attached:
     )
     params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
     hooks = host_adam.after_each_grad(chunks, _Growth(engines, params))
-    beside = [e for e in windowed_engines(optimizer) if e.beside_forward and e.on_cuda]
+    windowed = windowed_engines(optimizer)
+    beside = [e for e in windowed if e.beside_forward and e.on_cuda]
     if beside:
         log.info("optimizer states: %d of %d shard(s) are this rank's alone: their pass runs "
                  "beside the next forward, which waits module by module for the pieces it "
-                 "needs", len(beside), len(windowed_engines(optimizer)))  # fmt: skip
+                 "needs", len(beside), len(windowed))  # fmt: skip
     return Attached(hooks, BesideForward(beside, chunks) if beside else None)
 
 

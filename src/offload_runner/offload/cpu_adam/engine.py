@@ -21,7 +21,6 @@ from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import (
     HostAdam,
     Piece,
-    PieceSpans,
     adamw,
     grad_of,
     main_grad_views,
@@ -74,8 +73,6 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self.threads = threads
         self.land_during_forward = land_during_forward
         self._inflight: tuple[Update, concurrent.futures.Future] | None = None  # see watch()
-        self._needs: dict[int, int] = {}  # id(module) -> the last piece its parameters touch
-        self._spans: PieceSpans | None = None  # see _pieces_of
         self._hooks: list = []
         self.clip_grad = clip_grad
         # the GPU share (see prefetch and _late_pass): Adam on the GPU, the states streamed

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import Piece, PieceSpans, before_each_forward
+from offload_runner.offload.host_adam import Piece, before_each_forward
 
 
 class Landing:
@@ -84,9 +84,7 @@ class Landing:
         inflight = self._inflight
         if inflight is None:
             return
-        index = self._needs.get(id(module))
-        if index is None:
-            index = self._needs[id(module)] = self._last_piece_of(params)
+        index = self._last_piece_needed(module, params)
         update = inflight[0]
         index = min(index, update.on_cpu - 1)  # the GPU share lands on the compute stream
         if index < update.waited:
@@ -105,18 +103,9 @@ class Landing:
         if update.waited == update.on_cpu:
             self._complete()
 
-    def _last_piece_of(self, params: list) -> int:
-        """The last piece (in update order) holding any of ``params``'s elements; -1: none."""
-        return self._piece_spans().last_holding(params)
-
     def _pieces_of(self, param) -> list[int]:
         """The pieces (indices in update order) holding any of ``param``'s elements."""
         return self._piece_spans().holding([param])
-
-    def _piece_spans(self) -> PieceSpans:
-        if self._spans is None:
-            self._spans = PieceSpans(self._pieces)
-        return self._spans
 
     def _complete(self) -> None:
         """Wait for an exact update the forward has not waited for to its end (errors raise
