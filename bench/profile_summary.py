@@ -78,14 +78,14 @@ def _longest_sync(runtime: list, gpu: list, last: int = 6) -> list[str]:
              "last launches (stream, GPU start / end ms from the sync's start)"]  # fmt: skip
     for e in sorted(launched, key=lambda e: e["ts"])[-last:]:
         g = by_id[e["args"]["correlation"]]
-        lines.append(f"  {e['name']} -> stream {g.get('args', {}).get('stream', g.get('tid'))} "
+        lines.append(f"  {e['name']} -> stream {_stream(g)} "
                      f"{(g['ts'] - a) / 1e3:+.1f} / {(g['ts'] + g['dur'] - a) / 1e3:+.1f}  "
                      f"{g['name'][:60]}")  # fmt: skip
     lines.append("-- GPU streams during it: ops, busy ms, first start / last end ms")
     streams: dict = {}
     for g in gpu:
         if g["ts"] < b and g["ts"] + g["dur"] > a:
-            streams.setdefault(g.get("args", {}).get("stream", g.get("tid")), []).append(g)
+            streams.setdefault(_stream(g), []).append(g)
     for stream, group in sorted(streams.items(), key=lambda kv: str(kv[0])):
         busy = _union([(max(g["ts"], a), min(g["ts"] + g["dur"], b)) for g in group])
         names = Counter(g["name"][:40] for g in group).most_common(2)
