@@ -69,22 +69,35 @@ def side_traffic(chunk_mb: int, depth: int, gaps: bool, stop: threading.Event,
     moved.append((i * chunk_mb * 2**20, time.perf_counter() - began))
 
 
-def small_copies(seconds: float) -> tuple[list[float], list[float]]:
-    """Every 20 ms: a batch up (waited for), then a 4-byte value down (``.item()``); their
-    latencies in ms."""
+def _waited(stream: torch.cuda.Stream, limit_s: float) -> float:
+    """Ms until ``stream``'s work so far is done, polled; ``inf`` past ``limit_s`` (starved: a
+    wait that never ends while the side stream keeps its queue fed)."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    began = time.perf_counter()
+    while not done.query():
+        if time.perf_counter() - began > limit_s:
+            return float("inf")
+        time.sleep(50e-6)
+    return (time.perf_counter() - began) * 1e3
+
+
+def small_copies(seconds: float, limit_s: float) -> tuple[list[float], list[float]]:
+    """Every 20 ms: a batch up, then a 4-byte value down, each waited for; their latencies in
+    ms. Stops at the first copy still waiting after ``limit_s`` (its latency ``inf``)."""
     batch = [torch.zeros(4096, dtype=torch.int64).pin_memory() for _ in range(4)]
-    value = torch.ones(1, device="cuda")
+    value, landed = torch.ones(1, device="cuda"), torch.empty(1).pin_memory()
+    stream = torch.cuda.current_stream()
     ups, downs = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        began = time.perf_counter()
         on_gpu = [t.cuda(non_blocking=True) for t in batch]
-        torch.cuda.current_stream().synchronize()
-        ups.append((time.perf_counter() - began) * 1e3)
-        began = time.perf_counter()
-        value.item()
-        downs.append((time.perf_counter() - began) * 1e3)
+        ups.append(_waited(stream, limit_s))
+        landed.copy_(value, non_blocking=True)
+        downs.append(_waited(stream, limit_s))
         del on_gpu
+        if float("inf") in ups[-1:] + downs[-1:]:
+            break
         time.sleep(0.02)
     return ups, downs
 
@@ -95,6 +108,12 @@ def main() -> None:
                         help="CHUNK_MiBxDEPTH[k], comma-separated (k: a kernel after each "
                              "copy)")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=2.0,
+        help="seconds a small copy may wait before it counts as starved",
+    )
     args = parser.parse_args()
     torch.cuda.init()
     print(
@@ -116,7 +135,7 @@ def main() -> None:
             thread.start()
             started.wait()
             time.sleep(0.2)  # under way
-        ups, downs = small_copies(args.seconds)
+        ups, downs = small_copies(args.seconds, args.limit)
         stop.set()
         if thread is not None:
             thread.join()
@@ -124,6 +143,11 @@ def main() -> None:
         print(
             f"{run:>17} | {statistics.median(ups):7.2f} / {max(ups):7.2f} | "
             f"{statistics.median(downs):7.2f} / {max(downs):7.2f} | {rate:.1f}"
+            + (
+                f"  (starved: a copy waited over {args.limit:g} s)"
+                if float("inf") in ups + downs
+                else ""
+            )
         )
 
 
