@@ -55,6 +55,7 @@ def summarize(path: str, top: int = 12) -> str:
         lines.append(f"-- {title} by total ms")
         lines += [f"{t / 1e3:10.2f} {count[n]:6d}  {n}" for n, t in total.most_common(top)]
     lines += _micro_batches(ops, kernels, end)
+    lines += _timeline(kernels, copies, timed, start, end)
     lines += _main_thread(timed, ops, start)
     lines += _copy_delays(runtime, kernels, copies, start, top)
     lines += _threads(runtime, top)
@@ -242,6 +243,55 @@ def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
                        if k["ts"] < b and k["ts"] + k["dur"] > a])  # fmt: skip
         lines.append(f"{i:3d} {(b - a) / 1e3:9.1f} {busy / 1e3:9.1f}")
     return lines
+
+
+def _timeline(kernels: list, copies: list, timed: list, start: float, end: float,
+              columns: int = 120) -> list[str]:  # fmt: skip
+    """Each busy GPU stream's kernels (K) and copies up (U) and down (D) over the window, a
+    column per 1/``columns`` of it (digit: tenths busy, # all), above a row marking where each
+    micro-batch's forward starts (|) and where the forward's thread waited for a state pass
+    (w): which stream's work runs beside which, and where the compute stream sits idle."""
+    width = (end - start) / columns
+
+    def row(intervals: list[tuple[float, float]]) -> str:
+        cells = []
+        for c in range(columns):
+            a, b = start + c * width, start + (c + 1) * width
+            busy = _union([(max(s, a), min(e, b)) for s, e in intervals if s < b and e > a])
+            tenths = round(9.49 * busy / width)
+            cells.append(" " if busy == 0 else "#" if tenths >= 9 else str(max(tenths, 1)))
+        return "".join(cells)
+
+    def kind(e: dict) -> str:
+        name = e["name"]
+        if e.get("cat") == "kernel":
+            return "K"
+        return "U" if "HtoD" in name else "D" if "DtoH" in name else "K"
+
+    groups: dict = {}
+    for e in [*kernels, *copies]:
+        groups.setdefault((_stream(e), kind(e)), []).append((e["ts"], e["ts"] + e["dur"]))
+    lines = [
+        f"-- timeline: a column per {width / 1e3:.1f} ms; K kernels, U copies up, D copies "
+        "down, per stream (busy tenths); | a forward starts, w the forward waits for a pass"
+    ]
+    for (stream, k), intervals in sorted(groups.items(), key=lambda g: str(g[0])):
+        if _total_intervals(intervals) >= 0.005 * (end - start):
+            lines.append(f"  {stream!s:>4} {k} {row(intervals)}")
+    marks = [" "] * columns
+    for e in timed:
+        column = min(int((e["ts"] - start) / width), columns - 1)
+        if e.get("cat") == "user_annotation" and "the forward waits" in e["name"]:
+            for c in range(column, min(int((e["ts"] + e["dur"] - start) / width), columns - 1) + 1):
+                marks[c] = "w"
+        elif e["name"] == "aten::embedding":
+            marks[column] = "|"
+    lines.append(f"  host   {''.join(marks)}")
+    return lines
+
+
+def _total_intervals(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
 
 
 if __name__ == "__main__":
