@@ -59,6 +59,14 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py beside
   echo
+  echo "#### A kernel after each window copy (suite \`beside-4-ab\`, runs \`gaps-*\`)"
+  echo
+  echo "One H100, GBS 4, one call (\`SUITE=beside-4-ab A_REV=870c706 bash bench/device_session.sh"
+  echo "commit-ab\`, B A B): state offload with a one-element kernel after each copy of its window"
+  echo "(416e17b) and without (870c706), each beside a no-offload run; the floor is the table's above:"
+  echo
+  python bench/gbs_report.py gaps
+  echo
   echo "bf16 moments (6 B/param each way with remainders, 8 with fp32 masters) shorten both engines'"
   echo "update (section \"Suite \`bf16-moments\`\")."
   echo
