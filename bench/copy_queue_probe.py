@@ -117,7 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.cuda.init()
     print(
-        f"{torch.cuda.get_device_name()}, CUDA_DEVICE_MAX_CONNECTIONS="
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"{time.strftime('%Y-%m-%d')}, CUDA_DEVICE_MAX_CONNECTIONS="
         f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}"
     )
     print(
