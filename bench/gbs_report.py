@@ -548,6 +548,8 @@ def gaps() -> str:
                               .read_text())["step_time_s_median"]
              for name in ("gaps-416e17b", "ungapped-870c706")}  # fmt: skip
     up = {run: probe[run][0] for run in ("128x4", "128x4k", "16x4", "16x4k")}
+    held = _forward_held({"gaps": "trace-beside-gaps-416e17b-h100.txt",
+                          "ungapped": "trace-beside-ungapped-870c706-h100.txt"})  # fmt: skip
     lines += ["", (
         "What the gaps change, without the model (`python bench/copy_queue_probe.py`, "
         "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
@@ -568,18 +570,42 @@ def gaps() -> str:
         "its copies down (a slot takes its next piece once its last one is down), so the "
         "forward's thread waited about the pass less that forward; with gaps the states rows "
         "sit at their floor. Without gaps the forward's batch copy waited behind the whole "
-        "pass and its thread waited for nothing. In the two profiled steps (device step "
-        "`beside-probe`, iterations 6-7, docs/evidence/trace-beside-gaps-416e17b-h100.txt and "
+        "pass, and its thread waited in the MoE dispatcher instead (below). In the two "
+        "profiled steps (device step `beside-probe`, iterations 6-7, "
+        "docs/evidence/trace-beside-gaps-416e17b-h100.txt and "
         "trace-beside-ungapped-870c706-h100.txt, whose timelines show each stream) the step ran "
         f"{steps['gaps-416e17b']:.3f} s with gaps and {steps['ungapped-870c706']:.3f} s "
-        "without. The run without gaps in the A/B call came in under that floor: one sample, "
-        "beside a no-offload run 11% faster than the other two of the call, the profiled pair "
-        "within 2% of each other; whether the forward's thread, free to run ahead while the "
-        "pass holds the compute stream, hides more of it is for a repeated A/B to say. The gaps "
-        "stay: without them any copy on another stream (the loss's `.item()`, an MoE layer's "
-        "tokens per expert) waits as long as the pass keeps its queue fed."
+        "without. Either way the forward's thread waits for the pass: with gaps "
+        f"{held['gaps']:.0f} ms in the two profiled steps for its pieces; without, "
+        f"{held['ungapped']:.0f} ms in event synchronizations at the forward's start, where "
+        "Megatron-Core's all-to-all token dispatcher waits for each MoE layer's tokens per expert "
+        "to reach the host, behind the pass. So no host-side change lets that thread run ahead "
+        "of the pass: every MoE layer ties it to the GPU's forward. The run without gaps in the "
+        "A/B call came in under the floor: one sample, beside a no-offload run 11% faster than "
+        "the other two of the call. The gaps stay: without them any copy on another stream (the "
+        "loss's `.item()`, an MoE layer's tokens per expert) waits as long as the pass keeps "
+        "its queue fed."
     )]  # fmt: skip
     return "\n".join(lines)
+
+
+def _forward_held(traces: dict[str, str]) -> dict[str, float]:
+    """Per profile summary: ms its forward's thread waited for a state pass, as the annotation
+    "states: the forward waits for its pieces" (with gaps) or as event synchronizations of
+    100 ms or more among the longest calls (without: the MoE dispatcher's, behind the pass;
+    the pass thread's own wait a few ms each)."""
+    held = {}
+    for name, file in traces.items():
+        text = (EVIDENCE / file).read_text()
+        pieces = re.search(r"main\s+\d+\s+([\d.]+)\s+[\d.]+\s+\S+\s+states: the forward "
+                           r"waits for its pieces", text)  # fmt: skip
+        part = text.split("-- the longest runtime calls", 1)[1].split("\n--", 1)[0]
+        syncs = [float(ms) for ms in re.findall(r"cudaEventSynchronize ([\d.]+) ms at", part)]
+        if pieces and float(pieces[1]) >= 100:
+            held[name] = float(pieces[1])
+        else:
+            held[name] = sum(ms for ms in syncs if ms >= 100)
+    return held
 
 
 def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
