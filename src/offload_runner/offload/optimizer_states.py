@@ -301,13 +301,13 @@ class StatesWindow:
         return marks
 
     def _paced(self, step: int, hypers: list[dict], marks: list, stream) -> None:
-        """``_issue`` on ``stream``, on the thread of a ``BesideForward`` (every mark set at the
-        end, so no forward waits for one a failure left unissued)."""
+        """``_issue_paced`` on ``stream``, on the thread of a ``BesideForward`` (every mark set
+        at the end, so no forward waits for one a failure left unissued)."""
         import torch
 
         try:
             with torch.cuda.stream(stream), torch.profiler.record_function("states: pass"):
-                self._issue(step, hypers, marks)
+                self._issue_paced(step, hypers, marks)
         finally:
             for mark in marks:
                 mark.ready.set()
@@ -333,39 +333,57 @@ class StatesWindow:
             freed = self._issue(step, hypers)
         return freed
 
-    def _issue(self, step: int, hypers: list[dict], marks: list | None = None) -> list:
+    def _issue(self, step: int, hypers: list[dict]) -> list:
         """The pass's Adam calls on the current stream, each as soon as its piece is in, and its
-        copies out behind them; returns, per piece, the event after its copy out. With
-        ``marks`` (a paced pass, ``run``): each call and copy is issued only once the copies it
-        follows are done, so the copy engines never hold a queue of them that other streams'
-        copies (a loss's ``.item()``) would wait behind, and each mark gets its event."""
-        import torch
-
-        # the step count as a tensor, once per step, for torch's fused AdamW (without TE)
-        steps = None if self._adam else torch.tensor(float(step), device=self.device)
-        compute = torch.cuda.current_stream() if self.streams else None
+        copies out behind them, all queued at once; returns, per piece, the event after its copy
+        out."""
+        steps, compute = self._begin_issue(step)
         pieces, out = self._pass.pieces, []
-        if compute is not None:
-            self._pass.began = _record(compute)
-        for index, piece in enumerate(pieces):
-            if marks is not None:
-                self._load_through(index)
-                if compute is not None:
-                    self._pass.loaded[index].synchronize()
+        for index in range(len(pieces)):
             if compute is not None:
                 compute.wait_event(self._pass.loaded[index])
-            self._update(piece, self._slot(index), step, steps, hypers, index)
-            if marks is not None:
-                marks[index].event = _record(compute) if compute is not None else index
-            out.append(self._unload(index))
-            if self._last_in_slot(index):
-                self._release(self._at(index))
-            elif marks is None and self._pass.queued < len(pieces):
+            out.append(self._through(index, step, steps, hypers)[1])
+            if not self._last_in_slot(index) and self._pass.queued < len(pieces):
                 self._load_next()
-            if marks is not None:  # after the release: the forward that follows allocates
-                marks[index].ready.set()
         self._end_pass()
         return out
+
+    def _issue_paced(self, step: int, hypers: list[dict], marks: list) -> None:
+        """``_issue`` paced (``run`` beside the forward): each Adam call and copy is issued only
+        once the copies it follows are done, so the copy engines never hold a long queue of
+        them, and each piece's mark gets the event after its Adam call, then is set."""
+        steps, compute = self._begin_issue(step)
+        for index, mark in enumerate(marks):
+            self._load_through(index)
+            if compute is not None:
+                self._pass.loaded[index].synchronize()
+                compute.wait_event(self._pass.loaded[index])
+            adam, _ = self._through(index, step, steps, hypers, mark_on=compute)
+            mark.event = adam if compute is not None else index
+            mark.ready.set()  # after the release: the forward that follows allocates
+        self._end_pass()
+
+    def _begin_issue(self, step: int) -> tuple:
+        """(the step count as a tensor for torch's fused AdamW, once per step, or None with TE's
+        Adam; the compute stream, None without CUDA), the pass's start recorded on it."""
+        import torch
+
+        steps = None if self._adam else torch.tensor(float(step), device=self.device)
+        compute = torch.cuda.current_stream() if self.streams else None
+        if compute is not None:
+            self._pass.began = _record(compute)
+        return steps, compute
+
+    def _through(self, index: int, step: int, steps, hypers: list[dict], mark_on=None) -> tuple:
+        """Piece ``index`` through the window once in: its Adam call, its copy out, its slot
+        released if it is the slot's last. Returns (the event after the Adam call, recorded on
+        stream ``mark_on``, or None; the event after the copy out)."""
+        self._update(self._pass.pieces[index], self._slot(index), step, steps, hypers, index)
+        adam = _record(mark_on) if mark_on is not None else None
+        out = self._unload(index)
+        if self._last_in_slot(index):
+            self._release(self._at(index))
+        return adam, out
 
     def _at(self, index: int) -> int:
         """The slot of the pass's piece ``index``: a slot the backward grew carries its one piece,
@@ -924,7 +942,7 @@ class Attached:
 class BesideForward:
     """The windowed engines' passes beside the next forward (each engine's ``watch``), on one
     side stream, issued by one thread of their own as their pieces come in (so the copy engines
-    hold no queue of them: ``StatesWindow._issue``); the gradient buffers are zeroed on that
+    hold no queue of them: ``StatesWindow._issue_paced``); the gradient buffers are zeroed on that
     stream behind them by that thread, and each step's first forward of a chunk ends waiting for
     it, so no backward writes a gradient (or reads a parameter) before the passes are through."""
 
