@@ -550,6 +550,21 @@ def gaps() -> str:
     up = {run: probe[run][0] for run in ("128x4", "128x4k", "16x4", "16x4k")}
     held = _forward_held({"gaps": "trace-beside-gaps-416e17b-h100.txt",
                           "ungapped": "trace-beside-ungapped-870c706-h100.txt"})  # fmt: skip
+    b1 = load(RESULTS / "results-beside-4-ab-gaps-b1.json", 4)
+    st = b1.first("states")
+    link, grown = st["states_link_gb_per_s"], st["states_in_backward_gb"]
+    moved = link * st["states_stream_s_median"]
+    room = PEAK_BAR * b1.bases[0]["gpu_peak_allocated_gb"] - st["gpu_peak_allocated_gb"]
+    lines += ["", (
+        "The pass is paced by its copies down. The states that came in during the last "
+        f"backward ({grown:.1f} GB in gaps-b1) are updated first and go down first, and a window "
+        "slot takes its next piece only once its last one is down, so the last piece is "
+        f"updated about when every state is down ({moved:.1f} GB at {link:.1f} GB/s, "
+        f"{moved / link:.2f} s), not when the rest are up ({moved - grown:.1f} GB, "
+        f"{(moved - grown) / link:.2f} s). Holding the first {grown:.1f} GB on the GPU into the "
+        "forward instead would raise its peak by as much; the room under the 0.45x bar is "
+        f"{room:.1f} GB."
+    )]  # fmt: skip
     lines += ["", (
         "What the gaps change, without the model (`python bench/copy_queue_probe.py`, "
         "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
