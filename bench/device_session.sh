@@ -364,11 +364,11 @@ PY
       > "$OUT/pytest-gpu-states-n.txt" 2>&1 || true
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-gpu-states-n.txt" | tail -24 ;;
   commit-ab)  # SUITE at the sent tree (B) and at commit A_REV (A: its src/ with this bench/), in
-    # turn, B A B, each suite's rows beside each other
+    # turn, RUNS (default "b1 a1 b2"; e.g. "b1 a1 b2 a2"), each suite's rows beside each other
     : "${A_REV:?set A_REV}" "${SUITE:=exact-4-ab}"
     A=/tmp/ab-a; rm -rf "$A"; mkdir -p "$A"; git archive "$A_REV" | tar -x -C "$A"; cp -r bench "$A/"
-    for run in b1 a1 b2; do
-      tree=$PWD rev=$OFFLOAD_RUNNER_COMMIT; [ "$run" = a1 ] && tree=$A rev=$A_REV
+    for run in ${RUNS:-b1 a1 b2}; do
+      tree=$PWD rev=$OFFLOAD_RUNNER_COMMIT; [ "${run#a}" != "$run" ] && tree=$A rev=$A_REV
       (cd "$tree" && PYTHONPATH="$tree/src:$PYTHONPATH" OFFLOAD_RUNNER_COMMIT=$rev \
         python bench/run_benchmarks.py run \
         --suite "$SUITE" --iters 10 --work-dir "$WORK/$run" --out "$OUT/results-$SUITE-$run.json")
