@@ -154,31 +154,15 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         step, hypers = self._next_step()
         delayed = self.mode.delayed_at(step)
         order = self._update_order(delayed, list(early))
-        if delayed and self._hooks:  # only exact steps land during the forward
-            self._unwatch()
-        if delayed and not self._announced_delay:
-            self._announced_delay = True
-            log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
-                     "were exact): the CPU update of step t lands before step t+2%s", step,
-                     step - 1, ", extrapolated by its own change (weight prediction)"
-                     if self.mode.predict else "")  # fmt: skip
+        if delayed:
+            self._enter_delayed(step)
         self._start_fetch()
         if delayed and self.mode.predict and self._unlanded and not self._guessed:
             self._worker.submit(self._guess_from_states).result()  # after a checkpoint load
         # Delayed mode lands the guess from the first delayed step on (the last exact update
         # made one); masters loaded or finished without a guess land as they are.
         guess = delayed and self._guessed
-        # The worker extrapolates in delayed mode, and at the last exact step for the first
-        # delayed one. It is handed the update first and takes each piece as soon as its copy
-        # is enqueued (enqueueing hundreds of copies takes the training thread a while).
-        guess_next = self.mode.predict and self.mode.delayed_at(step + 1)
-        update = Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
-                         on_cpu=self._on_cpu, params=sum(self._pieces[i].numel for i in order),
-                         order=order, late_share=delayed and self._window is not None,
-                         ready=[threading.Event() for _ in self._pieces],
-                         done=[threading.Event() for _ in self._pieces],
-                         landed=[threading.Event() for _ in self._pieces],
-                         unclipped=[False] * len(self._pieces))  # fmt: skip
+        update = self._new_update(step, hypers, order, delayed)
         in_forward = self.land_during_forward and not delayed
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
@@ -199,11 +183,43 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         if self._streams is not None:  # the grad buffer may be zeroed
             torch.cuda.current_stream().wait_stream(self._streams[0])
         self._end_step(step)
-        for group, h in zip(self.param_groups, hypers, strict=True) if self.mode.predict else ():
-            group[LAST_LR] = h["lr"]  # checkpointed with the groups, for _guess_from_states
-        for group in self.param_groups if self._window is not None and self._fixed else ():
-            group[GPU_SHARE] = self._share  # checkpointed: a resume keeps the same split
+        self._checkpointed(hypers)
         return None
+
+    def _enter_delayed(self, step: int) -> None:
+        """A delayed step: nothing lands during the forward any more (only exact steps do), and
+        the switch is said once."""
+        if self._hooks:
+            self._unwatch()
+        if not self._announced_delay:
+            self._announced_delay = True
+            log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
+                     "were exact): the CPU update of step t lands before step t+2%s", step,
+                     step - 1, ", extrapolated by its own change (weight prediction)"
+                     if self.mode.predict else "")  # fmt: skip
+
+    def _new_update(self, step: int, hypers: list[dict], order: list[int],
+                    delayed: bool) -> Update:  # fmt: skip
+        """This step's update for the worker. The worker extrapolates in delayed mode, and at
+        the last exact step for the first delayed one; it is handed the update first and takes
+        each piece as soon as its copy is enqueued (enqueueing hundreds of copies takes the
+        training thread a while)."""
+        guess_next = self.mode.predict and self.mode.delayed_at(step + 1)
+        return Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
+                      on_cpu=self._on_cpu, params=sum(self._pieces[i].numel for i in order),
+                      order=order, late_share=delayed and self._window is not None,
+                      ready=[threading.Event() for _ in self._pieces],
+                      done=[threading.Event() for _ in self._pieces],
+                      landed=[threading.Event() for _ in self._pieces],
+                      unclipped=[False] * len(self._pieces))  # fmt: skip
+
+    def _checkpointed(self, hypers: list[dict]) -> None:
+        """What a checkpoint keeps in the param groups: each group's last learning rate (for
+        ``_guess_from_states``) and the fixed GPU share (a resume keeps the same split)."""
+        for group, h in zip(self.param_groups, hypers, strict=True) if self.mode.predict else ():
+            group[LAST_LR] = h["lr"]
+        for group in self.param_groups if self._window is not None and self._fixed else ():
+            group[GPU_SHARE] = self._share
 
     def _ensure_pieces(self) -> None:
         """The pieces (forward order where updates land during the forward), the side streams
@@ -275,64 +291,81 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         import torch
 
         began = time.perf_counter()
-        late = None
-        if update.late_share:  # the last update and its pass are done: this one's split
-            self._window.finish()
-            self._rebalance()
-            update.on_gpu = self._late_pieces(update.order)
-            update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
-            if update.on_gpu:
-                late = self._late.submit(self._late_pass, update)
+        late = self._split_late(update) if update.late_share else None
         steps = torch.tensor(float(update.step))
         landings: list[concurrent.futures.Future] = []
         on_gpu = set(update.on_gpu)
         for i in update.order:
             if i in on_gpu:
                 continue
-            piece, ready, done = self._pieces[i], update.ready[i], update.done[i]
             t0 = time.perf_counter()
-            ready.wait()
+            scale = self._piece_ready(update, i)
             if update.cancelled:
                 return
-            if piece.fetched is not None:
-                piece.fetched.synchronize()
-            if piece.landed is not None:
-                piece.landed.synchronize()  # the last update's masters have gone up
-            scale = None
-            if update.unclipped[i]:  # taken before the clipping: Megatron-Core's factor
-                update.scaled.wait()
-                scale = update.grad_scale
-                if update.cancelled:
-                    return
             t1 = time.perf_counter()
-            for a, b, gi in piece.groups:
-                if not update.guess:
-                    self._adam(a, b, update.hyper[gi], steps, scale)
-                    continue
-                # in blocks whose arrays stay in the caches between the three passes
-                for c in range(a, b, GUESS_BLOCK):
-                    d = min(c + GUESS_BLOCK, b)
-                    self.host_guess[c:d].copy_(self.host_master[c:d])
-                    self._adam(c, d, update.hyper[gi], steps, scale)
-                    self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
-            if update.guess:
-                self._guessed = True
-            t2 = time.perf_counter()
+            self._adam_piece(self._pieces[i], update, steps, scale)
             update.wait_s += t1 - t0
-            update.busy_s += t2 - t1
+            update.busy_s += time.perf_counter() - t1
             if update.land_in_worker:
-                landings.append(self._lander.submit(self._land_marked, piece, update, i))
-            done.set()
+                landings.append(self._lander.submit(self._land_marked, self._pieces[i], update, i))
+            update.done[i].set()
         for landing in landings:  # enqueued (and errors raised) before step() waits on them
             landing.result()
         update.wall_s = time.perf_counter() - began  # the CPU's part (the balance compares it)
         if late is not None:
             late.result()
+        self._keep(update)
+
+    def _split_late(self, update: Update):
+        """Delayed mode's GPU share: once the last update and its pass are done, this update's
+        split (rebalanced), its GPU pieces' late pass handed to that pass's thread (its future;
+        None where the GPU takes none)."""
+        self._window.finish()
+        self._rebalance()
+        update.on_gpu = self._late_pieces(update.order)
+        update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
+        return self._late.submit(self._late_pass, update) if update.on_gpu else None
+
+    def _piece_ready(self, update: Update, i: int):
+        """Wait until piece ``i``'s gradients are on the host and its last masters have gone
+        up; returns the gradients' scale where they were taken before the clipping
+        (Megatron-Core's factor), else None. The caller checks ``update.cancelled`` after."""
+        piece = self._pieces[i]
+        update.ready[i].wait()
+        if update.cancelled:
+            return None
+        if piece.fetched is not None:
+            piece.fetched.synchronize()
+        if piece.landed is not None:
+            piece.landed.synchronize()  # the last update's masters have gone up
+        if not update.unclipped[i]:
+            return None
+        update.scaled.wait()
+        return update.grad_scale
+
+    def _adam_piece(self, piece: Piece, update: Update, steps, scale) -> None:
+        """CPU Adam on one piece's groups; with a guess (delayed mode's extrapolation), in
+        blocks whose arrays stay in the caches between the three passes."""
+        for a, b, gi in piece.groups:
+            if not update.guess:
+                self._adam(a, b, update.hyper[gi], steps, scale)
+                continue
+            for c in range(a, b, GUESS_BLOCK):
+                d = min(c + GUESS_BLOCK, b)
+                self.host_guess[c:d].copy_(self.host_master[c:d])
+                self._adam(c, d, update.hyper[gi], steps, scale)
+                self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
+        if update.guess:
+            self._guessed = True
+
+    def _keep(self, update: Update) -> None:
+        """``update`` into the history the metrics read (the first two, warm-up, and the
+        recent ones)."""
         self.history.append(update)
         if len(self.history) > 2:  # its per-piece events were last read during the last step
             self.history[-3].settle()
         if len(self.history) > 2 * HISTORY:
-            del self.history[2:-HISTORY]  # keep the first two (warm-up) and the recent ones
+            del self.history[2:-HISTORY]
 
     def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
         """torch's fused AdamW on elements [a, b) of the host arrays (the gradients divided by
