@@ -1143,3 +1143,28 @@ def test_upcast_blocks_reuse_the_threads_arrays_and_match_fp32_adam(
     ptrs = [a.data_ptr() for a in arrays]
     host_adam.adamw([master], [grad], [m], [v], fused)
     assert host_adam._SCRATCH.arrays is arrays and [a.data_ptr() for a in arrays] == ptrs
+
+
+def test_attach_says_what_it_built(caplog: pytest.LogCaptureFixture) -> None:
+    """attach's log lines (``wiring._announce``): the params on the CPU out of the rank's shard,
+    the cores, the mode; the GPU share and its window where there is one; where exact updates
+    land when a shard is all-gathered; when delayed steps copy."""
+    import logging
+
+    from offload_runner.config.schema import RunConfig
+    from offload_runner.offload.cpu_adam import wiring
+
+    run = RunConfig()
+    run.optimizer.cpu_adam_delayed_update = True
+    built = [SimpleNamespace(offloaded_numel=15 * 10**8, delayed=True, window_bytes=2**29),
+             SimpleNamespace(offloaded_numel=5 * 10**8, delayed=False, window_bytes=0)]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=wiring.log.name):
+        wiring._announce(run, built, 3_000_000_000, [0, 1, 2, 3], 0.5, [True, False], [True, True])
+    text = caplog.text
+    assert (
+        "2.000B of 3.000B params of this rank's shard on the CPU (4 threads on cores 0-3), "
+        "delayed experts" in text
+    )
+    assert "Adam on 50% of them on the GPU instead" in text and "512 MiB window" in text
+    assert "land within step()" in text
+    assert "delayed steps copy during the last micro-batch's backward" in text

@@ -113,9 +113,18 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
             engine.watch(part.model_chunks)
         if engine.mode.copy_during_backward:
             engine.watch_backward(part.model_chunks)
+    _announce(run, built, sum(sizes), cpus, share, in_forward, in_backward)
+    return built
+
+
+def _announce(run: RunConfig, built: list[CpuAdam], shard: int, cpus: list[int], share: float,
+              in_forward: list[bool], in_backward: list[bool]) -> None:  # fmt: skip
+    """The log lines that say what ``attach`` built: where the params went, the GPU share,
+    where exact updates land and when delayed steps copy."""
+    o, threads = run.optimizer, len(cpus)
     numel = sum(e.offloaded_numel for e in built)
     log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
-             "%s), %s", numel / 1e9, sum(sizes) / 1e9, threads, cpu_ranges(cpus),
+             "%s), %s", numel / 1e9, shard / 1e9, threads, cpu_ranges(cpus),
              mode_name(built))  # fmt: skip
     if share:
         log.info("cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
@@ -136,7 +145,6 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
                  "(the CPU applies the clip factor)" if all(in_backward) else "at the step "
                  "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
                  "pipeline or context parallelism)")  # fmt: skip
-    return built
 
 
 def _data_parallel_size() -> int:
