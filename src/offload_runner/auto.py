@@ -121,28 +121,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     them free: they overlap compute). offload/optimizer=auto weighs CPU Adam fractions
     (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
     p = run.planner
-    optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
-    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
-    layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
-    last, fitting = None, []
-    for opt_name, opt_overrides, tier in optimizer_steps:
-        if fitting and tier > fitting[0][5]:
-            break  # a more precise setting fits
-        for layers in layer_counts:
-            overrides = dict(opt_overrides)
-            if p.auto_optimizer:
-                overrides.setdefault("optimizer.offload_optimizer_states", False)
-                overrides.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
-            if layers is not None:
-                overrides.update({"model.cpu_offloading": layers > 0,
-                                  "model.cpu_offloading_num_layers": layers,
-                                  "model.cpu_offloading_activations": True})  # fmt: skip
-            candidate = _with(run, overrides)
-            plan = make_plan(candidate, world)
-            last = plan
-            if plan.limiting is None:
-                fitting.append((opt_name, layers, overrides, candidate, plan, tier))
-                break  # more layers of this optimizer setting only cost more
+    last, fitting = _fitting(run, world)
     if not fitting and p.auto_optimizer and not p.auto_activation:
         last, fitting = _weight_offload_fallback(run, world) or (last, fitting)
     if not fitting:
@@ -168,6 +147,49 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         parts.append(f"activation offload of {layers} layer(s)")
     if overrides.get("model.cpu_offloading_weights"):
         parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
+    why = _why(best, cost, seconds)
+    others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
+    if cost and others:
+        why += f"; also fits: {', '.join(others)}"
+    if (weights := weight_offload_note(candidate, plan)) is not None:
+        why += f"; {weights}"
+    return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+
+
+def _fitting(run: RunConfig, world: int | None) -> tuple:
+    """(the last plan tried, the settings that fit): for each optimizer setting in turn, the
+    fewest activation-offload layers that fit, stopping at the first precision tier where
+    something fits. Each fitting setting is (name, layers, overrides, run, plan, tier)."""
+    p = run.planner
+    optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
+    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
+    layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
+    last, fitting = None, []
+    for opt_name, opt_overrides, tier in optimizer_steps:
+        if fitting and tier > fitting[0][5]:
+            break  # a more precise setting fits
+        for layers in layer_counts:
+            overrides = dict(opt_overrides)
+            if p.auto_optimizer:
+                overrides.setdefault("optimizer.offload_optimizer_states", False)
+                overrides.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
+            if layers is not None:
+                overrides.update({"model.cpu_offloading": layers > 0,
+                                  "model.cpu_offloading_num_layers": layers,
+                                  "model.cpu_offloading_activations": True})  # fmt: skip
+            candidate = _with(run, overrides)
+            plan = make_plan(candidate, world)
+            last = plan
+            if plan.limiting is None:
+                fitting.append((opt_name, layers, overrides, candidate, plan, tier))
+                break  # more layers of this optimizer setting only cost more
+    return last, fitting
+
+
+def _why(best: tuple, cost, seconds) -> str:
+    """Why ``best`` was chosen: its peak and host memory against the capacities, the precision
+    tier it took where the configured one fits nowhere, and its predicted cost."""
+    _, _, _, candidate, plan, tier = best
     peak = plan.worst.gpu_peak / GiB
     why = (f"peak {peak:.1f} GB + {plan.gpu_kept_free_gb:.1f} GB kept free fits "
            f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
@@ -178,12 +200,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         worst = max(plan.ranks, key=lambda r: cost.seconds(candidate, r))
         why += (f"; predicted +{seconds(best):.2f} s per step: "
                 f"{cost.explain(candidate, worst)}")  # fmt: skip
-        others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
-        if others:
-            why += f"; also fits: {', '.join(others)}"
-    if (weights := weight_offload_note(candidate, plan)) is not None:
-        why += f"; {weights}"
-    return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+    return why
 
 
 def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
