@@ -581,9 +581,8 @@ def gaps() -> str:
     ), "", (
         "In training the gaps let the forward's copies through: the pass ran "
         "0.65-0.68 s into the next forward against 0.001 s without them. The step did not get "
-        "shorter. The first micro-batch's forward needs every piece, and the pass is paced by "
-        "its copies down (a slot takes its next piece once its last one is down), so the "
-        "forward's thread waited about the pass less that forward; with gaps the states rows "
+        "shorter. The first micro-batch's forward needs every piece, and the pass is paced as "
+        "above, so the forward's thread waited about the pass less that forward; with gaps the states rows "
         "sit at their floor. Without gaps the forward's batch copy waited behind the whole "
         "pass, and its thread waited in the MoE dispatcher instead (below). In the two "
         "profiled steps (device step `beside-probe`, iterations 6-7, "
