@@ -247,10 +247,11 @@ def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
 
 def _timeline(kernels: list, copies: list, timed: list, start: float, end: float,
               columns: int = 120) -> list[str]:  # fmt: skip
-    """Each busy GPU stream's kernels (K) and copies up (U) and down (D) over the window, a
-    column per 1/``columns`` of it (digit: tenths busy, # all), above a row marking where each
-    micro-batch's forward starts (|) and where the forward's thread waited for a state pass
-    (w): which stream's work runs beside which, and where the compute stream sits idle."""
+    """Each busy GPU stream's kernels (K), copies up (U) and down (D) and other copies and
+    memsets (M) over the window, a column per 1/``columns`` of it (digit: tenths busy, # all),
+    above a row marking where each micro-batch's forward starts (|) and where the forward's
+    thread waited for a state pass (w): which stream's work runs beside which, and where the
+    compute stream sits idle."""
     width = (end - start) / columns
 
     def row(intervals: list[tuple[float, float]]) -> str:
@@ -266,17 +267,18 @@ def _timeline(kernels: list, copies: list, timed: list, start: float, end: float
         name = e["name"]
         if e.get("cat") == "kernel":
             return "K"
-        return "U" if "HtoD" in name else "D" if "DtoH" in name else "K"
+        return "U" if "HtoD" in name else "D" if "DtoH" in name else "M"
 
     groups: dict = {}
     for e in [*kernels, *copies]:
         groups.setdefault((_stream(e), kind(e)), []).append((e["ts"], e["ts"] + e["dur"]))
     lines = [
         f"-- timeline: a column per {width / 1e3:.1f} ms; K kernels, U copies up, D copies "
-        "down, per stream (busy tenths); | a forward starts, w the forward waits for a pass"
+        "down, M other copies, per stream (busy tenths); | a forward starts, w the forward "
+        "waits for a pass"
     ]
     for (stream, k), intervals in sorted(groups.items(), key=lambda g: str(g[0])):
-        if _total_intervals(intervals) >= 0.005 * (end - start):
+        if _union(intervals) >= 0.005 * (end - start):
             lines.append(f"  {stream!s:>4} {k} {row(intervals)}")
     marks = [" "] * columns
     for e in timed:
@@ -288,10 +290,6 @@ def _timeline(kernels: list, copies: list, timed: list, start: float, end: float
             marks[column] = "|"
     lines.append(f"  host   {''.join(marks)}")
     return lines
-
-
-def _total_intervals(intervals: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in intervals)
 
 
 if __name__ == "__main__":
