@@ -148,8 +148,8 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     if overrides.get("model.cpu_offloading_weights"):
         parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
     why = _why(best, cost, seconds)
-    others = [f"{item[0]} +{seconds(item):.2f} s" for item in fitting if item is not best]
-    if cost and others:
+    if cost and (others := [f"{item[0]} +{seconds(item):.2f} s" for item in fitting
+                            if item is not best]):  # fmt: skip
         why += f"; also fits: {', '.join(others)}"
     if (weights := weight_offload_note(candidate, plan)) is not None:
         why += f"; {weights}"
