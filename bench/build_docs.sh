@@ -775,7 +775,7 @@ from run_benchmarks import _cpu_adam_lines
 for path in sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json")):
     data = json.loads(path.read_text())
     env = data["environment"]
-    results = [{**r, "environment": env} for r in data["results"]]
+    results = [{**r, "environment": env, "source": path.name} for r in data["results"]]
     by_name = {r["case"]["name"]: r for r in results}
     steps = {n: by_name[n]["summary"]["step_time_s_median"] * 1000 for n in
              ("GBS4 no offload", "GBS4 no offload (repeat)", "GBS4 HDO 100% + overlap") if n in by_name}

@@ -42,6 +42,12 @@ class Suite:
     bases: list[dict]
     runs: list[tuple[str, dict]]  # (engine, summary)
     alone: float  # fused CPU AdamW alone, params/s (the suite's best thread count)
+    commit: str = ""
+
+    @property
+    def label(self) -> str:
+        """The suite's name and the commit it ran (two calls of one suite tell apart by it)."""
+        return f"{self.name} @ {self.commit[:7]}" if self.commit else self.name
 
     @property
     def base(self) -> float:
@@ -67,6 +73,12 @@ def update_rate(cpu_adam: dict) -> float:
     return cpu_adam["cpu_offloaded_params"] / ends
 
 
+def forward_wait(r: dict) -> float:
+    """How long a run's forward+backward waited for its update (state offload's pass beside the
+    next forward, CPU Adam's landings): 0 where the run's engine does not say."""
+    return r.get("states_forward_wait_s_median", r.get("cpu_adam_forward_wait_s_median", 0.0))
+
+
 def engine_of(case_name: str) -> str:
     """A cost case's engine: its name less the suite's prefix, run number and repeat mark."""
     return re.sub(r"^cost GBS\d+ | #\d+$| \(repeat\)$", "", case_name)
@@ -83,7 +95,15 @@ def load(path: Path, gbs: int) -> Suite:
             runs.append((name, r["summary"]))
     env = data["environment"]
     alone = max(env.get("cpu_adam_reference_params_per_s", {}).values(), default=0.0)
-    return Suite(data["suite"], gbs, env["gpu"].replace("NVIDIA ", ""), bases, runs, alone)
+    return Suite(
+        data["suite"],
+        gbs,
+        env["gpu"].replace("NVIDIA ", ""),
+        bases,
+        runs,
+        alone,
+        env.get("commit", ""),
+    )
 
 
 def suites(gbs: int, pairs: bool = True) -> list[Suite]:
@@ -126,9 +146,9 @@ def states_floor(s: Suite, st: dict) -> float:
 
 def cost() -> str:
     lines = [
-        "| GBS | suite | GPU | no offload s (runs) | engine | step s | step | fwd+bwd | GPU peak | "
-        "floor | bar |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GBS | suite | GPU | no offload s (runs) | engine | step s | step | fwd+bwd | fwd+bwd "
+        "less its wait for the update | GPU peak | floor | bar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for gbs, bar in BARS.items():
         for s in suites(gbs):
@@ -138,9 +158,10 @@ def cost() -> str:
             for engine, r in s.runs:
                 exact = engine in floor
                 lines.append(
-                    f"| {gbs} | `{s.name}` | {s.gpu} | {bases} | {engine} | "
+                    f"| {gbs} | `{s.label}` | {s.gpu} | {bases} | {engine} | "
                     f"{r['step_time_s_median']:.3f} | {r['step_time_s_median'] / s.base:.2f}x | "
                     f"{r['fwd_bwd_time_s_median'] / s.fwd_bwd:.2f}x | "
+                    f"{(r['fwd_bwd_time_s_median'] - forward_wait(r)) / s.fwd_bwd:.2f}x | "
                     f"{r['gpu_peak_allocated_gb'] / peak:.2f}x | "
                     f"{f'{floor[engine]:.2f}x' if exact else '-'} | {f'{bar}x' if exact else '-'} |"
                 )
@@ -197,7 +218,7 @@ def asks() -> str:
             ratios.append(moved / left / 1e9 / link)
             reached.append(rate / 1e9)
             lines.append(
-                f"| {gbs} | `{s.name}` | {s.gpu} | {left:.3f} | {params / left / 1e9:.2f} | "
+                f"| {gbs} | `{s.label}` | {s.gpu} | {left:.3f} | {params / left / 1e9:.2f} | "
                 f"{(link * 1e9 + 8 * s.alone) / 12 / 1e9:.2f} | "
                 f"{(link * 1e9 + 8 * beside * s.alone) / 12 / 1e9:.2f} | {best:.2f} | "
                 f"{rate / 1e9:.2f} | {moved / left / 1e9:.0f} | {link:.1f} |"
@@ -225,7 +246,7 @@ def met() -> str:
                 runs += 1
                 step = r["step_time_s_median"] / s.base
                 if step <= bar:
-                    hits.append(f"{engine} at GBS {gbs} in `{s.name}` ({s.gpu}): {step:.3f}x, its "
+                    hits.append(f"{engine} at GBS {gbs} in `{s.label}` ({s.gpu}): {step:.3f}x, its "
                                 f"forward+backward {r['fwd_bwd_time_s_median'] / s.fwd_bwd:.2f}x "
                                 "no offload's")  # fmt: skip
     return (f"{len(hits)} of the {runs} exact runs above met their step bar: " + "; ".join(hits)
@@ -471,30 +492,46 @@ def beside() -> str:
 
 
 def _beside_suites() -> list[str]:
-    """State offload in suites gbs-N-beside (the single-use grown slots, commit 14a2ce5 on):
-    where its pass's time went, against each suite's no-offload runs."""
-    lines = ["The acceptance suites after that (`gbs-4-beside`, `gbs-8-beside`, `gbs-32-beside`, "
-             "one call each; against the mean of each call's no-offload runs):", "",
-             "| GBS | suite | commit | no offload s | states step | forward+backward more s | "
-             "optimizer phase more s | pass s | last Adam after the forward's first wait ms |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    paths = {gbs: RESULTS / f"results-gbs-{gbs}-beside.json" for gbs in BARS}
-    found = [load(path, gbs) for gbs, path in paths.items() if path.exists()]
-    runs = [s.first("states") for s in found]
-    held = [r["optimizer_time_s_median"]  # the pass's part in the optimizer phase
-            - statistics.mean(b["optimizer_time_s_median"] for b in s.bases)
-            for r, s in zip(runs, found, strict=True)]  # fmt: skip
-    for s, st, opt in zip(found, runs, held, strict=True):
-        commit = json.loads(paths[s.gbs].read_text())["environment"]["commit"]
+    """State offload in suites gbs-N-beside (the single-use grown slots, commit 14a2ce5 on;
+    again after the gaps): where its pass's time went, against each call's no-offload runs."""
+    lines = [
+        "The acceptance suites after that (`gbs-4-beside`, `gbs-8-beside`, `gbs-32-beside`, "
+        "one call each, before and after the window copies' gaps below; against the mean "
+        "of each call's no-offload runs):",
+        "",
+        "| GBS | suite | commit | no offload s | states step | floor | forward+backward "
+        "more s | optimizer phase more s | pass s | pass after the forward's first wait s | "
+        "the forward's thread waited s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    paths = sorted(RESULTS.glob("results-gbs-*-beside*.json"),
+                   key=lambda path: (int(path.name.split("-")[2]), _date(path)))  # fmt: skip
+    found = [load(path, int(path.name.split("-")[2])) for path in paths]
+    for s in found:
+        st = s.first("states")
+        held = st["optimizer_time_s_median"] - statistics.mean(
+            b["optimizer_time_s_median"] for b in s.bases
+        )  # the pass's part in the phase
         lines.append(
-            f"| {s.gbs} | `{s.name}` | {commit[:7]} | {s.base:.3f} | "
-            f"{st['step_time_s_median'] / s.base:.2f}x | "
-            f"{st['fwd_bwd_time_s_median'] - s.fwd_bwd:+.3f} | "
-            f"{opt:+.3f} | {st['states_stream_s_median']:.3f} | "
-            f"{st['states_beside_forward_s'] * 1000:.1f} |"
+            f"| {s.gbs} | `{s.name}` | {s.commit[:7]} | {s.base:.3f} | "
+            f"{st['step_time_s_median'] / s.base:.2f}x | {states_floor(s, st):.2f}x | "
+            f"{st['fwd_bwd_time_s_median'] - s.fwd_bwd:+.3f} | {held:+.3f} | "
+            f"{st['states_stream_s_median']:.3f} | {st['states_beside_forward_s']:.3f} | "
+            f"{forward_wait(st):.3f} |"
         )
-    lines += ["", (
-        "Beside the forward the pass did not overlap it: in every suite its last Adam call ended "
+    before = [s for s in found if s.first("states")["states_beside_forward_s"] < 0.01]
+    after = [s for s in found if s not in before]
+    return [*lines, "", *_before_gaps(before), "", *_after_gaps(after)]
+
+
+def _before_gaps(found: list[Suite]) -> list[str]:
+    runs = [s.first("states") for s in found]
+    held = [r["optimizer_time_s_median"] - statistics.mean(b["optimizer_time_s_median"]
+                                                          for b in s.bases)
+            for r, s in zip(runs, found, strict=True)]  # fmt: skip
+    return [(
+        f"Before the gaps (commit {found[0].commit[:7]}) the pass did not overlap the forward: "
+        "in every suite its last Adam call ended "
         f"within {max(r['states_beside_forward_s'] for r in runs) * 1000:.1f} ms of the event "
         "the next forward records on the compute stream at its "
         "first wait, and forward+backward grew by about the pass, the optimizer phase holding "
@@ -506,8 +543,34 @@ def _beside_suites() -> list[str]:
         "bench/copy_queue_probe.py to say. They said the copy: a copy engine runs one stream's "
         "ready copies back to back and yields to other streams' copies in the same direction "
         "only where a kernel stands between them (torchrec's copy-engine studies found that "
-        "too). Since commit 5336bf0, after these suites, each copy of the window is followed by "
-        "a one-element kernel on its stream (below: what that changed)."
+        "too). Since commit 5336bf0 each copy of the window is followed by a one-element kernel "
+        "on its stream (below: what that changed)."
+    )]  # fmt: skip
+
+
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def _after_gaps(found: list[Suite]) -> list[str]:
+    if not found:
+        return []
+    runs = [s.first("states") for s in found]
+    over = [r["step_time_s_median"] / s.base - states_floor(s, r)
+            for r, s in zip(runs, found, strict=True)]  # fmt: skip
+    beside = [r["states_beside_forward_s"] for r in runs]
+    wait = [r["states_forward_wait_s_median"] for r in runs]
+    return [(
+        f"With the gaps (commit {found[0].commit[:7]}) the pass ran "
+        f"{_span(beside)} s into the next forward and the forward's thread "
+        f"waited {_span(wait)} s of it for its pieces; the states rows came "
+        f"in {min(over):+.2f}x to {max(over):+.2f}x off their floors. The column "
+        "\"fwd+bwd less its wait for the update\" of the table in \"Exact offload against "
+        "the global batch\" takes that wait out: the "
+        "forward+backward that remains is the engine's cost to the forward beside the pass (its "
+        "thread's issue work and Adam kernels, and the compute stream's own waits on the "
+        "pieces after the host has moved on)."
     ), "", (
         "Even overlapped in full it would not meet every bar. Every state goes down again after "
         "the global norm, and the next forward reaches its peak only once they are down, but for "
@@ -516,13 +579,12 @@ def _beside_suites() -> list[str]:
         f"{min(r['states_host_gb'] for r in runs):.1f} GiB each way at "
         f"{min(r['states_link_gb_per_s'] for r in runs):.1f}-"
         f"{max(r['states_link_gb_per_s'] for r in runs):.1f} GB/s, a floor of "
-        + " / ".join(f"{floors(s)['states']:.2f}x" for s in found)
+        + " / ".join(f"{states_floor(s, r):.2f}x" for s, r in zip(found, runs, strict=True))
         + " against bars of " + " / ".join(f"{BARS[s.gbs]}x" for s in found)
         + " at GBS " + " / ".join(str(s.gbs) for s in found) + ". Where the floor is above the "
         "bar, only fewer bytes meet it: bf16 moments (6 B/param each way) or less than all of "
         "the states offloaded."
     )]  # fmt: skip
-    return lines
 
 
 def gaps() -> str:

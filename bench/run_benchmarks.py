@@ -1051,7 +1051,7 @@ def _states_line(r: dict, base: dict) -> str | None:
     fwd_bwd = (s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]) * 1000
     rest = (s["optimizer_time_s_median"] - base["optimizer_time_s_median"]) * 1000
     peak = s["gpu_peak_allocated_gb"] / base["gpu_peak_allocated_gb"]
-    line = (f"- {r['case']['name']}: transfer bound {how} = {bound:.0f} ms; overhead "
+    line = (f"- {case_label(r)}: transfer bound {how} = {bound:.0f} ms; overhead "
             f"{overhead:.0f} ms ({overhead / bound:.2f}x the bound): forward+backward "
             f"{fwd_bwd:+.0f} ms, rest of the step {rest:+.0f} ms; peak {peak:.2f}x the "
             f"baseline's")  # fmt: skip
@@ -1111,7 +1111,7 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
         overhead = s["step_time_s_median"] - base["step_time_s_median"]
         sums = weight_offload_sum_bytes(run, s["weight_offload_params"])
         least = max(up - sums, down) / (run.planner.host_link_gb_per_s * 1e9)
-        lines.append(f"- {r['case']['name']}: {s['weight_offload_params'] / 1e9:.2f}B params on "
+        lines.append(f"- {case_label(r)}: {s['weight_offload_params'] / 1e9:.2f}B params on "
                      f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
                      f"bound {_ms(bound)} ms ({_ms(least)} ms without the gradients' sums coming "
                      f"back up); overhead {_ms(overhead)} ms ({overhead / bound:.2f}x the bound, "
@@ -1140,6 +1140,12 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
 def _baseline(r: dict, by_name: dict) -> dict:
     """The summary of ``r``'s baseline run: of its own call where render found one."""
     return (r.get("base") or by_name.get(r["case"]["baseline"], {})).get("summary", {})
+
+
+def _of_call(r: dict, name: str, results: list[dict], by_name: dict) -> dict:
+    """Case ``name``'s run from ``r``'s own call where it ran there, else the family's."""
+    mine = [o for o in results if o["source"] == r["source"] and o["case"]["name"] == name]
+    return mine[0] if mine else by_name.get(name, {})
 
 
 def case_label(r: dict) -> str:
@@ -1263,7 +1269,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         delayed = s.get("cpu_adam_mode") in ("delayed", "delayed experts")
         ref = reference.get(str(s.get("cpu_adam_threads")))
         hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
-        hdo = by_name.get(hdo_name, {}).get("summary", {}).get("step_time_s_median")
+        hdo = _of_call(r, hdo_name, results, by_name).get("summary", {}).get("step_time_s_median")
         hdo = hdo if hdo_name != r["case"]["baseline"] else None
         rated = (f"{rate / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
                  + (f"; {rate / ref:.2f}x torch's fused AdamW alone, {ref / 1e9:.2f} G/s)"
@@ -1274,7 +1280,7 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             bounded = _late_share_bound if delayed else _gpu_share_bound
         else:
             bounded = _cpu_bound
-        _, parts = bounded(r["case"]["name"], s, base_step, rated, ref)
+        _, parts = bounded(case_label(r), s, base_step, rated, ref)
         parts.append(
             f"CPU worker {_ms(s['cpu_adam_wall_s_median'])} ms (Adam "
             f"{_ms(s['cpu_adam_busy_s_median'])}, waiting for gradients "
@@ -1480,11 +1486,10 @@ def render(files: list[Path]) -> str:
         results = [{**r, "environment": d["environment"], "source": path.name}
                    for path, d in group for r in d["results"]]  # fmt: skip
         by_name = {r["case"]["name"]: r for r in results}
+        names = [r["case"]["name"] for r in results]
         for r in results:  # the baseline of its own call where it has one, else the family's
-            mine = [b for b in results if b["source"] == r["source"]
-                    and b["case"]["name"] == r["case"]["baseline"]]  # fmt: skip
-            r["base"] = mine[0] if mine else by_name.get(r["case"]["baseline"], {})
-            if sum(b["case"]["name"] == r["case"]["name"] for b in results) > 1:
+            r["base"] = _of_call(r, r["case"]["baseline"], results, by_name)
+            if len(set(names)) < len(names):  # calls share a case: each row says its call
                 r["call"] = f" ({r['source'].removeprefix('results-').removesuffix('.json')})"
         iters = sorted({d["iters"] for _, d in group})
         lines += [f"## Suite `{suite}` ({' / '.join(map(str, iters))} iterations)", ""]
@@ -1539,8 +1544,8 @@ def render(files: list[Path]) -> str:
         lines += [f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
                   for r in results if r["summary"].get("auto")]  # fmt: skip
         lines += ["", "Commands:", ""]
-        lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
-        losses = {r["case"]["name"]: r["summary"].get("losses", []) for r in results}
+        lines += [f"- {case_label(r)}: `{' '.join(r['command'])}`" for r in results]
+        losses = {case_label(r): r["summary"].get("losses", []) for r in results}
         longest = max((len(v) for v in losses.values()), default=0)
         if longest:
             curves = [[f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]

@@ -61,3 +61,19 @@ def test_the_step_model_prices_the_exact_update_within_10_percent_on_the_cost_su
         assert abs(row.update_error) <= bound, (row.suite, row.case, row.update_error)
         given = row.predicted_s + row.fwd_bwd_drift_s
         assert row.update_error == pytest.approx((given - row.measured_s) / row.measured_s)
+
+
+def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> None:
+    """gbs-4-beside ran at 14a2ce5 and again at a93c243 on a slower host: every row names its call,
+    and each CPU-Adam run's speed-up over HybridDeviceOptimizer uses the HDO run of its call."""
+    results = PROJECT_ROOT / "bench" / "results"
+    text = run_benchmarks.render(
+        [results / "results-gbs-4-beside-14a2ce5.json", results / "results-gbs-4-beside.json"]
+    )
+    section = text.split("## Suite `gbs-4-beside`", 1)[1]
+    assert "| cost GBS4 no offload (repeat) (gbs-4-beside-14a2ce5) |" in section
+    for call, hdo_s, step_s in (("gbs-4-beside-14a2ce5", 3.984, 1.298),
+                                ("gbs-4-beside", 5.823, 1.647)):  # fmt: skip
+        line = next(x for x in section.splitlines()
+                    if x.startswith(f"- cost GBS4 cpu_adam 100% ({call}): "))  # fmt: skip
+        assert line.endswith(f"{hdo_s / step_s:.2f}x faster than HDO 100% + overlap"), line
