@@ -1427,8 +1427,10 @@ def _gpus(n: int) -> str:
 
 def _headline(files: list[Path]) -> list[str]:
     """The HEADLINE rows found among ``files``: what each offload mode costs, as measured."""
-    found = {(d["suite"], r["case"]["name"]): (r, d) for _, d in
-             ((p, json.loads(p.read_text())) for p in files) for r in d["results"]}  # fmt: skip
+    calls = sorted(
+        (json.loads(p.read_text()) for p in files), key=lambda d: d["environment"]["date"]
+    )
+    found = {(d["suite"], r["case"]["name"]): (r, d) for d in calls for r in d["results"]}  # latest
     rows = []
     for key in HEADLINE:
         if key not in found:
@@ -1441,7 +1443,7 @@ def _headline(files: list[Path]) -> list[str]:
         step = s.get("step_time_s_median")
         fb, base_fb = s.get("fwd_bwd_time_s_median"), base.get("fwd_bwd_time_s_median")
         rows.append([
-            r["case"]["name"], f"`{key[0]}`",
+            r["case"]["name"], f"`{key[0]}` {d['environment']['commit'][:7]}",
             d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
             r["status"], fmt(step * 1000 if step else None, ".0f"),
             fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
@@ -1458,7 +1460,7 @@ def _headline(files: list[Path]) -> list[str]:
         "with its weights on the GPU; the proxy at micro-batch 1 is launch-bound, so a suite's",
         "baseline wanders with the host: compare within a suite).",
         "",
-        *markdown_table(["run", "suite", "GPU", "status", "step ms", "step vs baseline",
+        *markdown_table(["run", "suite, commit", "GPU", "status", "step ms", "step vs baseline",
                          "fwd+bwd vs baseline", "GPU peak GB", "host RAM GB"], rows),
         "",
     ]  # fmt: skip
