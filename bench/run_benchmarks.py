@@ -1485,84 +1485,95 @@ def render(files: list[Path]) -> str:
         *_headline(files),
     ]
     for suite, group in _families(files).items():
-        results = [{**r, "environment": d["environment"], "source": path.name}
-                   for path, d in group for r in d["results"]]  # fmt: skip
-        by_name = {r["case"]["name"]: r for r in results}
-        names = [r["case"]["name"] for r in results]
-        for r in results:  # the baseline of its own call where it has one, else the family's
-            r["base"] = _of_call(r, r["case"]["baseline"], results, by_name)
-            if len(set(names)) < len(names):  # calls share a case: each row says its call
-                r["call"] = f" ({r['source'].removeprefix('results-').removesuffix('.json')})"
-        iters = sorted({d["iters"] for _, d in group})
-        lines += [f"## Suite `{suite}` ({' / '.join(map(str, iters))} iterations)", ""]
-        for path, d in group:  # a family's files may come from different calls or machines
-            e = d["environment"]
-            lines += [
-                f"GPU: {e['gpu']} x{e['gpu_count']} · torch {e['torch']} (CUDA {e['cuda']}) · "
-                f"megatron-core {e['megatron.core']} · transformer-engine "
-                f"{e['transformer_engine']} · Python {e['python']} · {e['date']} · "
-                f"commit {e['commit']} · {d['iters']} iterations · "
-                f"{', '.join(r['case']['name'] for r in d['results'])} · source `{path.name}`",
-                "",
-            ]
-        rows = []
-        for r in results:
-            s = r["summary"]
-            base = _baseline(r, by_name)
-            step, peak = s.get("step_time_s_median"), s.get("gpu_peak_allocated_gb")
-            same = r["case"]["name"] == r["case"]["baseline"]
-            phases = (
-                f" ({s['fwd_bwd_time_s_median'] * 1000:.0f} / "
-                f"{s['optimizer_time_s_median'] * 1000:.0f})"
-                if s.get("fwd_bwd_time_s_median")
-                else ""
-            )
-            delta = max_abs_delta(s.get("losses", []), base.get("losses", []))
-            rows.append([
-                case_label(r),
-                r["status"],
-                fmt(step * 1000 if step else None, ".1f") + phases,
-                fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
-                fmt(peak),
-                fmt(None if same else saved(peak, base.get("gpu_peak_allocated_gb")), "+.2f"),
-                f"{s['gpu_peak_fwd_bwd_gb']:.2f} / {s['gpu_peak_step_gb']:.2f}"
-                if s.get("gpu_peak_step_gb")
-                else "-",
-                fmt(s.get("host_pinned_gb_max")),
-                fmt(s.get("final_loss"), ".4f"),
-                "(baseline)" if same else fmt(delta, ".2e"),
-            ])  # fmt: skip
-        lines += markdown_table(
-            ["config", "status", "step ms (fwd+bwd / rest)", "slowdown", "peak GPU GB", "saved GB",
-             "peak fwd+bwd / step GB", "pinned host GB", "final loss",
-             "max abs Δloss vs baseline"],
-            rows,
-        )  # fmt: skip
-        lines += _transfer_bound_lines(results, by_name)
-        lines += _weight_offload_lines(results, by_name)
-        lines += _cpu_adam_lines(results, by_name)
-        lines += _scale_lines(results)
-        lines += _convergence_lines(results)
-        lines += [f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
-                  for r in results if r["summary"].get("auto")]  # fmt: skip
-        lines += ["", "Commands:", ""]
-        lines += [f"- {case_label(r)}: `{' '.join(r['command'])}`" for r in results]
-        losses = {case_label(r): r["summary"].get("losses", []) for r in results}
-        longest = max((len(v) for v in losses.values()), default=0)
-        if longest:
-            curves = [[f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
-                      for i in range(longest)]  # fmt: skip
-            lines += ["", "<details><summary>loss curves</summary>", ""]
-            lines += markdown_table(
-                ["iter", *losses], [[str(i + 1), *row] for i, row in enumerate(curves)]
-            )
-            lines += ["", "</details>"]
-        failed = [r for r in results if r["status"] != "ok"]
-        for r in failed:
+        lines += _suite_section(suite, group)
+    return "\n".join(lines)
+
+
+def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:
+    """One suite family's section: the machine of each call, its rows' table, the lines set
+    against bounds, the commands and the loss curves."""
+    results = [{**r, "environment": d["environment"], "source": path.name}
+               for path, d in group for r in d["results"]]  # fmt: skip
+    by_name = {r["case"]["name"]: r for r in results}
+    names = [r["case"]["name"] for r in results]
+    for r in results:  # the baseline of its own call where it has one, else the family's
+        r["base"] = _of_call(r, r["case"]["baseline"], results, by_name)
+        if len(set(names)) < len(names):  # calls share a case: each row says its call
+            r["call"] = f" ({r['source'].removeprefix('results-').removesuffix('.json')})"
+    iters = sorted({d["iters"] for _, d in group})
+    lines = [f"## Suite `{suite}` ({' / '.join(map(str, iters))} iterations)", ""]
+    for path, d in group:  # a family's files may come from different calls or machines
+        e = d["environment"]
+        lines += [
+            f"GPU: {e['gpu']} x{e['gpu_count']} · torch {e['torch']} (CUDA {e['cuda']}) · "
+            f"megatron-core {e['megatron.core']} · transformer-engine "
+            f"{e['transformer_engine']} · Python {e['python']} · {e['date']} · "
+            f"commit {e['commit']} · {d['iters']} iterations · "
+            f"{', '.join(r['case']['name'] for r in d['results'])} · source `{path.name}`",
+            "",
+        ]
+    lines += markdown_table(
+        ["config", "status", "step ms (fwd+bwd / rest)", "slowdown", "peak GPU GB", "saved GB",
+         "peak fwd+bwd / step GB", "pinned host GB", "final loss", "max abs Δloss vs baseline"],
+        [_row(r, by_name) for r in results],
+    )  # fmt: skip
+    lines += _transfer_bound_lines(results, by_name)
+    lines += _weight_offload_lines(results, by_name)
+    lines += _cpu_adam_lines(results, by_name)
+    lines += _scale_lines(results)
+    lines += _convergence_lines(results)
+    lines += [f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
+              for r in results if r["summary"].get("auto")]  # fmt: skip
+    lines += ["", "Commands:", ""]
+    lines += [f"- {case_label(r)}: `{' '.join(r['command'])}`" for r in results]
+    lines += _loss_curves(results)
+    for r in results:
+        if r["status"] != "ok":
             lines += ["", f"`{r['case']['name']}` ended:", "", "```",
                       failure_lines(r["error_tail"]), "```"]  # fmt: skip
-        lines.append("")
-    return "\n".join(lines)
+    return [*lines, ""]
+
+
+def _row(r: dict, by_name: dict) -> list[str]:
+    """A run's row of its suite's table, against its baseline."""
+    s = r["summary"]
+    base = _baseline(r, by_name)
+    step, peak = s.get("step_time_s_median"), s.get("gpu_peak_allocated_gb")
+    same = r["case"]["name"] == r["case"]["baseline"]
+    phases = (
+        f" ({s['fwd_bwd_time_s_median'] * 1000:.0f} / {s['optimizer_time_s_median'] * 1000:.0f})"
+        if s.get("fwd_bwd_time_s_median")
+        else ""
+    )
+    delta = max_abs_delta(s.get("losses", []), base.get("losses", []))
+    return [
+        case_label(r),
+        r["status"],
+        fmt(step * 1000 if step else None, ".1f") + phases,
+        fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
+        fmt(peak),
+        fmt(None if same else saved(peak, base.get("gpu_peak_allocated_gb")), "+.2f"),
+        f"{s['gpu_peak_fwd_bwd_gb']:.2f} / {s['gpu_peak_step_gb']:.2f}"
+        if s.get("gpu_peak_step_gb")
+        else "-",
+        fmt(s.get("host_pinned_gb_max")),
+        fmt(s.get("final_loss"), ".4f"),
+        "(baseline)" if same else fmt(delta, ".2e"),
+    ]
+
+
+def _loss_curves(results: list[dict]) -> list[str]:
+    """Every run's per-iteration loss, a column each, folded away."""
+    losses = {case_label(r): r["summary"].get("losses", []) for r in results}
+    longest = max((len(v) for v in losses.values()), default=0)
+    if not longest:
+        return []
+    curves = [[f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
+              for i in range(longest)]  # fmt: skip
+    return ["", "<details><summary>loss curves</summary>", "",
+            *markdown_table(["iter", *losses], [[str(i + 1), *row] for i, row in
+                                                enumerate(curves)]),
+            "", "</details>"]  # fmt: skip
 
 
 def failure_lines(tail: str) -> str:
