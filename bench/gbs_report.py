@@ -525,6 +525,7 @@ def _beside_suites() -> list[str]:
 
 
 def _before_gaps(found: list[Suite]) -> list[str]:
+    """What the gbs-N-beside calls before the gaps found: no overlap, and why."""
     runs = [s.first("states") for s in found]
     held = [r["optimizer_time_s_median"] - statistics.mean(b["optimizer_time_s_median"]
                                                           for b in s.bases)
@@ -554,6 +555,7 @@ def _span(values: list[float]) -> str:
 
 
 def _after_gaps(found: list[Suite]) -> list[str]:
+    """What the calls after the gaps found, and the floor that holds either way."""
     if not found:
         return []
     runs = [s.first("states") for s in found]
