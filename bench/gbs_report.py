@@ -504,18 +504,15 @@ def _beside_suites() -> list[str]:
         "the forward's thread waited s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    paths = sorted(RESULTS.glob("results-gbs-*-beside*.json"),
-                   key=lambda path: (int(path.name.split("-")[2]), _date(path)))  # fmt: skip
-    found = [load(path, int(path.name.split("-")[2])) for path in paths]
+    calls = sorted((int(path.name.split("-")[2]), _date(path), path)
+                   for path in RESULTS.glob("results-gbs-*-beside*.json"))  # fmt: skip
+    found = [load(path, gbs) for gbs, _, path in calls]
     for s in found:
         st = s.first("states")
-        held = st["optimizer_time_s_median"] - statistics.mean(
-            b["optimizer_time_s_median"] for b in s.bases
-        )  # the pass's part in the phase
         lines.append(
             f"| {s.gbs} | `{s.name}` | {s.commit[:7]} | {s.base:.3f} | "
             f"{st['step_time_s_median'] / s.base:.2f}x | {states_floor(s, st):.2f}x | "
-            f"{st['fwd_bwd_time_s_median'] - s.fwd_bwd:+.3f} | {held:+.3f} | "
+            f"{st['fwd_bwd_time_s_median'] - s.fwd_bwd:+.3f} | {_phase_held(s, st):+.3f} | "
             f"{st['states_stream_s_median']:.3f} | {st['states_beside_forward_s']:.3f} | "
             f"{forward_wait(st):.3f} |"
         )
@@ -524,12 +521,17 @@ def _beside_suites() -> list[str]:
     return [*lines, "", *_before_gaps(before), "", *_after_gaps(after)]
 
 
+def _phase_held(s: Suite, st: dict) -> float:
+    """The part of state offload's pass in its optimizer phase: that phase less no offload's."""
+    return st["optimizer_time_s_median"] - statistics.mean(
+        b["optimizer_time_s_median"] for b in s.bases
+    )
+
+
 def _before_gaps(found: list[Suite]) -> list[str]:
     """What the gbs-N-beside calls before the gaps found: no overlap, and why."""
     runs = [s.first("states") for s in found]
-    held = [r["optimizer_time_s_median"] - statistics.mean(b["optimizer_time_s_median"]
-                                                          for b in s.bases)
-            for r, s in zip(runs, found, strict=True)]  # fmt: skip
+    held = [_phase_held(s, r) for r, s in zip(runs, found, strict=True)]
     return [(
         f"Before the gaps (commit {found[0].commit[:7]}) the pass did not overlap the forward: "
         "in every suite its last Adam call ended "
@@ -599,10 +601,9 @@ def gaps() -> str:
     paths = {run: RESULTS / f"results-beside-4-ab-gaps-{run}.json" for run in ("b1", "a1", "b2")}
     calls = {run: load(path, 4) for run, path in paths.items()}
     for run, c in calls.items():
-        commit = json.loads(paths[run].read_text())["environment"]["commit"][:7]
         st = c.first("states")
         lines.append(
-            f"| gaps-{run} | {commit} | {c.base:.3f} | {st['step_time_s_median']:.3f} | "
+            f"| gaps-{run} | {c.commit[:7]} | {c.base:.3f} | {st['step_time_s_median']:.3f} | "
             f"{st['step_time_s_median'] / c.base:.2f}x | {states_floor(c, st):.2f}x | "
             f"{st['fwd_bwd_time_s_median'] - c.fwd_bwd:+.3f} | "
             f"{st['states_forward_wait_s_median']:.3f} | {st['states_stream_s_median']:.3f} | "
