@@ -372,7 +372,8 @@ PY
       (cd "$tree" && PYTHONPATH="$tree/src:$PYTHONPATH" OFFLOAD_RUNNER_COMMIT=$rev \
         python bench/run_benchmarks.py run \
         --suite "$SUITE" --iters 10 --work-dir "$WORK/$run" --out "$OUT/results-$SUITE-$run.json")
-    done ;;
+    done
+    python bench/gbs_report.py phases "$OUT"/results-"$SUITE"-*.json ;;
   connections-ab)  # suite exact-4-ab with CUDA_DEVICE_MAX_CONNECTIONS unset (8 hardware queues),
     # at 32, unset again: do the engine's side streams queue behind each other's work?
     for run in default1 max32 default2; do

@@ -12,6 +12,7 @@ the state windows grow during the last backward):
     python bench/gbs_report.py remainders  # state offload's masters as remainders (remainders-N)
     python bench/gbs_report.py beside  # state offload's pass beside the next forward
     python bench/gbs_report.py gaps    # ... with and without a kernel after each window copy
+    python bench/gbs_report.py phases FILE...  # each run's phases in any results files (A/B calls)
 """
 
 from __future__ import annotations
@@ -702,6 +703,37 @@ def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
     return rows
 
 
+PHASES = {
+    "step": "step_time_s_median",
+    "fwd+bwd": "fwd_bwd_time_s_median",
+    "optimizer": "optimizer_time_s_median",
+    "CPU wall": "cpu_adam_wall_s_median",
+    "CPU Adam": "cpu_adam_busy_s_median",
+    "CPU wait": "cpu_adam_wait_s_median",
+    "share pass": "cpu_adam_stream_s_median",
+    "hand-over": "cpu_adam_boundary_s_median",
+    "states pass": "states_stream_s_median",
+    "forward wait": "states_forward_wait_s_median",
+}
+
+
+def phases(paths: list[str] | None = None) -> str:
+    """Each run of the results ``paths`` (default: the command line's) with its phases in s, the
+    engines' parts of the update, and its allocator retries."""
+    lines = ["| file | case | " + " | ".join(PHASES) + " | allocator retries |",
+             "|---" * (len(PHASES) + 3) + "|"]  # fmt: skip
+    for path in paths if paths is not None else sys.argv[2:]:
+        for r in json.loads(Path(path).read_text())["results"]:
+            s = r.get("summary") or {}
+            cells = [f"{s[k]:.3f}" if isinstance(s.get(k), float) else "-" for k in PHASES.values()]
+            retries = s.get("gpu_alloc_retries_per_rank", "-")
+            lines.append(
+                f"| {Path(path).stem} | {r['case']['name']} | {' | '.join(cells)} | {retries} |"
+            )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host,
-           "remainders": remainders, "beside": beside, "gaps": gaps}[sys.argv[1]]())  # fmt: skip
+           "remainders": remainders, "beside": beside, "gaps": gaps,
+           "phases": phases}[sys.argv[1]]())  # fmt: skip

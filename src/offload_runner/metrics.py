@@ -129,6 +129,7 @@ class Startup:
             "gpu_peak_per_rank_gb": [r["gpu_peak"] for r in everyone],
             "gpu_reserved_peak_per_rank_gb": [r["reserved_peak"] for r in everyone],
             "gpu_outside_torch_per_rank_gb": [r["outside_torch"] for r in everyone],
+            "gpu_alloc_retries_per_rank": [r["alloc_retries"] for r in everyone],
             "host_used_gb_before_per_node": [nodes[n]["host_before"] / GB for n in sorted(nodes)],
             "host_used_gb_max_per_node": [nodes[n]["host_max"] / GB for n in sorted(nodes)],
         }
@@ -141,14 +142,21 @@ def _median(values) -> float | None:
 
 def gpu_beside_allocated() -> dict[str, float | None]:
     """This GPU's memory beyond what torch allocated, in GB: torch's reserved peak (allocated plus
-    its cache's slack) and what is in use outside torch (the CUDA context, NCCL's buffers)."""
+    its cache's slack) and what is in use outside torch (the CUDA context, NCCL's buffers); and
+    how many allocations found no room until the allocator had freed its cache."""
     import torch
 
     if not torch.cuda.is_available():
-        return {"reserved_peak": None, "outside_torch": None}
+        return {"reserved_peak": None, "outside_torch": None, "alloc_retries": None}
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()
-    return {"reserved_peak": torch.cuda.max_memory_reserved() / GB, "outside_torch": outside / GB}
+    # each retry freed the allocator's cache (cudaFree, which waits for the device) to find room
+    retries = torch.cuda.memory_stats().get("num_alloc_retries")
+    return {
+        "reserved_peak": torch.cuda.max_memory_reserved() / GB,
+        "outside_torch": outside / GB,
+        "alloc_retries": retries,
+    }
 
 
 def gpu_memory() -> tuple[float, float]:
