@@ -35,6 +35,16 @@ trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last B
   echo
   python bench/gbs_report.py host
   echo
+  echo "### Exact CPU Adam's GPU share started with the step (suite \`exact-4-ab\`, calls \`first\`, \`thread\`)"
+  echo
+  echo "The GPU share's pass was queued after the CPU part's hand-over (its gradients' copies down"
+  echo "enqueued piece by piece), so it started that far into the update (column hand-over). One"
+  echo "H100, GBS 4, two calls (\`SUITE=exact-4-ab A_REV=9c87f7b bash bench/device_session.sh"
+  echo "commit-ab\`, B A B): the pass queued first (89db428), then by a thread of its own (1fe8007),"
+  echo "each beside the commit before; \`python bench/gbs_report.py share\`:"
+  echo
+  python bench/gbs_report.py share
+  echo
   echo "### State offload's masters as remainders (suites \`remainders-N\`)"
   echo
   echo "State offload keeps each fp32 master as its bf16 parameter and a 16-bit remainder, as"

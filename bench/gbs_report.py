@@ -12,6 +12,7 @@ the state windows grow during the last backward):
     python bench/gbs_report.py remainders  # state offload's masters as remainders (remainders-N)
     python bench/gbs_report.py beside  # state offload's pass beside the next forward
     python bench/gbs_report.py gaps    # ... with and without a kernel after each window copy
+    python bench/gbs_report.py share   # exact CPU Adam's GPU share started with the step
     python bench/gbs_report.py phases FILE...  # each run's phases in any results files (A/B calls)
 """
 
@@ -703,6 +704,47 @@ def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
     return rows
 
 
+def share() -> str:
+    """Suite exact-4-ab's calls ``first`` and ``thread``: the GPU share's pass queued before the
+    CPU part's hand-over, then by a thread of its own, each beside the commit before (run a*)."""
+    lines = ["| call | run | commit | no offload s | cpu_adam step s | step | optimizer phase s | "
+             "CPU part s | share pass s | hand-over s | GB down | down GB/s over the phase |",
+             "|---" * 12 + "|"]  # fmt: skip
+    phase = {}
+    for call in ("first", "thread"):
+        for run in ("b1", "a1", "b2"):
+            data = json.loads((RESULTS / f"results-exact-4-ab-{call}-{run}.json").read_text())
+            base, ca = (r["summary"] for r in data["results"])
+            down = (12 * ca["cpu_adam_params_on_gpu"] + 4 * ca["cpu_adam_params_on_cpu"]) / 1e9
+            opt = ca["optimizer_time_s_median"]
+            phase.setdefault((call, run[0]), []).append(
+                (opt, ca["cpu_adam_stream_s_median"], ca["cpu_adam_boundary_s_median"], down)
+            )
+            lines.append(
+                f"| {call} | {run} | {data['environment']['commit'][:7]} | "
+                f"{base['step_time_s_median']:.3f} | {ca['step_time_s_median']:.3f} | "
+                f"{ca['step_time_s_median'] / base['step_time_s_median']:.2f}x | {opt:.3f} | "
+                f"{ca['cpu_adam_wall_s_median']:.3f} | {ca['cpu_adam_stream_s_median']:.3f} | "
+                f"{ca['cpu_adam_boundary_s_median']:.3f} | {down:.1f} | {down / opt:.1f} |"
+            )
+    mean = {k: [statistics.mean(x) for x in zip(*v, strict=True)] for k, v in phase.items()}
+    f = lambda call, ab, i: f"{mean[(call, ab)][i]:.3f}"  # noqa: E731
+    d = lambda call, i: f"{mean[(call, 'b')][i] - mean[(call, 'a')][i]:+.3f}"  # noqa: E731
+    return "\n".join(lines) + (
+        "\n\nQueued on the training thread before the hand-over (call `first`), the share's pass "
+        f"started with the step, but queuing it took that thread {f('first', 'b', 2)} s (the "
+        f"hand-over column, against {f('first', 'a', 2)} s before), and the CPU part started "
+        "after it. Queued by a thread of its own (call `thread`), both parts started with the "
+        f"step. The optimizer phase moved by {d('first', 0)} and {d('thread', 0)} s (the mean of "
+        "each call's B runs against its A run), where the pass's start moved up by the A runs' "
+        f"hand-over, {f('first', 'a', 2)} and {f('thread', 'a', 2)} s: the pass itself got "
+        f"longer by {d('first', 1)} and {d('thread', 1)} s. It shares the link down with the CPU "
+        "part's gradients (and the link up with its landings), so the update ends when its bytes "
+        "are through, whichever part starts first. Both changes were reverted: the pass is queued "
+        "after the hand-over, as before."
+    )
+
+
 PHASES = {
     "step": "step_time_s_median",
     "fwd+bwd": "fwd_bwd_time_s_median",
@@ -735,5 +777,5 @@ def phases(paths: list[str] | None = None) -> str:
 
 if __name__ == "__main__":
     print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host,
-           "remainders": remainders, "beside": beside, "gaps": gaps,
+           "remainders": remainders, "beside": beside, "gaps": gaps, "share": share,
            "phases": phases}[sys.argv[1]]())  # fmt: skip

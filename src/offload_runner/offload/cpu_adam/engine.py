@@ -82,7 +82,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._share = self.gpu_share  # the share now (the balance moves it)
         self._fixed = not self.balance  # the share moves no more (BALANCE_STEPS, or loaded)
         self._window: StatesWindow | None = None
-        self._issuer: concurrent.futures.ThreadPoolExecutor | None = None  # issues its passes
+        self._late: concurrent.futures.ThreadPoolExecutor | None = None  # issues late passes
         self._late_stream = None  # ... on this side stream
         self._on_cpu = 0  # exact: pieces [0, _on_cpu) run on the CPU, the rest through the window
         self._streamed: list[Piece] = []  # this step's GPU share: _pieces[_on_cpu:]
@@ -130,13 +130,11 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
                 min(self.chunk_numel, self.offloaded_numel),
                 host_grad=self.host_grad if self.delayed else None,
             )  # fmt: skip
-            # its passes are issued from a thread of their own (queueing an exact pass takes
-            # ~0.1 s, during which the CPU part would not start), late passes on a side stream
-            self._issuer = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="cpu-adam-share", initializer=init_thread,
-                initargs=(None, None, self.device),
-            )  # fmt: skip
-            if self.delayed:
+            if self.delayed:  # late passes: issued from a thread of their own, on a side stream
+                self._late = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="cpu-adam-late", initializer=init_thread,
+                    initargs=(None, None, self.device),
+                )  # fmt: skip
                 self._late_stream = torch.cuda.Stream() if self.on_cuda else None
         if self.mode.predict:  # delayed mode lands the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
@@ -166,16 +164,12 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         guess = delayed and self._guessed
         update = self._new_update(step, hypers, order, delayed)
         in_forward = self.land_during_forward and not delayed
-        share = None
-        if self._window is not None and not delayed:  # the GPU share, queued by its thread
-            compute = torch.cuda.current_stream() if self.on_cuda else None
-            share = self._issuer.submit(self._exact_pass, compute, step, hypers)
         job = self._worker.submit(self._run_update, update)
         previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
         self._hand_over(update, early, previous, guess, began)
         self._unlanded = False
-        if share is not None:
-            share.result()  # queued (its errors raise here)
+        if self._window is not None and not delayed:  # the GPU share, on the compute stream
+            self._window.run(self._streamed, step, hypers)
         self._gpu_step(step, hypers)
         if delayed:
             self._pending = update
@@ -330,7 +324,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._rebalance()
         update.on_gpu = self._late_pieces(update.order)
         update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
-        return self._issuer.submit(self._late_pass, update) if update.on_gpu else None
+        return self._late.submit(self._late_pass, update) if update.on_gpu else None
 
     def _piece_ready(self, update: Update, i: int):
         """Wait until piece ``i``'s gradients are on the host and its last masters have gone
@@ -438,8 +432,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._grad_hooks.clear()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
         self._lander.shutdown(wait=True)
-        if self._issuer is not None:
-            self._issuer.shutdown(wait=True)
+        if self._late is not None:
+            self._late.shutdown(wait=True)
         self._arenas.release()
 
     def metrics(self, skip: int = 2) -> dict:

@@ -6,7 +6,6 @@ and checkpointed."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 from offload_runner.config.schema import RunConfig, cpu_adam_streams
@@ -59,14 +58,6 @@ class GpuShare:
         if not self._window.prefetched:
             self._split()
         self._window.prefetch(self._streamed)
-
-    def _exact_pass(self, stream, step: int, hypers: list[dict]) -> None:
-        """Exact mode's GPU share: its pass queued on ``stream`` (the compute stream; None
-        without CUDA), on the share's thread while ``step()`` hands the CPU part over."""
-        import torch
-
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._window.run(self._streamed, step, hypers)
 
     def _exact_share_comes(self) -> bool:
         """The coming step is exact and has a GPU share (its pieces planned)."""
