@@ -1025,7 +1025,18 @@ def _families(files: list[Path]) -> dict[str, list[tuple[Path, dict]]]:
 
 
 HOST_LINK_GB_PER_S = 55.0  # pinned host<->GPU copies on the benchmark host (PCIe Gen5), one way
-BOTH_WAYS_GB_PER_S = 50.8  # ... each way, when both directions run at once
+BOTH_WAYS_GB_PER_S = 50.8  # ... each way, when both directions run at once (an H200 host)
+EVIDENCE = Path(__file__).resolve().parent.parent / "docs/evidence"
+H100_LINK_PROBE = EVIDENCE / "host-memory-probe-h100.txt"  # an H100 host's link, both ways
+
+
+def both_ways_gb_per_s(gpu: str) -> float:
+    """The link each way with both directions at once, on the host of ``gpu``: an H100 host's
+    from its host-memory probe (its link alone), else the H200 host's."""
+    if "H100" in gpu:
+        found = re.search(r"^link alone: ([\d.]+) GB/s", H100_LINK_PROBE.read_text(), re.M)
+        return float(found[1])
+    return BOTH_WAYS_GB_PER_S
 
 
 def _states_line(r: dict, base: dict) -> str | None:
@@ -1044,7 +1055,8 @@ def _states_line(r: dict, base: dict) -> str | None:
     else:
         moved = (s["states_host_gb"] * 1024**3 if s.get("states_host_gb")
                  else 12 * s["states_offloaded_params"]) / 1e9  # fmt: skip
-        link = rank_link_gb_per_s(BOTH_WAYS_GB_PER_S, r["case"].get("nproc", 1))
+        link = rank_link_gb_per_s(both_ways_gb_per_s(r["environment"]["gpu"]),
+                                  r["case"].get("nproc", 1))  # fmt: skip
         bound = moved / link * 1000
         how = f"{moved:.1f} GB each way at once / {link:.1f} GB/s"
     overhead = (s["step_time_s_median"] - base["step_time_s_median"]) * 1000
