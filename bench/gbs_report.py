@@ -713,17 +713,17 @@ def share() -> str:
     phase = {}
     for call in ("first", "thread"):
         for run in ("b1", "a1", "b2"):
-            data = json.loads((RESULTS / f"results-exact-4-ab-{call}-{run}.json").read_text())
-            base, ca = (r["summary"] for r in data["results"])
+            c = load(RESULTS / f"results-exact-4-ab-{call}-{run}.json", 4)
+            ca = c.first("cpu_adam 100%")
             down = (12 * ca["cpu_adam_params_on_gpu"] + 4 * ca["cpu_adam_params_on_cpu"]) / 1e9
             opt = ca["optimizer_time_s_median"]
             phase.setdefault((call, run[0]), []).append(
                 (opt, ca["cpu_adam_stream_s_median"], ca["cpu_adam_boundary_s_median"], down)
             )
             lines.append(
-                f"| {call} | {run} | {data['environment']['commit'][:7]} | "
-                f"{base['step_time_s_median']:.3f} | {ca['step_time_s_median']:.3f} | "
-                f"{ca['step_time_s_median'] / base['step_time_s_median']:.2f}x | {opt:.3f} | "
+                f"| {call} | {run} | {c.commit[:7]} | {c.base:.3f} | "
+                f"{ca['step_time_s_median']:.3f} | {ca['step_time_s_median'] / c.base:.2f}x | "
+                f"{opt:.3f} | "
                 f"{ca['cpu_adam_wall_s_median']:.3f} | {ca['cpu_adam_stream_s_median']:.3f} | "
                 f"{ca['cpu_adam_boundary_s_median']:.3f} | {down:.1f} | {down / opt:.1f} |"
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -1030,6 +1031,7 @@ EVIDENCE = Path(__file__).resolve().parent.parent / "docs/evidence"
 H100_LINK_PROBE = EVIDENCE / "host-memory-probe-h100.txt"  # an H100 host's link, both ways
 
 
+@functools.cache
 def both_ways_gb_per_s(gpu: str) -> float:
     """The link each way with both directions at once, on the host of ``gpu``: an H100 host's
     from its host-memory probe (its link alone), else the H200 host's."""
