@@ -677,7 +677,36 @@ def _two_gpu_engine_cases(gbs: int) -> list[Case]:
     return cases
 
 
+# Throughput on the proxy at GBS 16 under a 79 GB cap: Megatron-Core's plain kernels against the
+# NVIDIA recipes' fused ones (conf/speed) at micro-batch 1 and 4, a hand sweep of micro-batch x
+# no offload / states / full recompute, and auto choosing micro-batch and offload. Run in rounds
+# (--rounds, or one call a round) so that every row is measured at least twice, interleaved.
+T16 = ("train.global_batch_size=16", "train.gpu_memory_cap_gb=79")
+FULL_RECOMPUTE = (
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
+)
+
+
+def _throughput_cases() -> list[Case]:
+    def case(name: str, *overrides: str) -> Case:
+        return Case(name, PROXY_RECIPE, (*T16, *overrides), "MB1 plain")
+
+    return [
+        case("MB1 plain", "speed=plain", "train.micro_batch_size=1"),
+        case("MB1 fused", "train.micro_batch_size=1"),
+        case("MB4 plain", "speed=plain", "train.micro_batch_size=4"),
+        case("MB4 fused", "train.micro_batch_size=4"),
+        case("MB2 fused", "train.micro_batch_size=2"),
+        case("MB4 fused full recompute", "train.micro_batch_size=4", *FULL_RECOMPUTE),
+        case("MB8 fused states", "train.micro_batch_size=8", "offload/optimizer=states"),
+        case("auto", "train.micro_batch_size=auto", "offload/optimizer=auto"),
+    ]
+
+
 SUITES: dict[str, list[Case]] = {
+    "throughput-16": _throughput_cases(),
     "weight-offload": WEIGHT_CASES,
     "two-gpu-full-1": FULL_2GPU[:1],
     "two-gpu-full-2": FULL_2GPU[1:],
@@ -902,6 +931,7 @@ class Result:
     wall_s: float
     summary: dict = field(default_factory=dict)
     error_tail: str = ""
+    round: int = 1  # --rounds: which pass over the suite's cases
 
 
 def environment() -> dict:
@@ -981,14 +1011,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         print(f"torch AdamW(fused=True) alone: {env['cpu_adam_reference_params_per_s']}")
     results, began = [], time.perf_counter()
-    for case in cases:
+    rounds = [(n, c) for n in range(1, args.rounds + 1) for c in cases]  # A B .. A B ..
+    for round_, case in rounds:
         longest = max((r["wall_s"] for r in results), default=0.0)
         if args.time_limit and time.perf_counter() - began + longest > args.time_limit:
             print(f"{case.name}: not started, the next case would pass --time-limit", flush=True)
             continue
         if case.hidden_fraction_of:
             case = at_hidden_fraction(case, results)
-        result = run_case(case, out_dir, args.iters)
+        result = run_case(case, out_dir / f"round{round_}", args.iters)
+        result.round = round_
         s = result.summary
         print(
             f"{case.name:32s} {result.status:10s} wall {result.wall_s:6.1f}s "
@@ -1607,6 +1639,7 @@ def main() -> int:
     run.add_argument("--out", required=True, help="result JSON file")
     run.add_argument("--work-dir", default="bench-runs", help="where the run directories go")
     run.add_argument("--iters", type=int, default=ITERS)
+    run.add_argument("--rounds", type=int, default=1, help="passes over the cases, interleaved")
     run.add_argument(
         "--time-limit",
         type=float,

@@ -9,8 +9,11 @@ from dataclasses import dataclass, replace
 from offload_runner.config.schema import (
     CpuOffloadEngine,
     OptimizerDtype,
+    RecomputeGranularity,
+    RecomputeMethod,
     RunConfig,
 )
+from offload_runner.gpu_time import Predicted, predict
 from offload_runner.model_size import count_parameters
 from offload_runner.plan import GiB, Layout, Plan, make_plan
 from offload_runner.step_cost import step_cost, weight_offload_note
@@ -115,11 +118,50 @@ def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
     return found
 
 
+@dataclass
+class Fit:
+    """A setting that fits: its names, the overrides that make it, the run and plan they give,
+    and the precision tier it took (0: as configured)."""
+
+    name: str  # the optimizer setting
+    shape: str  # the micro-batch and recompute, where auto chose them ("" otherwise)
+    layers: int | None  # activation-offload layers (None: not searched)
+    overrides: dict
+    run: RunConfig
+    plan: Plan
+    tier: int
+
+
+RECOMPUTE_FULL = {
+    "model.recompute_granularity": RecomputeGranularity.full,
+    "model.recompute_method": RecomputeMethod.uniform,
+    "model.recompute_num_layers": 1,
+}
+NO_RECOMPUTE = dict.fromkeys(RECOMPUTE_FULL)
+
+
+def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
+    """The micro-batches and recompute auto tries: as configured, or with
+    planner.auto_micro_batch each divisor of the rank's batch, without and with full recompute."""
+    if not run.planner.auto_micro_batch:
+        return [("", {})]
+    per_rank = max(1, run.train.global_batch_size // Layout.of(run, world).dp)
+    found = []
+    for mb in (d for d in range(1, per_rank + 1) if per_rank % d == 0):
+        name = f"train.micro_batch_size={mb}"
+        found.append((name, {"train.micro_batch_size": mb, **NO_RECOMPUTE}))
+        found.append(
+            (f"{name} with full recompute", {"train.micro_batch_size": mb, **RECOMPUTE_FULL})
+        )
+    return found
+
+
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
-    """Among the settings that fit, the one the step-time model (StepCost) says costs least;
-    for each optimizer setting, the fewest activation-offload layers that fit (the model counts
-    them free: they overlap compute). offload/optimizer=auto weighs CPU Adam fractions
-    (planner.auto_engine) against optimizer-state offload. Raises ValueError when nothing fits."""
+    """Among the settings that fit, the one with the most predicted tokens/s (gpu_time.py's
+    forward+backward and GPU Adam, StepCost's offload); for each optimizer setting and shape,
+    the fewest activation-offload layers that fit (the model counts them free: they overlap
+    compute). offload/optimizer=auto weighs CPU Adam fractions (planner.auto_engine) against
+    optimizer-state offload. Raises ValueError when nothing fits."""
     p = run.planner
     last, fitting = _fitting(run, world)
     if not fitting and p.auto_optimizer and not p.auto_activation:
@@ -132,74 +174,101 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             f"{last.gpu_kept_free_gb:.1f} GB kept free of a {last.gpu_capacity_gb:.1f} GB GPU and "
             f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
         )
-    cost = step_cost(run, fitting[0][4].gpus_per_node) if p.auto_optimizer else None
+    cost = step_cost(run, fitting[0].plan.gpus_per_node)
 
-    def seconds(item) -> float:
-        _, _, _, candidate, plan, _ = item
-        return max(cost.seconds(candidate, r) for r in plan.ranks) if cost else 0.0
+    def offload_s(fit: Fit) -> float:
+        return max(cost.seconds(fit.run, r) for r in fit.plan.ranks) if p.auto_optimizer else 0.0
 
-    best = min(fitting, key=seconds)  # ties: the earlier, smaller offload
-    opt_name, layers, overrides, candidate, plan, tier = best
-    parts = []
+    def predicted(fit: Fit) -> Predicted:
+        return predict(fit.run, offload_s(fit), world)
+
+    ranked = sorted(fitting, key=lambda f: predicted(f).step_s)  # ties: the earlier, smaller
+    best = ranked[0]
+    parts = [best.shape] if best.shape else []
     if p.auto_optimizer:
-        parts.append(f"offload/optimizer={opt_name}")
-    if layers is not None:
-        parts.append(f"activation offload of {layers} layer(s)")
-    if overrides.get("model.cpu_offloading_weights"):
-        parts.append(f"weight offload of {overrides['model.cpu_offloading_num_layers']} layer(s)")
-    why = _why(best, cost, seconds)
-    if cost and (others := [f"{item[0]} +{seconds(item):.2f} s" for item in fitting
-                            if item is not best]):  # fmt: skip
-        why += f"; also fits: {', '.join(others)}"
-    if (weights := weight_offload_note(candidate, plan)) is not None:
+        parts.append(f"offload/optimizer={best.name}")
+    if best.layers is not None:
+        parts.append(f"activation offload of {best.layers} layer(s)")
+    if best.overrides.get("model.cpu_offloading_weights"):
+        parts.append(
+            f"weight offload of {best.overrides['model.cpu_offloading_num_layers']} layer(s)"
+        )
+    why = _why(best, cost if p.auto_optimizer else None, offload_s)
+    if not best.run.model.deterministic_mode:
+        why += f"; {_speed(predicted(best))}"
+    if others := [
+        f"{_label(f)} +{offload_s(f):.2f} s, {_speed(predicted(f))}" for f in ranked[1:3]
+    ]:
+        why += f"; next: {'; '.join(others)}"
+    if (weights := weight_offload_note(best.run, best.plan)) is not None:
         why += f"; {weights}"
-    return AutoChoice(overrides, f"{', '.join(parts)} ({why})", plan)
+    return AutoChoice(best.overrides, f"{', '.join(parts)} ({why})", best.plan)
+
+
+def _label(fit: Fit) -> str:
+    return ", ".join(x for x in (fit.shape, fit.name) if x)
+
+
+def _speed(predicted: Predicted) -> str:
+    return f"predicted {predicted.step_s:.2f} s a step, {predicted.tokens_per_s:,.0f} tokens/s"
 
 
 def _fitting(run: RunConfig, world: int | None) -> tuple:
-    """(the last plan tried, the settings that fit): for each optimizer setting in turn, the
-    fewest activation-offload layers that fit, stopping at the first precision tier where
-    something fits. Each fitting setting is (name, layers, overrides, run, plan, tier)."""
+    """(the last plan tried, the Fits): for each optimizer setting and shape in turn, the fewest
+    activation-offload layers that fit, stopping at the first precision tier where something
+    fits."""
     p = run.planner
     optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
-    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
-    layer_counts = range(0, max_layers + 1) if p.auto_activation else (None,)
     last, fitting = None, []
     for opt_name, opt_overrides, tier in optimizer_steps:
-        if fitting and tier > fitting[0][5]:
+        if fitting and tier > fitting[0].tier:
             break  # a more precise setting fits
-        for layers in layer_counts:
-            overrides = dict(opt_overrides)
+        for shape, shape_overrides in shapes(run, world):
+            base = {**shape_overrides, **opt_overrides}
             if p.auto_optimizer:
-                overrides.setdefault("optimizer.offload_optimizer_states", False)
-                overrides.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
-            if layers is not None:
-                overrides.update({"model.cpu_offloading": layers > 0,
-                                  "model.cpu_offloading_num_layers": layers,
-                                  "model.cpu_offloading_activations": True})  # fmt: skip
-            candidate = _with(run, overrides)
-            plan = make_plan(candidate, world)
-            last = plan
-            if plan.limiting is None:
-                fitting.append((opt_name, layers, overrides, candidate, plan, tier))
-                break  # more layers of this optimizer setting only cost more
+                base.setdefault("optimizer.offload_optimizer_states", False)
+                base.setdefault("optimizer.optimizer_state_offload_fraction", 1.0)
+            last, fit = _fewest_layers(run, world, base, shape_overrides)
+            if fit is not None:
+                fitting.append(Fit(opt_name, shape, *fit, tier))
     return last, fitting
 
 
-def _why(best: tuple, cost, seconds) -> str:
+def _fewest_layers(run: RunConfig, world: int | None, base: dict, shape: dict) -> tuple:
+    """(the last plan tried, (layers, overrides, run, plan) of the fewest activation-offload
+    layers that fit, or None). Activation offload is not tried beside recompute, which
+    Megatron-Core refuses with it."""
+    recompute = shape.get("model.recompute_granularity") is not None
+    max_layers = run.model.num_layers - 1 if run.model.pipeline_model_parallel_size == 1 else 0
+    searched = run.planner.auto_activation and not recompute
+    last = None
+    for layers in range(0, max_layers + 1) if searched else (None,):
+        overrides = dict(base)
+        if layers is not None:
+            overrides.update({"model.cpu_offloading": layers > 0,
+                              "model.cpu_offloading_num_layers": layers,
+                              "model.cpu_offloading_activations": True})  # fmt: skip
+        candidate = _with(run, overrides)
+        last = make_plan(candidate, world)
+        if last.limiting is None:
+            return last, (layers, overrides, candidate, last)  # more layers only cost more
+    return last, None
+
+
+def _why(best: Fit, cost, offload_s) -> str:
     """Why ``best`` was chosen: its peak and host memory against the capacities, the precision
-    tier it took where the configured one fits nowhere, and its predicted cost."""
-    _, _, _, candidate, plan, tier = best
+    tier it took where the configured one fits nowhere, and its offload's predicted cost."""
+    plan = best.plan
     peak = plan.worst.gpu_peak / GiB
     why = (f"peak {peak:.1f} GB + {plan.gpu_kept_free_gb:.1f} GB kept free fits "
            f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
            f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
-    if tier:
-        why += f"; {PRECISION_TIERS[tier][0]}: nothing in the configured precision fits"
+    if best.tier:
+        why += f"; {PRECISION_TIERS[best.tier][0]}: nothing in the configured precision fits"
     if cost:
-        worst = max(plan.ranks, key=lambda r: cost.seconds(candidate, r))
-        why += (f"; predicted +{seconds(best):.2f} s per step: "
-                f"{cost.explain(candidate, worst)}")  # fmt: skip
+        worst = max(plan.ranks, key=lambda r: cost.seconds(best.run, r))
+        why += (f"; predicted +{offload_s(best):.2f} s per step: "
+                f"{cost.explain(best.run, worst)}")  # fmt: skip
     return why
 
 
@@ -220,7 +289,7 @@ def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
             candidate = _with(run, overrides)
             last = make_plan(candidate, world)
             if last.limiting is None:
-                return last, [(name, None, overrides, candidate, last, tier)]
+                return last, [Fit(name, "", None, overrides, candidate, last, tier)]
             if last.host_needed_gb > last.host_capacity_gb:
                 break  # more layers only need more host RAM
     return (last, []) if last is not None else None
@@ -243,7 +312,8 @@ def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
     harder with more layers, so a bisection finds it."""
     step = run.model.pipeline_model_parallel_size * (run.model.virtual_pipeline_model_parallel_size
                                                      or 1)  # fmt: skip
-    auto = run.planner.auto_optimizer or run.planner.auto_activation
+    p = run.planner
+    auto = p.auto_optimizer or p.auto_activation or p.auto_micro_batch
 
     def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:
         sliced = _with(run, {"model.num_layers": layers})

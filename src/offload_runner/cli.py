@@ -98,6 +98,9 @@ class UsageError(Exception):
         self.fix = fix
 
 
+AUTO_MICRO_BATCH = "train.micro_batch_size=auto"  # auto picks it (planner.auto_micro_batch)
+
+
 def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     """Take offload-runner's flags out; translate ``--recipe NAME`` into ``recipe=NAME``."""
     options = CliOptions()
@@ -149,6 +152,8 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
                 hydra_flags.append(args.pop(0))
         elif arg.partition("=")[0].lstrip("+") == "mixed_precision":
             hydra_args += _mixed_precision_recipe(arg.partition("=")[2])
+        elif arg == AUTO_MICRO_BATCH:
+            hydra_args.append("planner.auto_micro_batch=true")
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
@@ -339,7 +344,8 @@ def _typed_run(cfg: DictConfig) -> RunConfig:
 
 def _apply_auto(job: _Job) -> None:
     """offload/*=auto: the planner's choice written into the config (said, and why)."""
-    if not (job.run.planner.auto_optimizer or job.run.planner.auto_activation):
+    p = job.run.planner
+    if not (p.auto_optimizer or p.auto_activation or p.auto_micro_batch):
         return
     try:
         choice = choose_offload(job.run, job.world)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from functools import cache
 
 from offload_runner.config.schema import WINDOW_PIECES, RunConfig, states_offloaded
@@ -172,6 +173,32 @@ def measured_rate(threads: int) -> float:
 # docs/evidence; 5.6-6.1 on H200 hosts): the planner's rate where a run must not depend on a
 # timing (model.deterministic_mode) and planner.cpu_adam_params_per_s is unset
 REFERENCE_CPU_ADAM_PARAMS_PER_S = 4.0e9
+
+
+# --- the GPU's forward+backward (gpu_time.py) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuRates:
+    """One GPU's forward+backward: the matrix work's FLOP/s, and a layer's fixed seconds per
+    micro-batch (``dense_layer_s``, plus ``expert_s`` for each local expert of a MoE layer)."""
+
+    flops: float
+    dense_layer_s: float
+    expert_s: float
+
+
+# Fitted on the Qwen3-30B-A3B proxy (4 MoE layers of 128 experts) at micro-batch 1 and 4, GBS 16,
+# one H100, each kernel set (suite throughput-16: `python bench/calibrate_planner.py --gpu-rates
+# bench/results/results-throughput-16*.json`). The dense layer's fixed time is not separable on
+# that model: about a hundred launches of ~10 us each (an estimate).
+GPU_RATES = {
+    "plain": GpuRates(flops=280e12, dense_layer_s=1e-3, expert_s=0.0304 / 128),
+    "fused": GpuRates(flops=380e12, dense_layer_s=1e-3, expert_s=0.0304 / 128),
+}
+# Adam on the GPU per param of a rank's shard (bf16 param, fp32 grad, master and moments read and
+# written: ~30 B at ~2.5 TB/s), where no offload takes it off the GPU.
+GPU_ADAM_S_PER_PARAM = 30 / 2.5e12
 
 
 # --- host cores ---------------------------------------------------------------------------------

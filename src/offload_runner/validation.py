@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
 from offload_runner.config.schema import (
+    TE_FUSIONS,
     CpuOffloadEngine,
     CudaGraphImpl,
     DelayedScope,
@@ -32,6 +33,7 @@ from offload_runner.config.schema import (
     cpu_adam_on,
     cpu_adam_streams,
     states_offloaded,
+    te_fusions,
     weights_offloaded,
 )
 
@@ -51,14 +53,23 @@ class Environment:
     tensorboard_available: bool = True
     wandb_available: bool = True
     deep_ep_available: bool = True
+    # APEX's CUDA extension, which Megatron-Core's gradient_accumulation_fusion calls
+    fused_wgrad_available: bool = True
 
     @staticmethod
     def detect(launching: bool = False, world_size: int | None = None) -> Environment:
         def installed(name: str) -> bool:
             return importlib.util.find_spec(name) is not None
 
-        return Environment(te_available(), launching, world_size, installed("tensorboard"),
-                           installed("wandb"), installed("deep_ep"))  # fmt: skip
+        return Environment(
+            te_available(),
+            launching,
+            world_size,
+            installed("tensorboard"),
+            installed("wandb"),
+            installed("deep_ep"),
+            installed("fused_weight_gradient_mlp_cuda"),
+        )
 
 
 @dataclass(frozen=True)
@@ -429,6 +440,25 @@ RULES: tuple[Rule, ...] = (
         "offload/optimizer=states) uses Transformer Engine's FusedAdam, which is not installed "
         "here",
         TE_INSTALL,
+        environment=True,
+    ),
+    # --- speed settings (conf/speed) -----------------------------------------------------------
+    Rule(
+        "fusions_need_te",
+        lambda c, e: bool(te_fusions(c)) and not e.te_available,
+        "{te_fusions} run inside Transformer Engine, which is not installed here",
+        TE_INSTALL + ", or add speed=plain (Megatron-Core's unfused defaults)",
+        environment=True,
+    ),
+    Rule(
+        "gradient_accumulation_fusion_needs_apex",
+        lambda c, e: (
+            getattr(c.model, "gradient_accumulation_fusion", False) and not e.fused_wgrad_available
+        ),
+        "model.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda extension "
+        "(Megatron-Core's output layer calls it at build), which is not installed here",
+        "set model.gradient_accumulation_fusion=false, or install APEX with its CUDA extensions "
+        "where the job runs",
         environment=True,
     ),
     # --- CPU-Adam engine (offload-runner; the optimizer_cpu_offload rules above apply too) ------
@@ -1004,6 +1034,7 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         deprecated_cuda_graph_impl=DEPRECATED_CUDA_GRAPH_FLAGS.get(flag),
         m=run.model,
         o=run.optimizer,
+        te_fusions=", ".join(te_fusions(run)),
         t=run.train,
         c=run,
         env=env,
@@ -1052,8 +1083,6 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
 
     optimizer = run.optimizer
     if not env.te_available and _precision_aware(run):
-        from dataclasses import replace
-
         from offload_runner.config.schema import OptimizerDtype
 
         dtypes = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
@@ -1064,8 +1093,13 @@ def megatron_checks(run: RunConfig, env: Environment) -> list[Violation]:
             chunked_optimizer_state_offload=False,
             **dict.fromkeys(dtypes, OptimizerDtype.fp32),
         )
+    model = run.model
+    if not env.te_available and te_fusions(run):  # left to the fusions_need_te row
+        model = replace(
+            model, **dict.fromkeys(TE_FUSIONS, False), cross_entropy_fusion_impl="native"
+        )
     builders: list[tuple[str, Callable[[], object]]] = [
-        ("model", lambda: build_transformer_config(run.model)),
+        ("model", lambda: build_transformer_config(model)),
         ("optimizer", lambda: build_optimizer_config(optimizer, run.model)),
         ("ddp", lambda: build_ddp_config(run)),
     ]

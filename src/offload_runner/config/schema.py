@@ -516,6 +516,9 @@ class PlannerConfig:
     auto_engine: CpuOffloadEngine = CpuOffloadEngine.cpu_adam
     auto_delayed: bool = False  # ... the CPU-Adam engine in delayed mode (cpu_adam_delayed)
     auto_activation: bool = False  # offload/activation=auto
+    # train.micro_batch_size=auto: auto also picks the micro-batch (a divisor of the rank's batch)
+    # and full recompute, for the most predicted tokens/s that fits (gpu_time.py)
+    auto_micro_batch: bool = False
     # The step-time model auto chooses by, and --plan prints: host<->GPU copies run at
     # host_link_gb_per_s each way (PCIe Gen5 with both directions busy; a Grace-Hopper C2C link
     # is several times faster), and one rank's CPU Adam at cpu_adam_params_per_s (null: torch's
@@ -594,6 +597,20 @@ def states_offloaded(run: RunConfig) -> bool:
     """offload/optimizer=states, or Megatron-Core's dev-branch spelling of it."""
     o = run.optimizer
     return o.offload_optimizer_states or o.chunked_optimizer_state_offload
+
+
+# Fused kernels that Megatron-Core takes from Transformer Engine (conf/speed/fused.yaml sets them).
+TE_FUSIONS = ("moe_permute_fusion", "moe_router_fusion", "apply_rope_fusion")
+
+
+def te_fusions(run: RunConfig) -> list[str]:
+    """The model.* fusions ``run`` turns on that run inside Transformer Engine."""
+    found = [f"model.{name}" for name in TE_FUSIONS if getattr(run.model, name, False)]
+    if getattr(run.model, "cross_entropy_loss_fusion", False) and (
+        getattr(run.model, "cross_entropy_fusion_impl", None) == "te"
+    ):
+        found.append("model.cross_entropy_fusion_impl=te")
+    return found
 
 
 def weights_offloaded(run: RunConfig) -> bool:
