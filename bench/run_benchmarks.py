@@ -1443,6 +1443,10 @@ def _scale_lines(results: list[dict]) -> list[str]:
 # The headline: per offload mode and batch, its latest suite's row against that suite's
 # baseline (suite, case); the suite tables below hold everything else.
 HEADLINE = [
+    # throughput: today's line (MB 1, Megatron-Core's kernels), the fused kernels at MB 4, auto
+    ("throughput-16", "MB1 plain"),
+    ("throughput-16", "MB4 fused"),
+    ("throughput-16", "auto"),
     ("weight-offload", "dense 8 layers, states + weights of 8"),
     ("weight-offload", "proxy, states + weights of 4"),
     ("weight-offload-caps", "llama3_8b under 48 GB, weights of 31 layers"),
@@ -1496,7 +1500,8 @@ def _headline(files: list[Path]) -> list[str]:
             d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
             r["status"], fmt(step * 1000 if step else None, ".0f"),
             fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
-            fmt(ratio(fb, base_fb), ".2f", "x"), fmt(s.get("gpu_peak_allocated_gb")),
+            fmt(ratio(fb, base_fb), ".2f", "x"), fmt(s.get("tokens_per_s_median"), ",.0f"),
+            fmt(s.get("tflops_per_gpu_median"), ".0f"), fmt(s.get("gpu_peak_allocated_gb")),
             fmt(s.get("host_used_gb_max_per_node", [None])[0]),
         ])  # fmt: skip
     if not rows:
@@ -1510,7 +1515,8 @@ def _headline(files: list[Path]) -> list[str]:
         "baseline wanders with the host: compare within a suite).",
         "",
         *markdown_table(["run", "suite, commit", "GPU", "status", "step ms", "step vs baseline",
-                         "fwd+bwd vs baseline", "GPU peak GB", "host RAM GB"], rows),
+                         "fwd+bwd vs baseline", "tokens/s", "TFLOP/s/GPU", "GPU peak GB",
+                         "host RAM GB"], rows),
         "",
     ]  # fmt: skip
 

@@ -692,6 +692,15 @@ CASES = [
          "tokenizer.HuggingFaceTokenizer is not loaded"),
     Case("async_save_not_run", ("recipe=tiny", "checkpoint.async_save=true"), RECIPE_TINY,
          "checkpoint.async_save=true has no effect"),
+    Case("fusions_need_te", ("recipe=qwen3_30b_a3b_proxy",),
+         ("recipe=qwen3_30b_a3b_proxy", "speed=plain"),
+         "model.moe_permute_fusion, model.moe_router_fusion, model.apply_rope_fusion, "
+         "model.cross_entropy_fusion_impl=te run inside Transformer Engine",
+         Environment(te_available=False, launching=True)),
+    Case("gradient_accumulation_fusion_needs_apex",
+         ("recipe=tiny", "model.gradient_accumulation_fusion=true"), RECIPE_TINY,
+         "model.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda",
+         Environment(te_available=True, launching=True, fused_wgrad_available=False)),
     Case("mxfp8_buffer_reuse_unused",
          ("recipe=tiny", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"), RECIPE_TINY,
          "mixed_precision.fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag have no effect"),
@@ -748,6 +757,28 @@ def test_environment_rules_are_warnings_for_a_dry_run() -> None:
 def test_recipes_pass_megatron_core_checks(recipe: str, choice: str) -> None:
     run = compose_run(f"recipe={recipe}", choice)
     assert megatron_checks(run, Environment(te_available=False)) == []
+
+
+def test_the_recipes_carry_the_speed_settings_and_speed_plain_drops_them() -> None:
+    """The Qwen3 and Llama recipes run the NVIDIA recipes' fused kernels (conf/speed/fused.yaml);
+    speed=plain is Megatron-Core's defaults; the test recipes keep the defaults."""
+    for recipe in ("qwen3_30b_a3b", "qwen3_30b_a3b_proxy", "llama3_8b"):
+        run = compose_run(f"recipe={recipe}")
+        assert run.model.apply_rope_fusion and run.model.cross_entropy_fusion_impl == "te"
+        assert run.model.moe_router_dtype == "fp32" and run.train.manual_gc
+        plain = compose_run(f"recipe={recipe}", "speed=plain")
+        assert not plain.model.apply_rope_fusion and not plain.train.manual_gc
+    assert not compose_run("recipe=tiny_moe").model.moe_permute_fusion
+
+
+def test_without_te_the_fusions_are_left_to_their_row_not_to_megatron_core() -> None:
+    """Megatron-Core raises 'Please install TE' for a fusion it cannot import; without TE the
+    fusions_need_te row says it (a warning for --dry-run) and the rest of its checks still run."""
+    run = compose_run("recipe=qwen3_30b_a3b_proxy", "model.sequence_parallel=true")
+    found = megatron_checks(run, Environment(te_available=False))
+    assert [v.message for v in found] == [
+        "Cannot use sequence parallelism without tensor parallelism"
+    ]
 
 
 def test_megatron_core_checks_are_reported_in_the_same_format() -> None:

@@ -59,7 +59,7 @@ def optimizer_ladder(engine: CpuOffloadEngine,
     return tuple(steps)  # fmt: skip
 
 
-def _with(run: RunConfig, overrides: dict) -> RunConfig:
+def with_overrides(run: RunConfig, overrides: dict) -> RunConfig:
     """A copy of ``run`` with dotted keys replaced."""
     sections: dict[str, dict] = {}
     for key, value in overrides.items():
@@ -112,7 +112,7 @@ def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
         if p.auto_engine == CpuOffloadEngine.cpu_adam or "states" in item[0]
     ]
     for tier, (what, extra) in enumerate(PRECISION_TIERS[1:], start=1):
-        if _with(run, extra) == run:  # configured so already
+        if with_overrides(run, extra) == run:  # configured so already
             continue
         found += [(f"{name}, {what}", {**o, **extra}, tier) for name, o in host_engines]
     return found
@@ -248,7 +248,7 @@ def _fewest_layers(run: RunConfig, world: int | None, base: dict, shape: dict) -
             overrides.update({"model.cpu_offloading": layers > 0,
                               "model.cpu_offloading_num_layers": layers,
                               "model.cpu_offloading_activations": True})  # fmt: skip
-        candidate = _with(run, overrides)
+        candidate = with_overrides(run, overrides)
         last = make_plan(candidate, world)
         if last.limiting is None:
             return last, (layers, overrides, candidate, last)  # more layers only cost more
@@ -286,7 +286,7 @@ def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
                          "model.cpu_offloading": True, "model.cpu_offloading_weights": True,
                          "model.cpu_offloading_activations": False,
                          "model.cpu_offloading_num_layers": layers}  # fmt: skip
-            candidate = _with(run, overrides)
+            candidate = with_overrides(run, overrides)
             last = make_plan(candidate, world)
             if last.limiting is None:
                 return last, [Fit(name, "", None, overrides, candidate, last, tier)]
@@ -316,7 +316,7 @@ def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
     auto = p.auto_optimizer or p.auto_activation or p.auto_micro_batch
 
     def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:
-        sliced = _with(run, {"model.num_layers": layers})
+        sliced = with_overrides(run, {"model.num_layers": layers})
         if auto:
             try:
                 choice = choose_offload(sliced, world)
@@ -336,5 +336,6 @@ def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
         else:
             hi = mid - 1
     layers = lo * step
-    params = count_parameters(_with(run, {"model.num_layers": layers}).model).total if layers else 0
+    sliced = with_overrides(run, {"model.num_layers": layers})
+    params = count_parameters(sliced.model).total if layers else 0
     return Largest(layers, params, best[0], best[1])

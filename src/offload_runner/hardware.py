@@ -188,17 +188,19 @@ class GpuRates:
     expert_s: float
 
 
-# Fitted on the Qwen3-30B-A3B proxy (4 MoE layers of 128 experts) at micro-batch 1 and 4, GBS 16,
-# one H100, each kernel set (suite throughput-16: `python bench/calibrate_planner.py --gpu-rates
-# bench/results/results-throughput-16*.json`). The dense layer's fixed time is not separable on
-# that model: about a hundred launches of ~10 us each (an estimate).
+# Fitted on the Qwen3-30B-A3B proxy (4 MoE layers of 128 experts, GBS 16) at micro-batch 1 and 4,
+# each kernel set, on one H200 (suite throughput-16, three interleaved calls:
+# `python bench/throughput.py fit bench/results/results-throughput-16-r*.json`). The fused kernels
+# raise the matrix work's rate (272 -> 416 TFLOP/s), not the fixed time (0.029 s a layer per
+# micro-batch). The dense layer's fixed time is not separable on that model: about a hundred
+# launches of ~10 us each (an estimate).
 GPU_RATES = {
-    "plain": GpuRates(flops=280e12, dense_layer_s=1e-3, expert_s=0.0304 / 128),
-    "fused": GpuRates(flops=380e12, dense_layer_s=1e-3, expert_s=0.0304 / 128),
+    "plain": GpuRates(flops=271e12, dense_layer_s=1e-3, expert_s=2.25e-4),
+    "fused": GpuRates(flops=416e12, dense_layer_s=1e-3, expert_s=2.29e-4),
 }
-# Adam on the GPU per param of a rank's shard (bf16 param, fp32 grad, master and moments read and
-# written: ~30 B at ~2.5 TB/s), where no offload takes it off the GPU.
-GPU_ADAM_S_PER_PARAM = 30 / 2.5e12
+# Adam on the GPU per param of a rank's shard where no offload takes it off the GPU (the same
+# suite's no-offload rows: the optimizer phase's median over their params).
+GPU_ADAM_S_PER_PARAM = 2.56e-11
 
 
 # --- host cores ---------------------------------------------------------------------------------

@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""Throughput suites (``throughput-16``): each row's median over its interleaved rounds, the
+GPU step-time model fitted on the calibration rows and held to the rest, and the report.
+
+    python bench/throughput.py fit bench/results/results-throughput-16-r*.json
+    python bench/throughput.py report bench/results/results-throughput-16-r*.json \\
+        --plot docs/benchmarks/throughput-16.png > docs/benchmarks/throughput.md
+
+``fit`` prints the rates hardware.GPU_RATES and GPU_ADAM_S_PER_PARAM take (least squares over
+the calibration rows' forward+backward medians); ``report`` writes the Markdown report and a PNG
+(step time against micro-batch, each round a point). Runs on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from calibrate_planner import overrides_of  # noqa: E402
+
+from offload_runner.auto import choose_offload, with_overrides  # noqa: E402
+from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
+from offload_runner.config.schema import RunConfig, te_fusions  # noqa: E402
+from offload_runner.gpu_time import Predicted, micro_batches, predict  # noqa: E402
+from offload_runner.hardware import GPU_RATES  # noqa: E402
+from offload_runner.model_size import count_parameters, training_flops_per_token  # noqa: E402
+from offload_runner.plan import Layout, make_plan  # noqa: E402
+from offload_runner.report import markdown_table  # noqa: E402
+from offload_runner.step_cost import step_cost  # noqa: E402
+
+# The rows the model's rates were fitted on; every other row is held out.
+FITTED_ON = frozenset({"MB1 plain", "MB4 plain", "MB1 fused", "MB4 fused"})
+TOLERANCE = 0.15  # the issue's bar for a predicted step
+
+
+@dataclass
+class Row:
+    """One case of a suite over its rounds."""
+
+    name: str
+    runs: list[dict] = field(default_factory=list)  # results, in round order
+
+    def values(self, key: str) -> list[float]:
+        return [r["summary"][key] for r in self.runs if r["status"] == "ok"]
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.values(key))
+
+    def spread(self, key: str = "step_time_s_median") -> tuple[float, float]:
+        found = self.values(key)
+        return min(found), max(found)
+
+    @property
+    def held_out(self) -> bool:
+        return self.name not in FITTED_ON
+
+
+def load(files: list[Path]) -> tuple[list[Row], dict]:
+    """The suite's rows in their order, each with its runs over the files (rounds), and the
+    first file's environment."""
+    rows: dict[str, Row] = {}
+    env: dict = {}
+    for path in sorted(files):
+        data = json.loads(path.read_text())
+        commits = [*env.get("commits", []), data["environment"]["commit"]]
+        env = {**(env or data["environment"]), "commits": list(dict.fromkeys(commits))}
+        for result in data["results"]:
+            rows.setdefault(result["case"]["name"], Row(result["case"]["name"])).runs.append(result)
+    order = [c["case"]["name"] for c in json.loads(sorted(files)[0].read_text())["results"]]
+    ordered = [rows[n] for n in order if n in rows] + [r for n, r in rows.items() if n not in order]
+    return ordered, env
+
+
+def run_of(result: dict) -> RunConfig:
+    """The config a recorded run trained with: its command line, with what auto chose there
+    (auto chooses again here, from the same plan; the choice is printed in the report)."""
+    overrides = [
+        "planner.auto_micro_batch=true" if o == "train.micro_batch_size=auto" else o
+        for o in overrides_of(result["command"])
+    ]
+    run = to_run_config(compose_config(overrides))
+    p = run.planner
+    if p.auto_optimizer or p.auto_activation or p.auto_micro_batch:
+        run = with_overrides(run, choose_offload(run).overrides)
+    return run
+
+
+def predicted(result: dict) -> Predicted:
+    """The model's step for a recorded run (its offload's cost from StepCost)."""
+    run = run_of(result)
+    plan = make_plan(run)
+    cost = step_cost(run)
+    return predict(run, max(cost.seconds(run, r) for r in plan.ranks))
+
+
+# --- the fit --------------------------------------------------------------------------------------
+
+
+def fit(rows: list[Row]) -> dict:
+    """Least squares over the calibration rows, per kernel set: forward+backward = expert_s x
+    (micro-batches x layers x local experts) + step FLOPs / flops, after each layer's dense
+    fixed time; and the GPU's Adam seconds per param from every no-offload row's optimizer
+    phase."""
+    samples: dict[str, list[tuple[float, float, float]]] = {}
+    adam = []
+    for row in rows:
+        run = run_of(row.runs[0])
+        if not row.held_out:
+            layout = Layout.of(run)
+            n, m = micro_batches(run, layout), run.model
+            dense = n * m.num_layers * GPU_RATES["plain"].dense_layer_s
+            experts = n * m.num_layers * (m.num_moe_experts or 0) / layout.ep
+            flops = training_flops_per_token(m) * run.train.global_batch_size * m.seq_length
+            kernels = "fused" if te_fusions(run) else "plain"
+            samples.setdefault(kernels, []).append(
+                (experts, flops, row.median("fwd_bwd_time_s_median") - dense)
+            )
+        if not (run.optimizer.optimizer_cpu_offload or run.optimizer.offload_optimizer_states):
+            params = count_parameters(run.model).total
+            adam += [s / params for s in row.values("optimizer_time_s_median")]
+    rates = {k: _least_squares(v) for k, v in samples.items()}
+    return {"rates": rates, "gpu_adam_s_per_param": statistics.median(adam)}
+
+
+def _least_squares(samples: list[tuple[float, float, float]]) -> dict:
+    """y = a x1 + b x2 over (x1, x2, y): a (expert_s) and 1 / b (flops)."""
+    s11 = sum(x1 * x1 for x1, _, _ in samples)
+    s12 = sum(x1 * x2 for x1, x2, _ in samples)
+    s22 = sum(x2 * x2 for _, x2, _ in samples)
+    s1y = sum(x1 * y for x1, _, y in samples)
+    s2y = sum(x2 * y for _, x2, y in samples)
+    det = s11 * s22 - s12 * s12
+    a = (s1y * s22 - s2y * s12) / det
+    b = (s11 * s2y - s12 * s1y) / det
+    return {"expert_s": a, "flops": 1 / b}
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> list[list[str]]:
+    """Each row: its rounds' median step and spread, tokens/s, TFLOP/s, peak, the model's step
+    and its error, and whether it was fitted on."""
+    out = []
+    for row in rows:
+        step = row.median("step_time_s_median")
+        low, high = row.spread()
+        model = predicted(row.runs[0]).step_s
+        out.append([
+            row.name, f"{len(row.values('step_time_s_median'))}", f"{step:.3f}",
+            f"{low:.3f}-{high:.3f}", f"{row.median('tokens_per_s_median'):,.0f}",
+            f"{row.median('tflops_per_gpu_median'):.0f}",
+            f"{row.median('gpu_peak_allocated_gb'):.1f}", f"{model:.3f}",
+            f"{(model - step) / step:+.0%}", "fitted" if not row.held_out else "held out",
+        ])  # fmt: skip
+    return out
+
+
+def inside_spread(a: Row, b: Row) -> bool:
+    """Whether two rows' step times overlap: a difference between them is then within the
+    host's noise."""
+    (a_low, a_high), (b_low, b_high) = a.spread(), b.spread()
+    return a_low <= b_high and b_low <= a_high
+
+
+def comparisons(rows: list[Row]) -> list[str]:
+    """The suite's ratios, each said to be outside or inside the spread."""
+    by = {r.name: r for r in rows}
+    pairs = [("MB1 fused", "MB1 plain", "the fusions at MB 1"),
+             ("MB4 fused", "MB4 plain", "the fusions at MB 4"),
+             ("MB4 plain", "MB1 plain", "MB 4 over MB 1, plain kernels"),
+             ("MB4 fused", "MB1 fused", "MB 4 over MB 1, fused kernels"),
+             ("auto", "MB1 plain", "auto over today's line (MB 1, plain, no offload)")]  # fmt: skip
+    lines = []
+    for fast, slow, what in pairs:
+        if fast in by and slow in by:
+            gain = by[slow].median("step_time_s_median") / by[fast].median("step_time_s_median")
+            noise = "inside the spread" if inside_spread(by[fast], by[slow]) else "outside it"
+            lines.append(f"- {what}: {gain:.2f}x tokens/s ({noise})")
+    return lines
+
+
+def render(files: list[Path], plot: Path | None) -> str:
+    rows, env = load(files)
+    best = max(rows, key=lambda r: r.median("tokens_per_s_median"))
+    auto = next((r for r in rows if r.name == "auto"), None)
+    chose = (auto.runs[0]["summary"].get("auto", "") if auto else "").split(" (")[0]
+    lines = [
+        "# Throughput: kernels, micro-batch and auto (suite `throughput-16`)",
+        "",
+        f"The Qwen3-30B-A3B proxy (4 layers, 3.11B params), GBS 16, seq 4096, under a 79 GB cap, "
+        f"one {env['gpu']}; megatron-core {env['megatron.core']}, transformer-engine "
+        f"{env['transformer_engine']}, commits {', '.join(env['commits'])}, {env['date'][:10]}; "
+        f"`python bench/throughput.py report`. Each row ran "
+        f"once per round, rounds interleaved (A B C ... A B C ...); step is the median over "
+        f"rounds of each run's median step, with the rounds' spread. `plain`: Megatron-Core's "
+        f"defaults (`speed=plain`); `fused`: the NVIDIA recipes' settings (`speed=fused`, the "
+        f"recipes' default). The model column is gpu_time.py's step for the same command line.",
+        "",
+        *markdown_table(["row", "runs", "step s", "spread s", "tokens/s", "TFLOP/s/GPU",
+                         "GPU peak GB", "model s", "model error", ""], table(rows)),
+        "",
+        *comparisons(rows),
+        f"- best row: {best.name}; auto chose `{chose}`",
+        "",
+    ]  # fmt: skip
+    if plot is not None:
+        draw(rows, plot)
+        lines += [f"![step time against micro-batch]({plot.name})", ""]
+    return "\n".join(lines)
+
+
+def draw(rows: list[Row], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        mb = run_of(row.runs[0]).train.micro_batch_size
+        steps = row.values("step_time_s_median")
+        ax.scatter([mb] * len(steps), steps, label=row.name, alpha=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batch")
+    ax.set_ylabel("step s (each round)")
+    ax.set_title("proxy, GBS 16: step time by micro-batch and kernels")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("fit", "report"))
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    if args.command == "fit":
+        print(json.dumps(fit(load(args.files)[0]), indent=1))
+    else:
+        print(render(args.files, args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

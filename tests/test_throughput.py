@@ -1,0 +1,102 @@
+"""The GPU step-time model (gpu_time.py) against suite throughput-16, and auto choosing the
+micro-batch (train.micro_batch_size=auto)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import PROJECT_ROOT, compose_run
+
+from offload_runner.auto import choose_offload
+from offload_runner.cli import EXIT_OK, main
+from offload_runner.gpu_time import forward_backward_seconds
+from offload_runner.hardware import GPU_ADAM_S_PER_PARAM, GPU_RATES
+
+sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+import throughput  # noqa: E402
+
+FILES = sorted((PROJECT_ROOT / "bench/results").glob("results-throughput-16-r*.json"))
+PROXY_16 = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=16",
+            "train.gpu_memory_cap_gb=79", "planner.host_memory_gb=125",
+            "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[throughput.Row]:
+    return throughput.load(FILES)[0]
+
+
+def test_the_rates_are_the_fit_of_the_suite(rows) -> None:
+    """hardware.GPU_RATES and GPU_ADAM_S_PER_PARAM are what `bench/throughput.py fit` gives
+    from the committed results (rounded to three figures)."""
+    found = throughput.fit(rows)
+    for kernels, rates in found["rates"].items():
+        assert GPU_RATES[kernels].flops == pytest.approx(rates["flops"], rel=0.01)
+        assert GPU_RATES[kernels].expert_s == pytest.approx(rates["expert_s"], rel=0.01)
+    assert found["gpu_adam_s_per_param"] == pytest.approx(GPU_ADAM_S_PER_PARAM, rel=0.01)
+
+
+def test_the_model_prices_full_recompute_and_auto_within_15_percent(rows) -> None:
+    """Held out of the fit: full recompute at MB 4 and auto's own run (docs/benchmarks/
+    throughput.md lists the two held-out rows it misses, and why)."""
+    by = {r.name: r for r in rows}
+    for name in ("MB4 fused full recompute", "auto"):
+        measured = by[name].median("step_time_s_median")
+        model = throughput.predicted(by[name].runs[0]).step_s
+        assert abs(model - measured) / measured < throughput.TOLERANCE, name
+
+
+def test_a_small_micro_batch_is_launch_bound_and_fusions_speed_the_matrix_work() -> None:
+    """At MB 1 the proxy's fixed time (128 experts x 4 layers x 16 micro-batches) is most of
+    forward+backward; MB 4 cuts it by four; the fused kernels shorten only the FLOP part."""
+    mb1 = forward_backward_seconds(compose_run(*PROXY_16, "train.micro_batch_size=1"))
+    mb4 = forward_backward_seconds(compose_run(*PROXY_16, "train.micro_batch_size=4"))
+    plain4 = forward_backward_seconds(
+        compose_run(*PROXY_16, "train.micro_batch_size=4", "speed=plain")
+    )
+    fixed = 16 * 4 * (GPU_RATES["fused"].dense_layer_s + 128 * GPU_RATES["fused"].expert_s)
+    assert mb1 - mb4 == pytest.approx(fixed * 3 / 4)
+    assert plain4 / mb4 > 1.2
+
+
+def test_inside_spread_says_when_rows_overlap() -> None:
+    def row(*steps: float) -> throughput.Row:
+        runs = [{"status": "ok", "summary": {"step_time_s_median": s}} for s in steps]
+        return throughput.Row("r", runs)
+
+    assert throughput.inside_spread(row(1.0, 1.2), row(1.1, 1.5))
+    assert not throughput.inside_spread(row(1.0, 1.05), row(1.1, 1.5))
+
+
+def test_auto_picks_the_micro_batch_with_the_most_predicted_tokens_per_s() -> None:
+    """The suite's auto row: MB 4 without offload (measured the fastest row there); it names the
+    next two settings with their predicted tokens/s."""
+    run = compose_run(*PROXY_16, "planner.auto_micro_batch=true", "offload/optimizer=auto")
+    choice = choose_offload(run)
+    assert choice.overrides["train.micro_batch_size"] == 4
+    assert choice.overrides["model.recompute_granularity"] is None
+    assert choice.overrides["optimizer.optimizer_cpu_offload"] is False
+    assert choice.description.startswith("train.micro_batch_size=4, offload/optimizer=disabled")
+    _, _, following = choice.description.partition("; next: ")
+    assert following.count("tokens/s") == 2
+
+
+def test_auto_turns_to_recompute_where_a_larger_micro_batch_needs_it() -> None:
+    """Under 64 GB MB 4 fits only with full recompute or offload: auto weighs both."""
+    run = compose_run(*PROXY_16, "train.gpu_memory_cap_gb=64", "planner.auto_micro_batch=true")
+    choice = choose_offload(run)
+    assert choice.plan.limiting is None
+    mb = choice.overrides["train.micro_batch_size"]
+    assert mb > 1 and choice.overrides["model.recompute_granularity"] is not None
+
+
+def test_micro_batch_auto_on_the_command_line(tmp_path, capsys) -> None:
+    """train.micro_batch_size=auto is a spelling of planner.auto_micro_batch=true: --dry-run
+    says what auto picked."""
+    args = ["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=16",
+            "train.micro_batch_size=auto", "planner.gpu_memory_gb=79",
+            "planner.host_memory_gb=125", f"output_dir={tmp_path}/run", "--dry-run"]  # fmt: skip
+    assert main(args) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "auto: train.micro_batch_size=4" in out.replace("\n", " ")
