@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from offload_runner.auto import choose_offload  # noqa: E402
+from offload_runner.cli import AUTO_MICRO_BATCH  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
 from offload_runner.config.schema import REMOVED_KEYS  # noqa: E402
 from offload_runner.plan import GiB, Plan, make_plan  # noqa: E402
@@ -78,6 +79,8 @@ def overrides_of(command: list[str]) -> list[str]:
         arg = args.pop(0)
         if arg == "--recipe":
             out.append(f"recipe={args.pop(0)}")
+        elif arg == AUTO_MICRO_BATCH:
+            out.append("planner.auto_micro_batch=true")
         elif "=" in arg and not arg.startswith("-") and _retired(arg) is not None:
             out.append(_retired(arg))
     return out
@@ -114,10 +117,24 @@ def ran_with_fp32_masters(result: dict) -> bool:
     return "states_offloaded_params" in summary and "states_master_bytes" not in summary
 
 
+# The recipes' fused kernels (conf/speed/fused.yaml) came with the first throughput-16 call: runs
+# before it ran Megatron-Core's plain kernels.
+FUSED_SINCE = "2026-11-27T12:10"
+
+
+def ran_before_speed_settings(result: dict) -> bool:
+    """A run recorded before the recipes set the fused kernels (its file's date, which
+    ``calibrate`` and the report attach as ``environment``; none: an old run)."""
+    date = (result.get("environment") or {}).get("date", "")
+    return date < FUSED_SINCE
+
+
 def as_it_ran(result: dict) -> list[str]:
     """A recorded run's overrides, with what its engine did by default at its commit spelt
-    out (``ran_before_gpu_share``, ``ran_with_fp32_masters``)."""
+    out (``ran_before_gpu_share``, ``ran_with_fp32_masters``, ``ran_before_speed_settings``)."""
     overrides = overrides_of(result["command"])
+    if ran_before_speed_settings(result) and not any(o.startswith("speed=") for o in overrides):
+        overrides.insert(1, "speed=plain")
     if ran_before_gpu_share(result) and "offload/optimizer=cpu_adam" in overrides:
         overrides.append("optimizer.cpu_adam_gpu_share=0")
     if ran_with_fp32_masters(result):
@@ -135,7 +152,7 @@ def plan_of(result: dict) -> Plan:
         # (auto times the CPU: here it could choose otherwise)
         overrides = [o for o in overrides if not o.endswith("=auto")] + chosen.split()
     run = to_run_config(compose_config(overrides))
-    if run.planner.auto_optimizer or run.planner.auto_activation:
+    if run.planner.auto:
         return choose_offload(run, nproc).plan  # what auto chooses, as the launcher does
     return make_plan(run, world=nproc, gpus_per_node=nproc)
 
@@ -145,6 +162,7 @@ def calibrate(files: list[Path]) -> list[Calibration]:
     for path in files:
         data = json.loads(path.read_text())
         for result in data["results"]:
+            result = {**result, "environment": data["environment"]}
             s = result["summary"]
             if result["status"] != "ok" or not s or is_whole_states(result):
                 continue  # the planner knows the offloads that exist

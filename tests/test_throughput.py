@@ -17,9 +17,13 @@ sys.path.insert(0, str(PROJECT_ROOT / "bench"))
 import throughput  # noqa: E402
 
 FILES = sorted((PROJECT_ROOT / "bench/results").glob("results-throughput-16-r*.json"))
-PROXY_16 = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=16",
-            "train.gpu_memory_cap_gb=79", "planner.host_memory_gb=125",
-            "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+PROXY_16 = (
+    "recipe=qwen3_30b_a3b_proxy",
+    "train.global_batch_size=16",
+    "train.gpu_memory_cap_gb=79",
+    "planner.host_memory_gb=125",
+    "planner.cpu_adam_params_per_s=4e9",
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +98,16 @@ def test_auto_turns_to_recompute_where_a_larger_micro_batch_needs_it() -> None:
 def test_micro_batch_auto_on_the_command_line(tmp_path, capsys) -> None:
     """train.micro_batch_size=auto is a spelling of planner.auto_micro_batch=true: --dry-run
     says what auto picked."""
-    args = ["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=16",
-            "train.micro_batch_size=auto", "planner.gpu_memory_gb=79",
-            "planner.host_memory_gb=125", f"output_dir={tmp_path}/run", "--dry-run"]  # fmt: skip
+    args = [
+        "--recipe",
+        "qwen3_30b_a3b_proxy",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=auto",
+        "planner.gpu_memory_gb=79",
+        "planner.host_memory_gb=125",
+        f"output_dir={tmp_path}/run",
+        "--dry-run",
+    ]
     assert main(args) == EXIT_OK
     out = capsys.readouterr().out
     assert "auto: train.micro_batch_size=4" in out.replace("\n", " ")

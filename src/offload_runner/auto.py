@@ -140,6 +140,12 @@ RECOMPUTE_FULL = {
 NO_RECOMPUTE = dict.fromkeys(RECOMPUTE_FULL)
 
 
+# Settings predicted within this share of the fastest tie (the model's own error on its suite is
+# a few percent): the smallest micro-batch of them wins, then no recompute (_simplest), then the
+# fastest, so that auto never buys memory pressure for a gain it cannot see.
+TIE_MARGIN = 0.05
+
+
 def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
     """The micro-batches and recompute auto tries: as configured, or with
     planner.auto_micro_batch each divisor of the rank's batch, without and with full recompute."""
@@ -158,7 +164,8 @@ def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
 
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     """Among the settings that fit, the one with the most predicted tokens/s (gpu_time.py's
-    forward+backward and GPU Adam, StepCost's offload); for each optimizer setting and shape,
+    forward+backward and GPU Adam, StepCost's offload; ties within TIE_MARGIN go to the
+    simplest); for each optimizer setting and shape,
     the fewest activation-offload layers that fit (the model counts them free: they overlap
     compute). offload/optimizer=auto weighs CPU Adam fractions (planner.auto_engine) against
     optimizer-state offload. Raises ValueError when nothing fits."""
@@ -182,8 +189,15 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     def predicted(fit: Fit) -> Predicted:
         return predict(fit.run, offload_s(fit), world)
 
-    ranked = sorted(fitting, key=lambda f: predicted(f).step_s)  # ties: the earlier, smaller
-    best = ranked[0]
+    fastest = min(predicted(f).step_s for f in fitting)
+    best = min(
+        (f for f in fitting if predicted(f).step_s <= fastest * (1 + TIE_MARGIN)),
+        key=lambda f: (*_simplest(f), predicted(f).step_s),
+    )
+    ranked = [
+        best,
+        *sorted((f for f in fitting if f is not best), key=lambda f: predicted(f).step_s),
+    ]
     parts = [best.shape] if best.shape else []
     if p.auto_optimizer:
         parts.append(f"offload/optimizer={best.name}")
@@ -196,6 +210,8 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     why = _why(best, cost if p.auto_optimizer else None, offload_s)
     if not best.run.model.deterministic_mode:
         why += f"; {_speed(predicted(best))}"
+    if predicted(best).step_s > fastest:
+        why += f"; within {TIE_MARGIN:.0%} of the fastest prediction, the simplest shape wins"
     if others := [
         f"{_label(f)} +{offload_s(f):.2f} s, {_speed(predicted(f))}" for f in ranked[1:3]
     ]:
@@ -203,6 +219,12 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     if (weights := weight_offload_note(best.run, best.plan)) is not None:
         why += f"; {weights}"
     return AutoChoice(best.overrides, f"{', '.join(parts)} ({why})", best.plan)
+
+
+def _simplest(fit: Fit) -> tuple:
+    """What breaks a tie: the smallest micro-batch, then no recompute."""
+    recompute = fit.run.model.recompute_granularity is not None
+    return (fit.run.train.micro_batch_size, recompute)
 
 
 def _label(fit: Fit) -> str:
@@ -245,9 +267,13 @@ def _fewest_layers(run: RunConfig, world: int | None, base: dict, shape: dict) -
     for layers in range(0, max_layers + 1) if searched else (None,):
         overrides = dict(base)
         if layers is not None:
-            overrides.update({"model.cpu_offloading": layers > 0,
-                              "model.cpu_offloading_num_layers": layers,
-                              "model.cpu_offloading_activations": True})  # fmt: skip
+            overrides.update(
+                {
+                    "model.cpu_offloading": layers > 0,
+                    "model.cpu_offloading_num_layers": layers,
+                    "model.cpu_offloading_activations": True,
+                }
+            )
         candidate = with_overrides(run, overrides)
         last = make_plan(candidate, world)
         if last.limiting is None:
@@ -267,8 +293,7 @@ def _why(best: Fit, cost, offload_s) -> str:
         why += f"; {PRECISION_TIERS[best.tier][0]}: nothing in the configured precision fits"
     if cost:
         worst = max(plan.ranks, key=lambda r: cost.seconds(best.run, r))
-        why += (f"; predicted +{offload_s(best):.2f} s per step: "
-                f"{cost.explain(best.run, worst)}")  # fmt: skip
+        why += f"; predicted +{offload_s(best):.2f} s per step: {cost.explain(best.run, worst)}"
     return why
 
 
@@ -312,8 +337,7 @@ def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
     harder with more layers, so a bisection finds it."""
     step = run.model.pipeline_model_parallel_size * (run.model.virtual_pipeline_model_parallel_size
                                                      or 1)  # fmt: skip
-    p = run.planner
-    auto = p.auto_optimizer or p.auto_activation or p.auto_micro_batch
+    auto = run.planner.auto
 
     def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:
         sliced = with_overrides(run, {"model.num_layers": layers})

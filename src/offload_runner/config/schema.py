@@ -540,6 +540,11 @@ class PlannerConfig:
     # what the proxy's delayed runs at GBS 4 measured on one H200 (docs/BENCHMARKS.md).
     cpu_adam_launch_slowdown: float = 0.25
 
+    @property
+    def auto(self) -> bool:
+        """Whether auto chooses anything (offload/*=auto, train.micro_batch_size=auto)."""
+        return self.auto_optimizer or self.auto_activation or self.auto_micro_batch
+
 
 @dataclass
 class ProfilingConfig:
