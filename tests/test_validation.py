@@ -697,6 +697,9 @@ CASES = [
          "model.moe_permute_fusion, model.moe_router_fusion, model.apply_rope_fusion, "
          "model.cross_entropy_fusion_impl=te run inside Transformer Engine",
          Environment(te_available=False, launching=True)),
+    Case("te_cuda_graphs_not_captured", ("recipe=tiny", "model.cuda_graph_impl=transformer_engine"),
+         ("recipe=tiny", "model.cuda_graph_impl=local"),
+         "model.cuda_graph_impl=transformer_engine is captured by the training loop's"),
     Case("gradient_accumulation_fusion_needs_apex",
          ("recipe=tiny", "model.gradient_accumulation_fusion=true"), RECIPE_TINY,
          "model.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda",

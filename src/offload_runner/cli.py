@@ -344,8 +344,7 @@ def _typed_run(cfg: DictConfig) -> RunConfig:
 
 def _apply_auto(job: _Job) -> None:
     """offload/*=auto: the planner's choice written into the config (said, and why)."""
-    p = job.run.planner
-    if not (p.auto_optimizer or p.auto_activation or p.auto_micro_batch):
+    if not job.run.planner.auto:
         return
     try:
         choice = choose_offload(job.run, job.world)
@@ -442,7 +441,7 @@ def _dry_run(job: _Job) -> int:
         console.print_config_tree(resolved, title=f"recipe {run.name}")
     console.console.print(
         f"[bold]recipe[/] {run.name}; changed on the command line: "
-        f"{' '.join(_task_overrides()) or 'nothing'}",
+        f"{escape(' '.join(_task_overrides())) or 'nothing'}",
         highlight=False,
     )
     console.print_offload_summary(summarize(run))
@@ -458,7 +457,7 @@ def _dry_run(job: _Job) -> int:
     run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
                              unique=_time_stamped(cfg))  # fmt: skip
     console.console.print(
-        f"resolved config saved to [bold]{run_dir / 'config.yaml'}[/]"
+        f"resolved config saved to [bold]{escape(str(run_dir / 'config.yaml'))}[/]"
         + ("" if full else " (the whole of it: add --full)")
     )
     return EXIT_OK
@@ -585,6 +584,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--prepare"]:  # text -> indexed data: its own arguments, no config
+        from offload_runner.prepare import main as prepare_main
+
+        return prepare_main(argv[1:])
     try:
         options, hydra_args = split_argv(argv)
     except UsageError as err:

@@ -107,6 +107,23 @@ def _precision_aware(c: RunConfig) -> bool:
     return c.optimizer.use_precision_aware_optimizer or states_offloaded(c)
 
 
+def prepared_vocab(c: RunConfig) -> int:
+    """The largest vocabulary among dataset.data_path's prefixes that --prepare wrote (0: none
+    of them, or mock data)."""
+    from offload_runner.mcore.data import prepared_metadata
+
+    found = prepared_metadata(c) if c.dataset.kind.value == "indexed" else []
+    return max((m["vocab_size"] for m in found), default=0)
+
+
+def prepared_eods(c: RunConfig) -> list[int]:
+    """The end-of-document ids --prepare recorded for dataset.data_path's prefixes."""
+    from offload_runner.mcore.data import prepared_metadata
+
+    found = prepared_metadata(c) if c.dataset.kind.value == "indexed" else []
+    return sorted({m["eod_id"] for m in found})
+
+
 def _low_precision_adam(c: RunConfig) -> bool:
     o = c.optimizer
     dtypes = (o.main_params_dtype, o.exp_avg_dtype, o.exp_avg_sq_dtype)
@@ -449,6 +466,16 @@ RULES: tuple[Rule, ...] = (
         "{te_fusions} run inside Transformer Engine, which is not installed here",
         TE_INSTALL + ", or add speed=plain (Megatron-Core's unfused defaults)",
         environment=True,
+    ),
+    Rule(
+        "te_cuda_graphs_not_captured",
+        lambda c, e: (
+            c.model.cuda_graph_impl == CudaGraphImpl.transformer_engine
+            or bool(getattr(c.model, "external_cuda_graph", False))
+        ),
+        "model.cuda_graph_impl=transformer_engine is captured by the training loop's "
+        "TECudaGraphHelper, which offload-runner's loop does not run: the layers would run eagerly",
+        "set model.cuda_graph_impl=local (Megatron-Core's schedules capture it) or none",
     ),
     Rule(
         "gradient_accumulation_fusion_needs_apex",
@@ -827,6 +854,20 @@ RULES: tuple[Rule, ...] = (
         "add dataset.data_path='[/data/my_text_document]', or data=mock",
     ),
     Rule(
+        "prepared_vocab_exceeds_model",
+        lambda c, e: prepared_vocab(c) > c.model.vocab_size,
+        "dataset.data_path was prepared with a tokenizer of {prepared_vocab} ids, more than "
+        "model.vocab_size={m.vocab_size}",
+        "set model.vocab_size={prepared_vocab}",
+    ),
+    Rule(
+        "prepared_eods_differ",
+        lambda c, e: len(prepared_eods(c)) > 1,
+        "dataset.data_path blends prefixes prepared with different end-of-document ids "
+        "({prepared_eods})",
+        "prepare every prefix with one tokenizer: --prepare ... --tokenizer A.tokenizer.json",
+    ),
+    Rule(
         "manual_gc_interval_unused",
         lambda c, e: c.train.manual_gc_interval > 0 and not c.train.manual_gc,
         "train.manual_gc_interval={t.manual_gc_interval} has no effect while train.manual_gc=false",
@@ -1035,6 +1076,8 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         m=run.model,
         o=run.optimizer,
         te_fusions=", ".join(te_fusions(run)),
+        prepared_vocab=prepared_vocab(run),
+        prepared_eods=", ".join(map(str, prepared_eods(run))),
         t=run.train,
         c=run,
         env=env,

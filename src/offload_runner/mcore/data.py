@@ -24,9 +24,45 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     return items[1::2], weights
 
 
+def prepared_metadata(run: RunConfig) -> list[dict]:
+    """What --prepare wrote beside each of dataset.data_path's prefixes (prefixes made
+    elsewhere have none)."""
+    from offload_runner.prepare import read_metadata
+
+    try:
+        prefixes, _ = parse_blend(run.dataset.data_path)
+    except ValueError:
+        return []
+    return [m for m in map(read_metadata, prefixes) if m is not None]
+
+
+def data_tokenizer(run: RunConfig):
+    """The tokenizer the datasets see: only its EOD and vocabulary size matter to them. The EOD
+    is the one --prepare recorded for the prefixes, else model.vocab_size - 1."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    class DataTokenizer(NullTokenizer):
+        def __init__(self, vocab_size: int, eod: int) -> None:
+            super().__init__(vocab_size - 1)
+            self._eod = eod
+
+        @property
+        def eod(self) -> int:
+            return self._eod
+
+    eods = (
+        {m["eod_id"] for m in prepared_metadata(run)}
+        if run.dataset.kind.value == "indexed"
+        else set()
+    )
+    if len(eods) > 1:
+        raise ValueError(f"dataset.data_path's prefixes have different EOD ids: {sorted(eods)}")
+    eod = eods.pop() if eods else run.model.vocab_size - 1
+    return DataTokenizer(run.model.vocab_size, eod)
+
+
 def dataset_config(run: RunConfig, cache_dir: Path | None = None):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     d: DatasetConfig = run.dataset
     blend = parse_blend(d.data_path) if d.kind == DatasetKind.indexed else None
@@ -35,7 +71,7 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
         sequence_length=run.model.seq_length,
         blend=blend,
         split=d.split,
-        tokenizer=NullTokenizer(vocab_size=run.model.vocab_size - 1),
+        tokenizer=data_tokenizer(run),
         reset_position_ids=d.reset_position_ids,
         reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss,

@@ -1,0 +1,314 @@
+"""Text into Megatron's indexed dataset, for ``data=indexed``:
+
+    python run_recipe.py --prepare TEXT... --output PREFIX [--tokenizer PATH | --vocab-size N]
+
+TEXT is ``.txt`` files, ``.jsonl`` files (a ``text`` field a line) or folders of them. Each text
+is cut at paragraph ends into documents of about ``--chunk-kb`` KB (a few long books must still
+give every split documents; Megatron-Core loops forever on an empty split), and each document
+ends with the tokenizer's end-of-document token. The tokenizer is a local Hugging Face one (a
+``tokenizer.json``, or a folder with it or with ``vocab.json`` + ``merges.txt``), or a byte-level
+BPE trained on the input with HF ``tokenizers`` (``--vocab-size``). Written: ``PREFIX.bin`` and
+``PREFIX.idx`` (Megatron-Core's IndexedDatasetBuilder), ``PREFIX.tokenizer.json`` and
+``PREFIX.json`` (vocab size, EOD id, counts, each input's sha256), which training reads for the
+vocabulary and EOD. Bad input is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+TRAINED_EOD = "<|endoftext|>"
+MIN_DOCUMENTS = 100  # so the 1% validation split of dataset.split=99,1,0 holds a document
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class PrepareError(ValueError):
+    """Input --prepare refuses: ``str(err)`` says what, ``fix`` how."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+@dataclass
+class PrepareArgs:
+    inputs: list[Path]
+    output: Path
+    tokenizer: Path | None = None
+    vocab_size: int = 8192  # of a tokenizer trained on the input
+    chunk_kb: float = 8.0
+    sources: list[Path] = field(default_factory=list)  # the files, once collected
+
+
+def metadata_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.json")
+
+
+def read_metadata(prefix: str | Path) -> dict | None:
+    """What --prepare wrote beside a prefix (None: not prepared here)."""
+    path = metadata_path(prefix)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def collect(inputs: list[Path]) -> list[Path]:
+    """The text files named, folders searched for TEXT_SUFFIXES, in a stable order."""
+    found = []
+    for path in inputs:
+        if path.is_dir():
+            found += sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise PrepareError(f"--prepare: {path} does not exist", "name text files or folders")
+    if not found:
+        raise PrepareError(
+            f"--prepare: no .txt or .jsonl file in {', '.join(map(str, inputs))}",
+            "name .txt / .jsonl files, or folders holding them",
+        )
+    return found
+
+
+def texts(path: Path) -> Iterator[str]:
+    """A file's texts: the whole of a .txt, each line's ``text`` of a .jsonl."""
+    if path.suffix != ".jsonl":
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise PrepareError(
+                f"--prepare: {path}:{number} is not a JSON object with a text field",
+                'write one {"text": "..."} object a line',
+            ) from None
+
+
+def chunks(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, each cut after the last paragraph or
+    sentence end before ``size`` (else the first after it, else at ``size``)."""
+    text = text.strip()
+    while len(text) > size:
+        cut = _last_break(text[:size], size // 2)
+        if cut < 0:
+            after = _last_break(text[: 2 * size], size)
+            cut = after if after > 0 else size
+        yield text[:cut].strip()
+        text = text[cut:].strip()
+    if text:
+        yield text
+
+
+def _last_break(window: str, start: int) -> int:
+    """The position after the last paragraph or sentence end in ``window`` past ``start``
+    (-1: none)."""
+    ends = [m.end() for m in re.finditer(r"\n\s*\n|[.!?][\"')\]]?\s", window[start:])]
+    return start + ends[-1] if ends else -1
+
+
+def documents(args: PrepareArgs) -> Iterator[str]:
+    size = int(args.chunk_kb * 1024)
+    for path in args.sources:
+        for text in texts(path):
+            yield from chunks(text, size)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- the tokenizer ----------------------------------------------------------------------------
+
+
+def load_tokenizer(path: Path):
+    """A local Hugging Face tokenizer: tokenizer.json, or a folder with it or with vocab.json
+    and merges.txt (GPT-2's files)."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import ByteLevel as ByteLevelDecoder
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    fix = "give a tokenizer.json, or a folder with tokenizer.json or vocab.json + merges.txt"
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    try:
+        if path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            tokenizer = Tokenizer(BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+            tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
+            tokenizer.decoder = ByteLevelDecoder()
+            return tokenizer
+        if path.is_file():
+            return Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own kinds; reported as input
+        raise PrepareError(
+            f"--tokenizer {path} does not load: {str(err).splitlines()[0]}", fix
+        ) from None
+    raise PrepareError(f"--tokenizer {path}: no tokenizer there", fix)
+
+
+def train_tokenizer(corpus: Callable[[], Iterator[str]], vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` trained on the documents, its EOD the last id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus(), trainer)
+    tokenizer.add_special_tokens([TRAINED_EOD])
+    return tokenizer
+
+
+def eod_id(tokenizer) -> int:
+    for token in EOD_TOKENS:
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return found
+    raise PrepareError(
+        f"the tokenizer has none of the end-of-document tokens {', '.join(EOD_TOKENS)}",
+        "use a tokenizer with one, or train one on the text (--vocab-size)",
+    )
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def check(args: PrepareArgs) -> int:
+    """Collect the inputs and count their documents; refuse what cannot make a dataset."""
+    args.sources = collect(args.inputs)
+    count = sum(1 for _ in documents(args))
+    if not count:
+        raise PrepareError("--prepare: the input holds no text", "name files that hold text")
+    if count < MIN_DOCUMENTS:
+        smaller = max(0.5, args.chunk_kb * count / MIN_DOCUMENTS / 2)
+        raise PrepareError(
+            f"--prepare: {count} documents of about {args.chunk_kb:g} KB are too few for a "
+            f"validation split (at least {MIN_DOCUMENTS})",
+            f"add text, or cut smaller documents: --chunk-kb {smaller:.1f}",
+        )
+    if args.output.is_dir() or not args.output.name:
+        raise PrepareError(
+            f"--output {args.output} is a folder",
+            "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
+        )
+    return count
+
+
+def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None) -> dict:
+    """Write PREFIX.bin/.idx/.tokenizer.json/.json; returns the metadata. Raises PrepareError
+    before writing anything."""
+    count = check(args)
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
+    else:
+        tokenizer = train_tokenizer(lambda: documents(args), args.vocab_size)
+    eod = eod_id(tokenizer)
+    vocab = tokenizer.get_vocab_size()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(f"{args.output}.partial")
+    builder = IndexedDatasetBuilder(f"{partial}.bin", dtype=DType.optimal_dtype(vocab))
+    tokens = 0
+    size = int(args.chunk_kb * 1024)
+    for path in args.sources:
+        for text in texts(path):
+            pieces = list(chunks(text, size))
+            for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
+                ids = [*encoding.ids, eod]
+                builder.add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
+                tokens += len(ids)
+        on_bytes(path.stat().st_size)
+    builder.finalize(f"{partial}.idx")
+    for suffix in (".bin", ".idx"):
+        Path(f"{partial}{suffix}").replace(f"{args.output}{suffix}")
+    tokenizer.save(f"{args.output}.tokenizer.json")
+    meta = {
+        "tokenizer": f"{args.output.name}.tokenizer.json",
+        "tokenizer_trained": args.tokenizer is None,
+        "vocab_size": vocab,
+        "eod_id": eod,
+        "documents": count,
+        "tokens": tokens,
+        "chunk_kb": args.chunk_kb,
+        "sources": [{"path": str(p), "sha256": sha256(p)} for p in args.sources],
+    }
+    metadata_path(args.output).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+class _Parser:
+    """--prepare's arguments (argparse), its mistakes raised as PrepareError."""
+
+    @staticmethod
+    def parse(argv: list[str]) -> PrepareArgs:
+        import argparse
+
+        class Parser(argparse.ArgumentParser):
+            def error(self, message: str):  # noqa: ANN201 - argparse's hook
+                raise PrepareError(f"--prepare: {message}", USAGE)
+
+        parser = Parser(prog="run_recipe.py --prepare", add_help=False)
+        parser.add_argument("inputs", nargs="+", type=Path)
+        parser.add_argument("--output", required=True, type=Path)
+        parser.add_argument("--tokenizer", type=Path)
+        parser.add_argument("--vocab-size", type=int, default=PrepareArgs.vocab_size)
+        parser.add_argument("--chunk-kb", type=float, default=PrepareArgs.chunk_kb)
+        ns = parser.parse_args(argv)
+        if ns.tokenizer is not None and "--vocab-size" in argv:
+            raise PrepareError(
+                "--prepare: --tokenizer and --vocab-size exclude each other",
+                "a file's tokenizer has its own vocabulary: drop --vocab-size",
+            )
+        if ns.vocab_size < 300 or ns.chunk_kb <= 0:
+            raise PrepareError(
+                "--prepare: --vocab-size must be at least 300 (256 bytes and some "
+                "merges) and --chunk-kb above 0",
+                USAGE,
+            )
+        return PrepareArgs(ns.inputs, ns.output, ns.tokenizer, ns.vocab_size, ns.chunk_kb)
+
+
+USAGE = (
+    "python run_recipe.py --prepare TEXT... --output PREFIX "
+    "[--tokenizer PATH | --vocab-size N] [--chunk-kb KB]"
+)
+
+
+def main(argv: list[str]) -> int:
+    """``run_recipe.py --prepare ...``: 0 written, 2 refused (one line and a fix)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from offload_runner import console
+
+    try:
+        args = _Parser.parse(argv)
+        total = sum(p.stat().st_size for p in collect(args.inputs))
+        columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=console.console, transient=True) as bar:
+            task = bar.add_task("tokenizing", total=total)
+            meta = prepare(args, lambda n: bar.advance(task, n))
+    except PrepareError as err:
+        console.fail(str(err), err.fix)
+        return 2
+    what = "trained on the input" if meta["tokenizer_trained"] else f"from {args.tokenizer}"
+    console.console.print(
+        f"wrote {args.output}.bin/.idx: {meta['documents']} documents, {meta['tokens']:,} tokens; "
+        f"tokenizer {what} ({meta['vocab_size']} ids, EOD {meta['eod_id']}); train with: "
+        f"data=indexed dataset.data_path=[{args.output}] model.vocab_size={meta['vocab_size']}",
+        soft_wrap=True,
+        markup=False,
+    )
+    return 0
