@@ -31,10 +31,14 @@ from offload_runner.report import fmt, markdown_table  # noqa: E402
 
 # The runs the activation model was read from (tensor by tensor, see plan.layer_activations and
 # plan.recompute_stored_and_rebuilt): every other run is held out, and the test holds those to 10%.
-FITTED_ON = frozenset({
-    "spread dense MB1 4k", "spread dense MB4 4k", "spread dense MB1 16k full recompute",
-    "spread MoE MB1 32k full recompute, states",
-})  # fmt: skip
+FITTED_ON = frozenset(
+    {
+        "spread dense MB1 4k",
+        "spread dense MB4 4k",
+        "spread dense MB1 16k full recompute",
+        "spread MoE MB1 32k full recompute, states",
+    }
+)
 
 
 @dataclass
@@ -170,12 +174,21 @@ def calibrate(files: list[Path]) -> list[Calibration]:
             worst = plan_of(result).worst
             # every rank's peak where the run recorded them (rank 0's alone before)
             measured = max(s.get("gpu_peak_per_rank_gb") or [s["gpu_peak_allocated_gb"]])
-            rows.append(Calibration(
-                data["suite"], result["case"]["name"], nproc, measured,
-                worst.gpu_peak / GiB, s.get("gpu_peak_fwd_bwd_gb"), worst.fwd_bwd_peak / GiB,
-                s.get("gpu_peak_step_gb"), worst.step_peak / GiB, s.get("host_pinned_gb_max"),
-                worst.host_pinned / GiB,
-            ))  # fmt: skip
+            rows.append(
+                Calibration(
+                    data["suite"],
+                    result["case"]["name"],
+                    nproc,
+                    measured,
+                    worst.gpu_peak / GiB,
+                    s.get("gpu_peak_fwd_bwd_gb"),
+                    worst.fwd_bwd_peak / GiB,
+                    s.get("gpu_peak_step_gb"),
+                    worst.step_peak / GiB,
+                    s.get("host_pinned_gb_max"),
+                    worst.host_pinned / GiB,
+                )
+            )
     return rows
 
 
@@ -223,9 +236,11 @@ def predicted_step(result: dict, baseline_s: float, reference: dict) -> float:
     nproc = result["case"].get("nproc", 1)
     run = to_run_config(compose_config(as_it_ran(result)))
     threads = str(result["summary"].get("cpu_adam_threads"))
-    rate = reference.get(threads) or max(reference.values(), default=0) or (
-        REFERENCE_CPU_ADAM_PARAMS_PER_S
-    )  # fmt: skip
+    rate = (
+        reference.get(threads)
+        or max(reference.values(), default=0)
+        or (REFERENCE_CPU_ADAM_PARAMS_PER_S)
+    )
     cost = StepCost(rate, rank_link_gb_per_s(run.planner.host_link_gb_per_s, nproc))
     worst = max(plan_of(result).ranks, key=lambda r: cost.seconds(run, r))
     return baseline_s + cost.seconds(run, worst)
@@ -242,27 +257,36 @@ def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
         parsed = [(overrides_of(r["command"]), r) for r in data["results"] if r["status"] == "ok"]
         for result in data["results"]:
             base = by_name.get(result["case"]["baseline"])
-            if (result["status"] != "ok" or base is None or base is result
-                    or base["status"] != "ok"):  # fmt: skip
+            if result["status"] != "ok" or base is None or base is result or base["status"] != "ok":
                 continue
             overrides, shared = overrides_of(result["command"]), overrides_of(base["command"])
-            if (not _exact_engine(overrides) or is_whole_states(result)
-                    or ran_before_gpu_share(result)
-                    or any("=" in o and "offload" not in o and o not in shared
-                           for o in overrides)):  # fmt: skip
+            if (
+                not _exact_engine(overrides)
+                or is_whole_states(result)
+                or ran_before_gpu_share(result)
+                or any("=" in o and "offload" not in o and o not in shared for o in overrides)
+            ):
                 continue  # only the offload differs from the baseline
             same = [r["summary"] for o, r in parsed if o == shared]
             base_s = _mean(same, "step_time_s_median")  # the baseline and its repeats
             mine = result["summary"]  # its waits for the update are the engine's, not drift
-            drift = (mine["fwd_bwd_time_s_median"] - forward_wait(mine, same)
-                     - _mean(same, "fwd_bwd_time_s_median"))  # fmt: skip
-            rows.append(StepCalibration(
-                data["suite"], result["case"]["name"],
-                data["environment"]["gpu"].replace("NVIDIA ", ""), base_s,
-                result["summary"]["step_time_s_median"],
-                predicted_step(result, base_s, reference), drift,
-                _last_over_fastest(parsed, shared, result),
-            ))  # fmt: skip
+            drift = (
+                mine["fwd_bwd_time_s_median"]
+                - forward_wait(mine, same)
+                - _mean(same, "fwd_bwd_time_s_median")
+            )
+            rows.append(
+                StepCalibration(
+                    data["suite"],
+                    result["case"]["name"],
+                    data["environment"]["gpu"].replace("NVIDIA ", ""),
+                    base_s,
+                    result["summary"]["step_time_s_median"],
+                    predicted_step(result, base_s, reference),
+                    drift,
+                    _last_over_fastest(parsed, shared, result),
+                )
+            )
     return rows
 
 
@@ -285,8 +309,9 @@ def _last_over_fastest(parsed: list, shared: list[str], result: dict) -> float:
     """The step of the last no-offload run (``shared`` overrides) before ``result`` in its call
     over the call's fastest no-offload step."""
     here = next(i for i, (_, r) in enumerate(parsed) if r is result)
-    bases = [(i, r["summary"]["step_time_s_median"]) for i, (o, r) in enumerate(parsed)
-             if o == shared]  # fmt: skip
+    bases = [
+        (i, r["summary"]["step_time_s_median"]) for i, (o, r) in enumerate(parsed) if o == shared
+    ]
     fastest = min(step for _, step in bases)
     before = [step for i, step in bases if i < here]
     return (before[-1] if before else fastest) / fastest
@@ -318,17 +343,26 @@ def engine_rates(files: list[Path]) -> list[EngineRate]:
         for r in data["results"]:
             s = r.get("summary") or {}
             rate = reference.get(str(s.get("cpu_adam_threads")))
-            if (s.get("cpu_adam_mode") != "exact" or not s.get("cpu_adam_gpu_share") or not rate
-                    or r["case"].get("nproc", 1) != 1):  # fmt: skip
+            if (
+                s.get("cpu_adam_mode") != "exact"
+                or not s.get("cpu_adam_gpu_share")
+                or not rate
+                or r["case"].get("nproc", 1) != 1
+            ):
                 continue
             low = any("exp_avg" in o and "bf16" in o for o in overrides_of(r["command"]))
             window = 8 if low else 12  # the GPU share's states each way, per param
             moved = s["cpu_adam_params_on_gpu"] * window + s["cpu_adam_params_on_cpu"] * 4
-            rows.append(EngineRate(
-                data["suite"], r["case"]["name"], data["environment"]["gpu"].replace("NVIDIA ", ""),
-                s["cpu_adam_params_per_s"] / rate, moved / s["cpu_adam_stream_s_median"] / 1e9,
-                low,
-            ))  # fmt: skip
+            rows.append(
+                EngineRate(
+                    data["suite"],
+                    r["case"]["name"],
+                    data["environment"]["gpu"].replace("NVIDIA ", ""),
+                    s["cpu_adam_params_per_s"] / rate,
+                    moved / s["cpu_adam_stream_s_median"] / 1e9,
+                    low,
+                )
+            )
     return rows
 
 
@@ -336,20 +370,37 @@ def render_engine_rates(rows: list[EngineRate]) -> str:
     import statistics
 
     table = markdown_table(
-        ["suite", "case", "GPU", "moments", "CPU rate / fused AdamW alone",
-         "link during the pass GB/s"],
-        [[r.suite, r.case, r.gpu, "bf16" if r.bf16_moments else "fp32", f"{r.cpu_ratio:.2f}",
-          f"{r.link_gb_per_s:.1f}"] for r in rows],
-    )  # fmt: skip
+        [
+            "suite",
+            "case",
+            "GPU",
+            "moments",
+            "CPU rate / fused AdamW alone",
+            "link during the pass GB/s",
+        ],
+        [
+            [
+                r.suite,
+                r.case,
+                r.gpu,
+                "bf16" if r.bf16_moments else "fp32",
+                f"{r.cpu_ratio:.2f}",
+                f"{r.link_gb_per_s:.1f}",
+            ]
+            for r in rows
+        ],
+    )
     lines = [*table, ""]
     for low in (False, True):
         some = [r for r in rows if r.bf16_moments == low]
         if some:
             kind = "bf16" if low else "fp32"
-            lines.append(f"median, {kind} moments ({len(some)} runs): CPU rate "
-                         f"{statistics.median(r.cpu_ratio for r in some):.2f} of fused AdamW "
-                         f"alone, link {statistics.median(r.link_gb_per_s for r in some):.1f} GB/s "
-                         "each way")  # fmt: skip
+            lines.append(
+                f"median, {kind} moments ({len(some)} runs): CPU rate "
+                f"{statistics.median(r.cpu_ratio for r in some):.2f} of fused AdamW "
+                f"alone, link {statistics.median(r.link_gb_per_s for r in some):.1f} GB/s "
+                "each way"
+            )
     return "\n".join(lines)
 
 
@@ -357,13 +408,34 @@ def render_steps(rows: list[StepCalibration]) -> str:
     import statistics
 
     table = markdown_table(
-        ["suite", "case", "GPU", "no offload s (mean)", "measured s", "predicted s", "error",
-         "fwd+bwd against no offload s", "error given the run's fwd+bwd",
-         "no offload just before / fastest"],
-        [[r.suite, r.case, r.gpu, f"{r.baseline_s:.3f}", f"{r.measured_s:.3f}",
-          f"{r.predicted_s:.3f}", f"{r.error:+.1%}", f"{r.fwd_bwd_drift_s:+.3f}",
-          f"{r.update_error:+.1%}", f"{r.host_slowdown:.2f}x"] for r in rows],
-    )  # fmt: skip
+        [
+            "suite",
+            "case",
+            "GPU",
+            "no offload s (mean)",
+            "measured s",
+            "predicted s",
+            "error",
+            "fwd+bwd against no offload s",
+            "error given the run's fwd+bwd",
+            "no offload just before / fastest",
+        ],
+        [
+            [
+                r.suite,
+                r.case,
+                r.gpu,
+                f"{r.baseline_s:.3f}",
+                f"{r.measured_s:.3f}",
+                f"{r.predicted_s:.3f}",
+                f"{r.error:+.1%}",
+                f"{r.fwd_bwd_drift_s:+.3f}",
+                f"{r.update_error:+.1%}",
+                f"{r.host_slowdown:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
     within = [r for r in rows if abs(r.error) <= 0.10]
     given = [r for r in rows if abs(r.update_error) <= 0.10]
     slowed = [r for r in rows if r.host_slowdown >= 1.3]
@@ -383,16 +455,34 @@ def render_steps(rows: list[StepCalibration]) -> str:
 
 def render(rows: list[Calibration], min_gb: float) -> str:
     table = markdown_table(
-        ["suite", "case", "GPUs", "measured peak GB", "planned GB", "error", "held out",
-         "fwd+bwd measured / planned", "step measured / planned",
-         "pinned host measured / planned"],
-        [[r.suite, r.case, str(r.nproc), fmt(r.measured_gb), fmt(r.planned_gb),
-          f"{r.error:+.1%}" + ("" if r.measured_gb >= min_gb else " (overhead-bound)"),
-          "yes" if r.held_out else "fitted on",
-          f"{fmt(r.measured_fwd_bwd_gb)} / {fmt(r.planned_fwd_bwd_gb)}",
-          f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}",
-          f"{fmt(r.measured_pinned_gb)} / {fmt(r.planned_pinned_gb)}"] for r in rows],
-    )  # fmt: skip
+        [
+            "suite",
+            "case",
+            "GPUs",
+            "measured peak GB",
+            "planned GB",
+            "error",
+            "held out",
+            "fwd+bwd measured / planned",
+            "step measured / planned",
+            "pinned host measured / planned",
+        ],
+        [
+            [
+                r.suite,
+                r.case,
+                str(r.nproc),
+                fmt(r.measured_gb),
+                fmt(r.planned_gb),
+                f"{r.error:+.1%}" + ("" if r.measured_gb >= min_gb else " (overhead-bound)"),
+                "yes" if r.held_out else "fitted on",
+                f"{fmt(r.measured_fwd_bwd_gb)} / {fmt(r.planned_fwd_bwd_gb)}",
+                f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}",
+                f"{fmt(r.measured_pinned_gb)} / {fmt(r.planned_pinned_gb)}",
+            ]
+            for r in rows
+        ],
+    )
     return "\n".join(table)
 
 
@@ -402,8 +492,11 @@ def main() -> int:
     parser.add_argument("--max-error", type=float, default=None)
     parser.add_argument("--min-gb", type=float, default=0.1)
     parser.add_argument("--steps", action="store_true", help="the step-time model instead")
-    parser.add_argument("--engine-rates", action="store_true",
-                        help="exact CPU Adam's CPU and link rates beside each other")  # fmt: skip
+    parser.add_argument(
+        "--engine-rates",
+        action="store_true",
+        help="exact CPU Adam's CPU and link rates beside each other",
+    )
     args = parser.parse_args()
     if args.engine_rates:
         print(render_engine_rates(engine_rates(args.files)))

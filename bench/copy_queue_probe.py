@@ -31,8 +31,14 @@ import torch
 LINK_MB = 1024  # the side traffic's buffers each way
 
 
-def side_traffic(chunk_mb: int, depth: int, gaps: bool, stop: threading.Event,
-                 started: threading.Event, moved: list) -> None:  # fmt: skip
+def side_traffic(
+    chunk_mb: int,
+    depth: int,
+    gaps: bool,
+    stop: threading.Event,
+    started: threading.Event,
+    moved: list,
+) -> None:
     """Copies of ``chunk_mb`` MiB up and down, paced: a direction's next copy waits until the
     copy ``depth`` before it has finished (4: the pass's window of four slots); with ``gaps``, a
     one-element kernel on the copy's stream after each (as the state window issues them).
@@ -49,8 +55,9 @@ def side_traffic(chunk_mb: int, depth: int, gaps: bool, stop: threading.Event,
     while not stop.is_set():
         view = slice(i % slots * n, (i % slots + 1) * n)
         done = []
-        for k, (stream, dst, src) in enumerate(((up, device[0], host[0]),
-                                                (down, host[1], device[1]))):  # fmt: skip
+        for k, (stream, dst, src) in enumerate(
+            ((up, device[0], host[0]), (down, host[1], device[1]))
+        ):
             with torch.cuda.stream(stream):
                 dst[view].copy_(src[view], non_blocking=True)
                 if gaps:
@@ -104,9 +111,11 @@ def small_copies(seconds: float, limit_s: float) -> tuple[list[float], list[floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default="0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1",
-                        help="CHUNK_MiBxDEPTH[k], comma-separated (k: a kernel after each "
-                             "copy)")  # fmt: skip
+    parser.add_argument(
+        "--runs",
+        default="0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1",
+        help="CHUNK_MiBxDEPTH[k], comma-separated (k: a kernel after each copy)",
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument(
         "--limit",
@@ -130,9 +139,9 @@ def main() -> None:
         stop, started, moved = threading.Event(), threading.Event(), []
         thread = None
         if chunk_mb:
-            thread = threading.Thread(target=side_traffic,
-                                      args=(chunk_mb, depth, run.endswith("k"), stop, started,
-                                            moved))  # fmt: skip
+            thread = threading.Thread(
+                target=side_traffic, args=(chunk_mb, depth, run.endswith("k"), stop, started, moved)
+            )
             thread.start()
             started.wait()
             time.sleep(0.2)  # under way

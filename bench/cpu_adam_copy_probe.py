@@ -69,8 +69,10 @@ def main() -> None:
         "pieces, both (exact mode's update)": lambda: in_pieces(a, True, True, False),
         "pieces, both, one busy Python thread": lambda: in_pieces(a, True, True, True),
     }
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"N={N:.3g} params, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"N={N:.3g} params, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}"
+    )
     for threads in (int(t) for t in os.environ.get("THREADS", "16,14").split(",")):
         torch.set_num_threads(threads)
         reference = None
@@ -78,8 +80,10 @@ def main() -> None:
             seconds = median_of(fn)
             rate = N / seconds
             reference = reference or rate
-            print(f"{threads} threads, {name}: {seconds * 1000:6.1f} ms = {rate / 1e9:.2f} G "
-                  f"params/s, {rate / reference:.2f}x the reference")  # fmt: skip
+            print(
+                f"{threads} threads, {name}: {seconds * 1000:6.1f} ms = {rate / 1e9:.2f} G "
+                f"params/s, {rate / reference:.2f}x the reference"
+            )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ import torch
 
 N = int(float(os.environ.get("N", "5e8")))
 PIECE = 16 * 1024**2  # the engine's 64 MiB pieces of fp32
-HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False,
-             maximize=False)  # fmt: skip
+HYPER = dict(
+    lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False
+)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
@@ -71,8 +72,9 @@ def anon_huge_gb() -> float:
 
 
 def adam(a: list[torch.Tensor], lo: int, hi: int, step: torch.Tensor) -> None:
-    torch._fused_adamw_([a[0][lo:hi]], [a[1][lo:hi]], [a[2][lo:hi]], [a[3][lo:hi]], [],
-                        [step], **HYPER)  # fmt: skip
+    torch._fused_adamw_(
+        [a[0][lo:hi]], [a[1][lo:hi]], [a[2][lo:hi]], [a[3][lo:hi]], [], [step], **HYPER
+    )
 
 
 def adam_batched(a: list[torch.Tensor], spans: list[tuple[int, int]], step) -> None:
@@ -130,20 +132,30 @@ def main() -> None:
     settings = {
         f.name: f.read_text().strip() for f in (thp / "enabled", thp / "defrag") if f.exists()
     }
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"N={N:.3g} params, {threads} threads, OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY', '')}, transparent_hugepage {settings}")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"N={N:.3g} params, {threads} threads, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', '')}, transparent_hugepage {settings}"
+    )
     step = torch.tensor(10.0)
     reference = None
-    kinds = ("torch.empty", "arena", "arena, huge pages", "arena, registered",
-             "arena, huge pages, registered", "pin_memory")  # fmt: skip
+    kinds = (
+        "torch.empty",
+        "arena",
+        "arena, huge pages",
+        "arena, registered",
+        "arena, huge pages, registered",
+        "pin_memory",
+    )
     for kind in kinds:
         reference = measure(kind, step, reference)
 
 
 def line(what: str, seconds: float, reference: float, extra: str = "") -> None:
-    print(f"{what}: {seconds * 1000:6.1f} ms = {N / seconds / 1e9:.2f} G params/s, "
-          f"{reference / seconds:.2f}x the reference{extra}")  # fmt: skip
+    print(
+        f"{what}: {seconds * 1000:6.1f} ms = {N / seconds / 1e9:.2f} G params/s, "
+        f"{reference / seconds:.2f}x the reference{extra}"
+    )
 
 
 def measure(kind: str, step: torch.Tensor, reference: float | None) -> float:
@@ -153,8 +165,10 @@ def measure(kind: str, step: torch.Tensor, reference: float | None) -> float:
     before = anon_huge_gb()
     a = arrays(kind, keep)
     huge = f" (huge pages {anon_huge_gb() - before:.1f} GB)"
-    for name, fn in (("one call", lambda: adam(a, 0, N, step)),
-                     ("pieces", lambda: pieces(a, step, 1))):  # fmt: skip
+    for name, fn in (
+        ("one call", lambda: adam(a, 0, N, step)),
+        ("pieces", lambda: pieces(a, step, 1)),
+    ):
         seconds = timed(fn)
         reference = reference or seconds
         line(f"{kind}, {name}", seconds, reference, huge)
@@ -162,8 +176,12 @@ def measure(kind: str, step: torch.Tensor, reference: float | None) -> float:
         for main_thread in ("idle", "launching", "spinning"):
             for per_call in (1, 8):
                 seconds = with_main_thread(lambda p=per_call: pieces(a, step, p), main_thread)
-                line(f"{kind}, pieces on a worker, main thread {main_thread}, {per_call} "
-                     "piece(s) per call", seconds, reference)  # fmt: skip
+                line(
+                    f"{kind}, pieces on a worker, main thread {main_thread}, {per_call} "
+                    "piece(s) per call",
+                    seconds,
+                    reference,
+                )
     if "registered" in kind:
         for t in a:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

@@ -23,8 +23,9 @@ import torch
 N = int(float(os.environ.get("N", "1e9")))
 PIECE = 16 * 1024**2  # the engine's 64 MiB pieces of fp32
 SLOTS = 4
-HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False,
-             maximize=False)  # fmt: skip
+HYPER = dict(
+    lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False
+)
 
 
 class Arrays:
@@ -66,8 +67,15 @@ def on_cpu(
         if event is not None:
             event.synchronize()
         began = time.perf_counter()
-        torch._fused_adamw_([a.master[s:e]], [a.grad_host[s:e]], [a.exp_avg[s:e]],
-                            [a.exp_avg_sq[s:e]], [], [a.cpu_step], **HYPER)  # fmt: skip
+        torch._fused_adamw_(
+            [a.master[s:e]],
+            [a.grad_host[s:e]],
+            [a.exp_avg[s:e]],
+            [a.exp_avg_sq[s:e]],
+            [],
+            [a.cpu_step],
+            **HYPER,
+        )
         busy += time.perf_counter() - began
         if not copy_up:
             continue
@@ -92,8 +100,9 @@ def on_gpu(a: Arrays, lo: int, hi: int) -> None:
             for j, array in enumerate(host):
                 slot[j, :n].copy_(array, non_blocking=True)
         compute.wait_stream(load)
-        torch._fused_adamw_([slot[0, :n]], [a.grad[s:e]], [slot[1, :n]], [slot[2, :n]], [],
-                            [a.gpu_step], **HYPER)  # fmt: skip
+        torch._fused_adamw_(
+            [slot[0, :n]], [a.grad[s:e]], [slot[1, :n]], [slot[2, :n]], [], [a.gpu_step], **HYPER
+        )
         a.param[s:e].copy_(slot[0, :n])
         unload.wait_stream(compute)
         with torch.cuda.stream(unload):
@@ -137,9 +146,11 @@ def main() -> None:
             alone = rate
         link = (12 * (N - split) + 4 * split) / wall / 1e9
         beside = f", {rate / alone:.2f}x its rate alone" if rate and alone and share < 1 else ""
-        print(f"CPU share {split / N:.2f}: update {wall * 1000:6.1f} ms = {N / wall / 1e9:.2f} G "
-              f"params/s; CPU {busy * 1000:6.1f} ms at "
-              f"{(rate or 0) / 1e9:.2f} G/s{beside}; link {link:.1f} GB/s each way")  # fmt: skip
+        print(
+            f"CPU share {split / N:.2f}: update {wall * 1000:6.1f} ms = {N / wall / 1e9:.2f} G "
+            f"params/s; CPU {busy * 1000:6.1f} ms at "
+            f"{(rate or 0) / 1e9:.2f} G/s{beside}; link {link:.1f} GB/s each way"
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ from cpu_gpu_split_probe import HYPER, PIECE, SLOTS, Arrays, N, on_cpu
 MATMULS = int(os.environ.get("MATMULS", "400"))  # the stand-in: 8192^3 bf16 matmuls
 
 
-def window_pass(a: Arrays, lo: int, hi: int, window: torch.Tensor, adam: torch.cuda.Stream,
-                done: list[float], began: float) -> None:  # fmt: skip
+def window_pass(
+    a: Arrays,
+    lo: int,
+    hi: int,
+    window: torch.Tensor,
+    adam: torch.cuda.Stream,
+    done: list[float],
+    began: float,
+) -> None:
     """Masters, moments and gradients of [lo, hi) in, Adam on ``adam``, masters and moments out
     (issued from this thread; ``done`` gets the seconds from ``began`` until the last copy out)."""
     load, unload = a.streams[2], a.streams[3]
@@ -43,8 +50,15 @@ def window_pass(a: Arrays, lo: int, hi: int, window: torch.Tensor, adam: torch.c
                     slot[j, :n].copy_(array, non_blocking=True)
             adam.wait_stream(load)
             with torch.cuda.stream(adam):
-                torch._fused_adamw_([slot[0, :n]], [slot[3, :n]], [slot[1, :n]], [slot[2, :n]],
-                                    [], [a.gpu_step], **HYPER)  # fmt: skip
+                torch._fused_adamw_(
+                    [slot[0, :n]],
+                    [slot[3, :n]],
+                    [slot[1, :n]],
+                    [slot[2, :n]],
+                    [],
+                    [a.gpu_step],
+                    **HYPER,
+                )
             unload.wait_stream(adam)
             with torch.cuda.stream(unload):
                 for j, array in enumerate(host[:3]):
@@ -95,9 +109,11 @@ def main() -> None:
     adam = torch.cuda.Stream()
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     alone = statistics.median(stand_in(x) for _ in range(4))
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, N={N:.3g} params, pieces of {PIECE} params; "
-          f"the stand-in alone {alone * 1000:.0f} ms ({MATMULS} bf16 8192^3 matmuls)")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}, N={N:.3g} params, pieces of {PIECE} params; "
+        f"the stand-in alone {alone * 1000:.0f} ms ({MATMULS} bf16 8192^3 matmuls)"
+    )
     cpu_alone = None
     for share in [float(s) for s in os.environ.get("SHARES", "0,0,0.3,0.4,0.5,0.6").split(",")]:
         beside = cpu_alone is not None or share > 0  # the first run: the CPU alone, no stand-in
@@ -107,12 +123,15 @@ def main() -> None:
         rate = split / busy
         if not beside:
             cpu_alone = wall
-            print(f"CPU alone, no stand-in: update {wall * 1000:6.1f} ms, CPU at "
-                  f"{rate / 1e9:.2f} G/s")  # fmt: skip
+            print(
+                f"CPU alone, no stand-in: update {wall * 1000:6.1f} ms, CPU at {rate / 1e9:.2f} G/s"
+            )
             continue
-        print(f"GPU share {1 - split / N:.2f} beside the stand-in: update {wall * 1000:6.1f} ms "
-              f"({cpu_alone / wall:.2f}x faster than the CPU alone), CPU at {rate / 1e9:.2f} G/s; "
-              f"the stand-in {computed * 1000:.0f} ms ({computed / alone:.2f}x alone)")  # fmt: skip
+        print(
+            f"GPU share {1 - split / N:.2f} beside the stand-in: update {wall * 1000:6.1f} ms "
+            f"({cpu_alone / wall:.2f}x faster than the CPU alone), CPU at {rate / 1e9:.2f} G/s; "
+            f"the stand-in {computed * 1000:.0f} ms ({computed / alone:.2f}x alone)"
+        )
 
 
 if __name__ == "__main__":

@@ -31,13 +31,17 @@ VOCAB, SEQ, WIDTH, LAYERS, BATCH, STEPS, WARMUP, LR = 2048, 64, 128, 2, 4, 300, 
 
 def build(seed: int) -> torch.nn.ModuleDict:
     torch.manual_seed(seed)
-    layer = torch.nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True,
-                                             norm_first=True)  # fmt: skip
-    return torch.nn.ModuleDict({
-        "embed": torch.nn.Embedding(VOCAB, WIDTH), "position": torch.nn.Embedding(SEQ, WIDTH),
-        "layers": torch.nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False),
-        "out": torch.nn.Linear(WIDTH, VOCAB),
-    })  # fmt: skip
+    layer = torch.nn.TransformerEncoderLayer(
+        WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+    )
+    return torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Embedding(VOCAB, WIDTH),
+            "position": torch.nn.Embedding(SEQ, WIDTH),
+            "layers": torch.nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False),
+            "out": torch.nn.Linear(WIDTH, VOCAB),
+        }
+    )
 
 
 def loss_of(model: torch.nn.ModuleDict, tokens: torch.Tensor) -> torch.Tensor:
@@ -91,9 +95,21 @@ def prediction_cost(numel: int = 64 * 1024**2, repeats: int = 3) -> None:
     steps = torch.tensor(10.0)
 
     def adam(a: int, b: int) -> None:
-        torch._fused_adamw_([master[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], [],
-                            [steps], lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
-                            amsgrad=False, maximize=False)  # fmt: skip
+        torch._fused_adamw_(
+            [master[a:b]],
+            [grad[a:b]],
+            [exp_avg[a:b]],
+            [exp_avg_sq[a:b]],
+            [],
+            [steps],
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            weight_decay=0.1,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
 
     def alone() -> None:
         adam(0, numel)
@@ -112,8 +128,10 @@ def prediction_cost(numel: int = 64 * 1024**2, repeats: int = 3) -> None:
         for _ in range(repeats):
             step()
         times[name] = (time.perf_counter() - began) / repeats
-        print(f"{name}: {numel / times[name] / 1e9:.2f} G params/s ({torch.get_num_threads()} "
-              "threads)")  # fmt: skip
+        print(
+            f"{name}: {numel / times[name] / 1e9:.2f} G params/s ({torch.get_num_threads()} "
+            "threads)"
+        )
     print(f"prediction costs {times['with weight prediction'] / times['fused AdamW alone']:.2f}x")
 
 

@@ -132,8 +132,10 @@ def floors(s: Suite) -> dict[str, float]:
     params, rate = ca["cpu_offloaded_params"], ca["cpu_adam_params_per_s"]
     share = (1 / rate - 4 / link) / (1 / rate + 8 / link)  # the balanced GPU share
     cover = s.fwd_bwd / s.gbs / 3  # the first micro-batch's forward
-    return {"cpu_adam 100%": (s.base + (1 - share) * params / rate - cover) / s.base,
-            "states": states_floor(s, st)}  # fmt: skip
+    return {
+        "cpu_adam 100%": (s.base + (1 - share) * params / rate - cover) / s.base,
+        "states": states_floor(s, st),
+    }
 
 
 def states_floor(s: Suite, st: dict) -> float:
@@ -175,16 +177,20 @@ def ends() -> str:
     for gbs in BARS:
         s = suites(gbs, pairs=False)[0]
         ca = s.first("cpu_adam 100%")
-        parts.append(f"GBS {gbs}: CPU {ca['cpu_adam_wall_s_median']:.2f} s, GPU share "
-                     f"{ca['cpu_adam_stream_s_median']:.2f} s, optimizer phase "
-                     f"{ca['optimizer_time_s_median']:.2f} s, the forward's wait "
-                     f"{ca['cpu_adam_forward_wait_s_median'] * 1000:.0f} ms, the floor's cover "
-                     f"{s.bases[0]['fwd_bwd_time_s_median'] / gbs / 3 * 1000:.0f} ms")  # fmt: skip
-    return ("Where exact CPU Adam's update ends in suites `gbs-N` (the CPU's part, landing during "
-            "the next forward, and the GPU share's pass on the compute stream, which the step "
-            "waits for; balanced to end together): " + "; ".join(parts) + ". The forward never "
-            "waited: both parts end inside the step, and the cover a balance tilted towards the "
-            "CPU could use is the floor's, tens of ms.")  # fmt: skip
+        parts.append(
+            f"GBS {gbs}: CPU {ca['cpu_adam_wall_s_median']:.2f} s, GPU share "
+            f"{ca['cpu_adam_stream_s_median']:.2f} s, optimizer phase "
+            f"{ca['optimizer_time_s_median']:.2f} s, the forward's wait "
+            f"{ca['cpu_adam_forward_wait_s_median'] * 1000:.0f} ms, the floor's cover "
+            f"{s.bases[0]['fwd_bwd_time_s_median'] / gbs / 3 * 1000:.0f} ms"
+        )
+    return (
+        "Where exact CPU Adam's update ends in suites `gbs-N` (the CPU's part, landing during "
+        "the next forward, and the GPU share's pass on the compute stream, which the step "
+        "waits for; balanced to end together): " + "; ".join(parts) + ". The forward never "
+        "waited: both parts end inside the step, and the cover a balance tilted towards the "
+        "CPU could use is the floor's, tens of ms."
+    )
 
 
 def asks() -> str:
@@ -225,15 +231,18 @@ def asks() -> str:
                 f"{(link * 1e9 + 8 * beside * s.alone) / 12 / 1e9:.2f} | {best:.2f} | "
                 f"{rate / 1e9:.2f} | {moved / left / 1e9:.0f} | {link:.1f} |"
             )
-    lines += ["", (
-        f"State offload's bars ask the link for {min(ratios):.1f}-{max(ratios):.1f} times what it "
-        "carries. Where exact CPU Adam's ask is above what an undisturbed CPU beside a full link "
-        f"could give, or above the same with the CPU at {beside:.2f}x its rate alone (the best it "
-        "kept beside the copies outside the engine: split probe, one H200, 1e9 params), no "
-        f"overlap meets the bar with fp32 moments. That probe's best split updated {best:.2f} G "
-        "params/s in all (the CPU never kept that rate while the link ran full); the engine "
-        f"reached {min(reached):.1f}-{max(reached):.1f}."
-    )]  # fmt: skip
+    lines += [
+        "",
+        (
+            f"State offload's bars ask the link for {min(ratios):.1f}-{max(ratios):.1f} times what it "
+            "carries. Where exact CPU Adam's ask is above what an undisturbed CPU beside a full link "
+            f"could give, or above the same with the CPU at {beside:.2f}x its rate alone (the best it "
+            "kept beside the copies outside the engine: split probe, one H200, 1e9 params), no "
+            f"overlap meets the bar with fp32 moments. That probe's best split updated {best:.2f} G "
+            "params/s in all (the CPU never kept that rate while the link ran full); the engine "
+            f"reached {min(reached):.1f}-{max(reached):.1f}."
+        ),
+    ]
     return "\n".join([*lines, "", met()])
 
 
@@ -248,13 +257,18 @@ def met() -> str:
                 runs += 1
                 step = r["step_time_s_median"] / s.base
                 if step <= bar:
-                    hits.append(f"{engine} at GBS {gbs} in `{s.label}` ({s.gpu}): {step:.3f}x, its "
-                                f"forward+backward {r['fwd_bwd_time_s_median'] / s.fwd_bwd:.2f}x "
-                                "no offload's")  # fmt: skip
-    return (f"{len(hits)} of the {runs} exact runs above met their step bar: " + "; ".join(hits)
-            + ". A run meets it only where no offload's step is slow beside the update (the "
-            "H100's at GBS 32) and its own forward+backward came out no slower than no offload's; "
-            "each engine's update costs about the same at every batch.")  # fmt: skip
+                    hits.append(
+                        f"{engine} at GBS {gbs} in `{s.label}` ({s.gpu}): {step:.3f}x, its "
+                        f"forward+backward {r['fwd_bwd_time_s_median'] / s.fwd_bwd:.2f}x "
+                        "no offload's"
+                    )
+    return (
+        f"{len(hits)} of the {runs} exact runs above met their step bar: "
+        + "; ".join(hits)
+        + ". A run meets it only where no offload's step is slow beside the update (the "
+        "H100's at GBS 32) and its own forward+backward came out no slower than no offload's; "
+        "each engine's update costs about the same at every batch."
+    )
 
 
 def pairs() -> str:
@@ -266,12 +280,15 @@ def pairs() -> str:
         env, rows = data["environment"], data["results"]
         fb = [r["summary"]["fwd_bwd_time_s_median"] for r in rows]
         base = [i for i, r in enumerate(rows) if "no offload" in r["case"]["name"]]
-        out += [f"Suite `{data['suite']}` ({env['gpu']}, {env['date'][:10]}, commit "
-                f"{env['commit']}) ran no offload, cpu_adam and states in turn, in one call. Each "
-                "engine run's forward+backward against no offload's at its moment in the call "
-                "(the two no-offload runs around it, interpolated; after the last, the last):",
-                "", "| run | forward+backward s | no offload then s | ratio |",
-                "|---|---|---|---|"]  # fmt: skip
+        out += [
+            f"Suite `{data['suite']}` ({env['gpu']}, {env['date'][:10]}, commit "
+            f"{env['commit']}) ran no offload, cpu_adam and states in turn, in one call. Each "
+            "engine run's forward+backward against no offload's at its moment in the call "
+            "(the two no-offload runs around it, interpolated; after the last, the last):",
+            "",
+            "| run | forward+backward s | no offload then s | ratio |",
+            "|---|---|---|---|",
+        ]
         ratios: dict[str, list[float]] = {}
         for i, r in enumerate(rows):
             if i in base:
@@ -288,8 +305,11 @@ def pairs() -> str:
             out.append(f"| {r['case']['name']} | {fb[i]:.3f} | {then:.3f} | {fb[i] / then:.2f}x |")
         spread = max(fb[b] for b in base) / min(fb[b] for b in base)
         medians = ", ".join(f"{e} {sorted(v)[len(v) // 2]:.2f}x" for e, v in ratios.items())
-        out += ["", f"Median ratio: {medians}; no offload itself moved {spread:.2f}x within the "
-                "call.", ""]  # fmt: skip
+        out += [
+            "",
+            f"Median ratio: {medians}; no offload itself moved {spread:.2f}x within the call.",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -314,8 +334,10 @@ def host() -> str:
             asked.append(r["cpu_offloaded_params"] / st.left(bar) / 1e9)
     adam_rates = [r["cpu_adam_params_per_s"] / 1e9 for r in runs]
     window = [r["cpu_adam_stream_params_per_s"] / 1e9 for r in runs]
-    excess = [r["cpu_adam_wall_s_median"] - r["cpu_adam_busy_s_median"]
-              - r["cpu_adam_wait_s_median"] for r in runs]  # fmt: skip
+    excess = [
+        r["cpu_adam_wall_s_median"] - r["cpu_adam_busy_s_median"] - r["cpu_adam_wait_s_median"]
+        for r in runs
+    ]
     whole = [update_rate(r) / 1e9 for r in runs]
     ab_text = (EVIDENCE / "balance-adam-ab-h100.txt").read_text()
     ab = dict(re.findall(r"^([AB]\d): step ([\d.]+) s", ab_text, re.M))
@@ -323,8 +345,9 @@ def host() -> str:
     upcast = next(st for st in suites(4) if st.name == "gbs-4-pairs-2")  # after that change
     later = [r for name, r in upcast.runs if name == "cpu_adam 100%"]
     after = [r["cpu_adam_params_per_s"] / 1e9 for r in later]
-    pinned = statistics.median(r["host_pinned_gb_max"] * 1024**3 / r["cpu_offloaded_params"]
-                               for r in later)  # fmt: skip
+    pinned = statistics.median(
+        r["host_pinned_gb_max"] * 1024**3 / r["cpu_offloaded_params"] for r in later
+    )
     split = json.loads((RESULTS / "results-share-4.json").read_text())["results"]
     steps = {r["case"]["name"]: r["summary"]["step_time_s_median"] for r in split}
     share = {"sb": f"{steps['cost GBS4 cpu_adam 100%']:.3f}"}
@@ -424,12 +447,19 @@ def remainders() -> str:
             )
     cut = [1 - p["remainders"] / p["fp32"] for p in phases.values() if len(p) == 2]
     span = "-".join(dict.fromkeys(f"{x:.0%}" for x in (min(cut), max(cut)))) if cut else ""
-    lines += ["", (
-        f"The remainders took {span} off the optimizer phase, where they take 2 of 12 "
-        f"B/param (17%) off the link, which ran {min(links['remainders']):.1f}-"
-        f"{max(links['remainders']):.1f} GB/s with them against {min(links['fp32']):.1f}-"
-        f"{max(links['fp32']):.1f} with fp32 masters."
-    )] if cut else []  # fmt: skip
+    lines += (
+        [
+            "",
+            (
+                f"The remainders took {span} off the optimizer phase, where they take 2 of 12 "
+                f"B/param (17%) off the link, which ran {min(links['remainders']):.1f}-"
+                f"{max(links['remainders']):.1f} GB/s with them against {min(links['fp32']):.1f}-"
+                f"{max(links['fp32']):.1f} with fp32 masters."
+            ),
+        ]
+        if cut
+        else []
+    )
     return "\n".join(lines)
 
 
@@ -446,9 +476,11 @@ def beside() -> str:
     """Suite beside-4-ab (no offload and states at GBS 4, in turn at two commits in one call:
     B A B, the pass within the step (A) and beside the next forward (B); then paced, B A) and
     the profiles of device step beside-probe."""
-    lines = ["| call | run | commit | no offload s | states step s | step | forward+backward s "
-             "(no offload) | optimizer phase s | pass s | GPU peak GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| call | run | commit | no offload s | states step s | step | forward+backward s "
+        "(no offload) | optimizer phase s | pass s | GPU peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     found = {}
     for call, runs in (("1", ("b1", "a1", "b2")), ("2", ("paced-b1", "paced-a1"))):
         for run in runs:
@@ -458,8 +490,10 @@ def beside() -> str:
             found[run] = base, st
             head = f"| {call} | {run} | {data['environment']['commit']} | "
             if st is None:
-                lines.append(f"{head}{base['step_time_s_median']:.3f} | (the call's device "
-                             "time ran out) | | | | | |")  # fmt: skip
+                lines.append(
+                    f"{head}{base['step_time_s_median']:.3f} | (the call's device "
+                    "time ran out) | | | | | |"
+                )
                 continue
             lines.append(
                 f"{head}{base['step_time_s_median']:.3f} | {st['step_time_s_median']:.3f} | "
@@ -471,25 +505,36 @@ def beside() -> str:
     wait, streams = _longest_sync("profile-beside-h100.txt")
     first, _ = _longest_sync("profile-beside-1-h100.txt")
     (base, paced), (again, _) = found["paced-b1"], found["paced-a1"]
-    shorter = [found[run][1]["optimizer_time_s_median"] - paced["optimizer_time_s_median"]
-               for run in ("b1", "a1", "b2")]  # fmt: skip
-    lines += ["", (
-        f"Beside the forward with every copy issued at the step (commit 5c4a8fc), the step did "
-        f"not get shorter: the loss's `.item()` at its end waited {first:.0f} and {wait:.0f} ms "
-        "in two profiled steps (docs/evidence/profile-beside-1-h100.txt, "
-        "profile-beside-h100.txt; `bash bench/device_session.sh beside-probe`), and its 4-byte "
-        "copy ran only when the pass's last copy out had: the copy engines ran the pass's "
-        "queued copies first. The GPU streams during that wait:"
-    ), "", *[f"- {line}" for line in streams], "", (
-        "So the pass is now issued by a thread of its own as its pieces come in (commit "
-        "79898f8), and the slots the last backward grew carry one piece each and go once it "
-        "is out (commit fec09ca, after the calls above: the suites below). The one paced pair ran "
-        f"{paced['step_time_s_median'] / base['step_time_s_median']:.2f}x its no-offload run "
-        f"(the bar is {BARS[4]}x), its optimizer phase {min(shorter):.2f}-{max(shorter):.2f} s "
-        "shorter than call 1's, forward+backward longer by part of that; no offload itself "
-        f"moved from {base['step_time_s_median']:.3f} to {again['step_time_s_median']:.3f} s "
-        "within that call, so the pair is one sample."
-    ), "", *_beside_suites()]  # fmt: skip
+    shorter = [
+        found[run][1]["optimizer_time_s_median"] - paced["optimizer_time_s_median"]
+        for run in ("b1", "a1", "b2")
+    ]
+    lines += [
+        "",
+        (
+            f"Beside the forward with every copy issued at the step (commit 5c4a8fc), the step did "
+            f"not get shorter: the loss's `.item()` at its end waited {first:.0f} and {wait:.0f} ms "
+            "in two profiled steps (docs/evidence/profile-beside-1-h100.txt, "
+            "profile-beside-h100.txt; `bash bench/device_session.sh beside-probe`), and its 4-byte "
+            "copy ran only when the pass's last copy out had: the copy engines ran the pass's "
+            "queued copies first. The GPU streams during that wait:"
+        ),
+        "",
+        *[f"- {line}" for line in streams],
+        "",
+        (
+            "So the pass is now issued by a thread of its own as its pieces come in (commit "
+            "79898f8), and the slots the last backward grew carry one piece each and go once it "
+            "is out (commit fec09ca, after the calls above: the suites below). The one paced pair ran "
+            f"{paced['step_time_s_median'] / base['step_time_s_median']:.2f}x its no-offload run "
+            f"(the bar is {BARS[4]}x), its optimizer phase {min(shorter):.2f}-{max(shorter):.2f} s "
+            "shorter than call 1's, forward+backward longer by part of that; no offload itself "
+            f"moved from {base['step_time_s_median']:.3f} to {again['step_time_s_median']:.3f} s "
+            "within that call, so the pair is one sample."
+        ),
+        "",
+        *_beside_suites(),
+    ]
     return "\n".join(lines)
 
 
@@ -506,8 +551,10 @@ def _beside_suites() -> list[str]:
         "the forward's thread waited s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    calls = sorted((int(path.name.split("-")[2]), _date(path), path)
-                   for path in RESULTS.glob("results-gbs-*-beside*.json"))  # fmt: skip
+    calls = sorted(
+        (int(path.name.split("-")[2]), _date(path), path)
+        for path in RESULTS.glob("results-gbs-*-beside*.json")
+    )
     found = [load(path, gbs) for gbs, _, path in calls]
     for s in found:
         st = s.first("states")
@@ -534,23 +581,25 @@ def _before_gaps(found: list[Suite]) -> list[str]:
     """What the gbs-N-beside calls before the gaps found: no overlap, and why."""
     runs = [s.first("states") for s in found]
     held = [_phase_held(s, r) for r, s in zip(runs, found, strict=True)]
-    return [(
-        f"Before the gaps (commit {found[0].commit[:7]}) the pass did not overlap the forward: "
-        "in every suite its last Adam call ended "
-        f"within {max(r['states_beside_forward_s'] for r in runs) * 1000:.1f} ms of the event "
-        "the next forward records on the compute stream at its "
-        "first wait, and forward+backward grew by about the pass, the optimizer phase holding "
-        f"only {min(held):.2f}-{max(held):.2f} s of it. That event follows the first "
-        "micro-batch's batch copy up on the "
-        "compute stream; whether that copy waited behind the pass's copies, or the forward's "
-        "thread waited elsewhere, is for the profile of device step `beside-probe` (iterations "
-        "6-7, the forward's waits annotated, the copies' waits listed) and for "
-        "bench/copy_queue_probe.py to say. They said the copy: a copy engine runs one stream's "
-        "ready copies back to back and yields to other streams' copies in the same direction "
-        "only where a kernel stands between them (torchrec's copy-engine studies found that "
-        "too). Since commit 5336bf0 each copy of the window is followed by a one-element kernel "
-        "on its stream (below: what that changed)."
-    )]  # fmt: skip
+    return [
+        (
+            f"Before the gaps (commit {found[0].commit[:7]}) the pass did not overlap the forward: "
+            "in every suite its last Adam call ended "
+            f"within {max(r['states_beside_forward_s'] for r in runs) * 1000:.1f} ms of the event "
+            "the next forward records on the compute stream at its "
+            "first wait, and forward+backward grew by about the pass, the optimizer phase holding "
+            f"only {min(held):.2f}-{max(held):.2f} s of it. That event follows the first "
+            "micro-batch's batch copy up on the "
+            "compute stream; whether that copy waited behind the pass's copies, or the forward's "
+            "thread waited elsewhere, is for the profile of device step `beside-probe` (iterations "
+            "6-7, the forward's waits annotated, the copies' waits listed) and for "
+            "bench/copy_queue_probe.py to say. They said the copy: a copy engine runs one stream's "
+            "ready copies back to back and yields to other streams' copies in the same direction "
+            "only where a kernel stands between them (torchrec's copy-engine studies found that "
+            "too). Since commit 5336bf0 each copy of the window is followed by a one-element kernel "
+            "on its stream (below: what that changed)."
+        )
+    ]
 
 
 def _span(values: list[float]) -> str:
@@ -563,43 +612,55 @@ def _after_gaps(found: list[Suite]) -> list[str]:
     if not found:
         return []
     runs = [s.first("states") for s in found]
-    over = [r["step_time_s_median"] / s.base - states_floor(s, r)
-            for r, s in zip(runs, found, strict=True)]  # fmt: skip
+    over = [
+        r["step_time_s_median"] / s.base - states_floor(s, r)
+        for r, s in zip(runs, found, strict=True)
+    ]
     beside = [r["states_beside_forward_s"] for r in runs]
     wait = [r["states_forward_wait_s_median"] for r in runs]
-    return [(
-        f"With the gaps (commit {found[0].commit[:7]}) the pass ran "
-        f"{_span(beside)} s into the next forward and the forward's thread "
-        f"waited {_span(wait)} s of it for its pieces; the states rows came "
-        f"in {min(over):+.2f}x to {max(over):+.2f}x off their floors. The column "
-        "\"fwd+bwd less its wait for the update\" of the table in \"Exact offload against "
-        "the global batch\" takes that wait out: the "
-        "forward+backward that remains is the engine's cost to the forward beside the pass (its "
-        "thread's issue work and Adam kernels, and the compute stream's own waits on the "
-        "pieces after the host has moved on)."
-    ), "", (
-        "Even overlapped in full it would not meet every bar. Every state goes down again after "
-        "the global norm, and the next forward reaches its peak only once they are down, but for "
-        "what the room under the 0.45x peak bar holds (state offload's floor in the table "
-        "above): here "
-        f"{min(r['states_host_gb'] for r in runs):.1f} GiB each way at "
-        f"{min(r['states_link_gb_per_s'] for r in runs):.1f}-"
-        f"{max(r['states_link_gb_per_s'] for r in runs):.1f} GB/s, a floor of "
-        + " / ".join(f"{states_floor(s, r):.2f}x" for s, r in zip(found, runs, strict=True))
-        + " against bars of " + " / ".join(f"{BARS[s.gbs]}x" for s in found)
-        + " at GBS " + " / ".join(str(s.gbs) for s in found) + ". Where the floor is above the "
-        "bar, only fewer bytes meet it: bf16 moments (6 B/param each way) or less than all of "
-        "the states offloaded."
-    )]  # fmt: skip
+    return [
+        (
+            f"With the gaps (commit {found[0].commit[:7]}) the pass ran "
+            f"{_span(beside)} s into the next forward and the forward's thread "
+            f"waited {_span(wait)} s of it for its pieces; the states rows came "
+            f"in {min(over):+.2f}x to {max(over):+.2f}x off their floors. The column "
+            '"fwd+bwd less its wait for the update" of the table in "Exact offload against '
+            'the global batch" takes that wait out: the '
+            "forward+backward that remains is the engine's cost to the forward beside the pass (its "
+            "thread's issue work and Adam kernels, and the compute stream's own waits on the "
+            "pieces after the host has moved on)."
+        ),
+        "",
+        (
+            "Even overlapped in full it would not meet every bar. Every state goes down again after "
+            "the global norm, and the next forward reaches its peak only once they are down, but for "
+            "what the room under the 0.45x peak bar holds (state offload's floor in the table "
+            "above): here "
+            f"{min(r['states_host_gb'] for r in runs):.1f} GiB each way at "
+            f"{min(r['states_link_gb_per_s'] for r in runs):.1f}-"
+            f"{max(r['states_link_gb_per_s'] for r in runs):.1f} GB/s, a floor of "
+            + " / ".join(f"{states_floor(s, r):.2f}x" for s, r in zip(found, runs, strict=True))
+            + " against bars of "
+            + " / ".join(f"{BARS[s.gbs]}x" for s in found)
+            + " at GBS "
+            + " / ".join(str(s.gbs) for s in found)
+            + ". Where the floor is above the "
+            "bar, only fewer bytes meet it: bf16 moments (6 B/param each way) or less than all of "
+            "the states offloaded."
+        ),
+    ]
 
 
 def gaps() -> str:
     """Suite beside-4-ab in one call, runs gaps-b1, gaps-a1, gaps-b2: state offload with a
     one-element kernel after each window copy (B) and without (A, 870c706), each beside a
     no-offload run; then the copy-engine probe and the two profiled steps."""
-    lines = ["| run | commit | no offload s | states step s | step | floor | forward+backward "
-             "more s | the forward's thread waited s | pass s | pass after the forward's first "
-             "wait s |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | commit | no offload s | states step s | step | floor | forward+backward "
+        "more s | the forward's thread waited s | pass s | pass after the forward's first "
+        "wait s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     paths = {run: RESULTS / f"results-beside-4-ab-gaps-{run}.json" for run in ("b1", "a1", "b2")}
     calls = {run: load(path, 4) for run, path in paths.items()}
     for run, c in calls.items():
@@ -612,65 +673,83 @@ def gaps() -> str:
             f"{st['states_beside_forward_s']:.3f} |"
         )
     probe = _probe_rows(EVIDENCE / "copy-queue-probe-h100.txt")
-    steps = {name: json.loads((EVIDENCE / f"summary-beside-profiled-{name}-h100.json")
-                              .read_text())["step_time_s_median"]
-             for name in ("gaps-416e17b", "ungapped-870c706")}  # fmt: skip
+    steps = {
+        name: json.loads((EVIDENCE / f"summary-beside-profiled-{name}-h100.json").read_text())[
+            "step_time_s_median"
+        ]
+        for name in ("gaps-416e17b", "ungapped-870c706")
+    }
     up = {run: probe[run][0] for run in ("128x4", "128x4k", "16x4", "16x4k")}
-    held = _forward_held({"gaps": "trace-beside-gaps-416e17b-h100.txt",
-                          "ungapped": "trace-beside-ungapped-870c706-h100.txt"})  # fmt: skip
+    held = _forward_held(
+        {
+            "gaps": "trace-beside-gaps-416e17b-h100.txt",
+            "ungapped": "trace-beside-ungapped-870c706-h100.txt",
+        }
+    )
     st = calls["b1"].first("states")
     link, grown = st["states_link_gb_per_s"], st["states_in_backward_gb"]
     moved = link * st["states_stream_s_median"]
     room = PEAK_BAR * calls["b1"].bases[0]["gpu_peak_allocated_gb"] - st["gpu_peak_allocated_gb"]
     beside = {run: c.first("states")["states_beside_forward_s"] for run, c in calls.items()}
     faster = 1 - calls["a1"].base / statistics.mean(calls[run].base for run in ("b1", "b2"))
-    lines += ["", (
-        "The pass is paced by its copies down. The states that came in during the last "
-        f"backward ({grown:.1f} GB in gaps-b1) are updated first and go down first, and a window "
-        "slot takes its next piece only once its last one is down, so the last piece is "
-        f"updated about when every state is down ({moved:.1f} GB at {link:.1f} GB/s, "
-        f"{moved / link:.2f} s), not when the rest are up ({moved - grown:.1f} GB, "
-        f"{(moved - grown) / link:.2f} s). Holding the first {grown:.1f} GB on the GPU into the "
-        "forward instead would raise its peak by as much; the room under the 0.45x bar is "
-        f"{room:.1f} GB."
-    )]  # fmt: skip
-    lines += ["", (
-        "What the gaps change, without the model (`python bench/copy_queue_probe.py`, "
-        "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
-        "copy down on the default stream, each waited for, beside another stream's copies kept "
-        "4 deep each way. Beside 128 MiB copies the batch copy waited "
-        + ("past the probe's limit (as long as that queue was fed)" if up["128x4"] == "inf"
-           else f"{up['128x4']} ms")
-        + f", beside 16 MiB copies {up['16x4']} ms (median); with a one-element kernel after "
-        f"each side copy, {up['128x4k']} and {up['16x4k']} ms, the side traffic at "
-        f"{probe['128x4k'][2]} and {probe['16x4k'][2]} GB/s each way against "
-        f"{probe['128x4'][2]} and {probe['16x4'][2]} without. 32 hardware queues "
-        "(CUDA_DEVICE_MAX_CONNECTIONS=32) changed neither, and gapped copies 64 deep behaved as "
-        "4 deep."
-    ), "", (
-        "In training the gaps let the forward's copies through: the pass ran "
-        f"{min(beside['b1'], beside['b2']):.2f}-{max(beside['b1'], beside['b2']):.2f} s into "
-        f"the next forward against {beside['a1']:.3f} s without them. The step did not get "
-        "shorter. The first micro-batch's forward needs every piece, and the pass is paced as "
-        "above, so the forward's thread waited about the pass less that forward; with gaps this "
-        "call's states rows sat at their floors (the acceptance suites after it, on a slower "
-        "host: above). Without gaps the forward's batch copy waited behind "
-        "the whole pass, and its thread waited in the MoE dispatcher instead (below). In the two "
-        "profiled steps (device step `beside-probe`, iterations 6-7, "
-        "docs/evidence/trace-beside-gaps-416e17b-h100.txt and "
-        "trace-beside-ungapped-870c706-h100.txt, whose timelines show each stream) the step ran "
-        f"{steps['gaps-416e17b']:.3f} s with gaps and {steps['ungapped-870c706']:.3f} s "
-        "without. Either way the forward's thread waits for the pass: with gaps "
-        f"{held['gaps']:.0f} ms in the two profiled steps for its pieces; without, "
-        f"{held['ungapped']:.0f} ms in event synchronizations at the forward's start, where "
-        "Megatron-Core's all-to-all token dispatcher waits for each MoE layer's tokens per expert "
-        "to reach the host, behind the pass. So no host-side change lets that thread run ahead "
-        "of the pass: every MoE layer ties it to the GPU's forward. The run without gaps in the "
-        "A/B call came in under the floor: one sample, beside a no-offload run "
-        f"{faster:.0%} faster than the other two of the call. The gaps stay: without them any "
-        "copy on another stream (the loss's `.item()`, an MoE layer's tokens per expert) waits "
-        "as long as the pass keeps its queue fed."
-    )]  # fmt: skip
+    lines += [
+        "",
+        (
+            "The pass is paced by its copies down. The states that came in during the last "
+            f"backward ({grown:.1f} GB in gaps-b1) are updated first and go down first, and a window "
+            "slot takes its next piece only once its last one is down, so the last piece is "
+            f"updated about when every state is down ({moved:.1f} GB at {link:.1f} GB/s, "
+            f"{moved / link:.2f} s), not when the rest are up ({moved - grown:.1f} GB, "
+            f"{(moved - grown) / link:.2f} s). Holding the first {grown:.1f} GB on the GPU into the "
+            "forward instead would raise its peak by as much; the room under the 0.45x bar is "
+            f"{room:.1f} GB."
+        ),
+    ]
+    lines += [
+        "",
+        (
+            "What the gaps change, without the model (`python bench/copy_queue_probe.py`, "
+            "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
+            "copy down on the default stream, each waited for, beside another stream's copies kept "
+            "4 deep each way. Beside 128 MiB copies the batch copy waited "
+            + (
+                "past the probe's limit (as long as that queue was fed)"
+                if up["128x4"] == "inf"
+                else f"{up['128x4']} ms"
+            )
+            + f", beside 16 MiB copies {up['16x4']} ms (median); with a one-element kernel after "
+            f"each side copy, {up['128x4k']} and {up['16x4k']} ms, the side traffic at "
+            f"{probe['128x4k'][2]} and {probe['16x4k'][2]} GB/s each way against "
+            f"{probe['128x4'][2]} and {probe['16x4'][2]} without. 32 hardware queues "
+            "(CUDA_DEVICE_MAX_CONNECTIONS=32) changed neither, and gapped copies 64 deep behaved as "
+            "4 deep."
+        ),
+        "",
+        (
+            "In training the gaps let the forward's copies through: the pass ran "
+            f"{min(beside['b1'], beside['b2']):.2f}-{max(beside['b1'], beside['b2']):.2f} s into "
+            f"the next forward against {beside['a1']:.3f} s without them. The step did not get "
+            "shorter. The first micro-batch's forward needs every piece, and the pass is paced as "
+            "above, so the forward's thread waited about the pass less that forward; with gaps this "
+            "call's states rows sat at their floors (the acceptance suites after it, on a slower "
+            "host: above). Without gaps the forward's batch copy waited behind "
+            "the whole pass, and its thread waited in the MoE dispatcher instead (below). In the two "
+            "profiled steps (device step `beside-probe`, iterations 6-7, "
+            "docs/evidence/trace-beside-gaps-416e17b-h100.txt and "
+            "trace-beside-ungapped-870c706-h100.txt, whose timelines show each stream) the step ran "
+            f"{steps['gaps-416e17b']:.3f} s with gaps and {steps['ungapped-870c706']:.3f} s "
+            "without. Either way the forward's thread waits for the pass: with gaps "
+            f"{held['gaps']:.0f} ms in the two profiled steps for its pieces; without, "
+            f"{held['ungapped']:.0f} ms in event synchronizations at the forward's start, where "
+            "Megatron-Core's all-to-all token dispatcher waits for each MoE layer's tokens per expert "
+            "to reach the host, behind the pass. So no host-side change lets that thread run ahead "
+            "of the pass: every MoE layer ties it to the GPU's forward. The run without gaps in the "
+            "A/B call came in under the floor: one sample, beside a no-offload run "
+            f"{faster:.0%} faster than the other two of the call. The gaps stay: without them any "
+            "copy on another stream (the loss's `.item()`, an MoE layer's tokens per expert) waits "
+            "as long as the pass keeps its queue fed."
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -682,8 +761,11 @@ def _forward_held(traces: dict[str, str]) -> dict[str, float]:
     held = {}
     for name, file in traces.items():
         text = (EVIDENCE / file).read_text()
-        pieces = re.search(r"main\s+\d+\s+([\d.]+)\s+[\d.]+\s+\S+\s+states: the forward "
-                           r"waits for its pieces", text)  # fmt: skip
+        pieces = re.search(
+            r"main\s+\d+\s+([\d.]+)\s+[\d.]+\s+\S+\s+states: the forward "
+            r"waits for its pieces",
+            text,
+        )
         part = text.split("-- the longest runtime calls", 1)[1].split("\n--", 1)[0]
         syncs = [float(ms) for ms in re.findall(r"cudaEventSynchronize ([\d.]+) ms at", part)]
         if pieces and float(pieces[1]) >= 100:
@@ -707,9 +789,11 @@ def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
 def share() -> str:
     """Suite exact-4-ab's calls ``first`` and ``thread``: the GPU share's pass queued before the
     CPU part's hand-over, then by a thread of its own, each beside the commit before (run a*)."""
-    lines = ["| call | run | commit | no offload s | cpu_adam step s | step | optimizer phase s | "
-             "CPU part s | share pass s | hand-over s | GB down | down GB/s over the phase |",
-             "|---" * 12 + "|"]  # fmt: skip
+    lines = [
+        "| call | run | commit | no offload s | cpu_adam step s | step | optimizer phase s | "
+        "CPU part s | share pass s | hand-over s | GB down | down GB/s over the phase |",
+        "|---" * 12 + "|",
+    ]
     phase = {}
     for call in ("first", "thread"):
         for run in ("b1", "a1", "b2"):
@@ -762,8 +846,10 @@ PHASES = {
 def phases(paths: list[str] | None = None) -> str:
     """Each run of the results ``paths`` (default: the command line's) with its phases in s, the
     engines' parts of the update, and its allocator retries."""
-    lines = ["| file | case | " + " | ".join(PHASES) + " | allocator retries |",
-             "|---" * (len(PHASES) + 3) + "|"]  # fmt: skip
+    lines = [
+        "| file | case | " + " | ".join(PHASES) + " | allocator retries |",
+        "|---" * (len(PHASES) + 3) + "|",
+    ]
     for path in paths if paths is not None else sys.argv[2:]:
         for r in json.loads(Path(path).read_text())["results"]:
             s = r.get("summary") or {}
@@ -776,6 +862,17 @@ def phases(paths: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    print({"cost": cost, "ends": ends, "asks": asks, "pairs": pairs, "host": host,
-           "remainders": remainders, "beside": beside, "gaps": gaps, "share": share,
-           "phases": phases}[sys.argv[1]]())  # fmt: skip
+    print(
+        {
+            "cost": cost,
+            "ends": ends,
+            "asks": asks,
+            "pairs": pairs,
+            "host": host,
+            "remainders": remainders,
+            "beside": beside,
+            "gaps": gaps,
+            "share": share,
+            "phases": phases,
+        }[sys.argv[1]]()
+    )

@@ -41,8 +41,10 @@ def main() -> None:
     grad32 = torch.rand(N) * 1e-3
     grad16 = grad32.bfloat16()
     fused = host_adam.torch_adamw(torch.tensor(10.0), HYPER)
-    print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"N={N / 1e6:.0f}M params")  # fmt: skip
+    print(
+        f"{os.cpu_count()} CPUs, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"N={N / 1e6:.0f}M params"
+    )
     print(f"fp32 gradients, fused AdamW: {rate(lambda: fused([master], [grad32], [m], [v])):.2f}")
     for block in (1 << 20, 1 << 22):
         got = rate(lambda b=block: allocating(master, grad16, m, v, fused, b))

@@ -49,23 +49,30 @@ def python_loop() -> float:
 def main() -> None:
     x = torch.zeros(1024, device="cuda")
     launches(x)
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}: "
-          f"{LAUNCHES} launches of a 1024-element add, and a 2e6-step Python loop, every "
-          f"{EVERY:g} s for {TOTAL:g} s")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}: "
+        f"{LAUNCHES} launches of a 1024-element add, and a 2e6-step Python loop, every "
+        f"{EVERY:g} s for {TOTAL:g} s"
+    )
     rounds, began = [], time.perf_counter()
     while time.perf_counter() - began < TOTAL:
         start, (stolen, total) = time.perf_counter(), steal()
         row = (start - began, launches(x), python_loop())
         stolen2, total2 = steal()
         rounds.append(row)
-        print(f"t {row[0]:6.1f} s  launches {row[1] * 1e6 / LAUNCHES:5.2f} us each  "
-              f"python loop {row[2] * 1e3:6.1f} ms  steal "
-              f"{100 * (stolen2 - stolen) / max(1, total2 - total):4.1f}%", flush=True)  # fmt: skip
+        print(
+            f"t {row[0]:6.1f} s  launches {row[1] * 1e6 / LAUNCHES:5.2f} us each  "
+            f"python loop {row[2] * 1e3:6.1f} ms  steal "
+            f"{100 * (stolen2 - stolen) / max(1, total2 - total):4.1f}%",
+            flush=True,
+        )
         time.sleep(max(0.0, EVERY - (time.perf_counter() - start)))
     for name, i in (("launches", 1), ("python loop", 2)):
         values = [r[i] for r in rounds]
-        print(f"{name}: {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms over {len(values)} "
-              f"rounds, max/min {max(values) / min(values):.2f}x")  # fmt: skip
+        print(
+            f"{name}: {min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms over {len(values)} "
+            f"rounds, max/min {max(values) / min(values):.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ COPY_NUMEL = 512 * 1024**2  # 2 GiB of fp32, far past the caches
 ADAM_NUMEL = 256 * 1024**2
 LINK_BYTES = 1024**3
 ADAM_BYTES_PER_PARAM = 28  # param, grad, exp_avg, exp_avg_sq read; param and both moments written
-HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False,
-             maximize=False)  # fmt: skip
+HYPER = dict(
+    lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False
+)
 
 
 def cpu_copy() -> tuple[callable, int]:
@@ -91,8 +92,10 @@ class Link:
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, {SECONDS:.0f} s a case")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}, {SECONDS:.0f} s a case"
+    )
     op, nbytes = cpu_copy()
     threads, rates = torch.get_num_threads(), []
     for n in sorted({max(1, threads // 4), max(1, threads // 2), threads}):
@@ -104,20 +107,26 @@ def main() -> None:
     link = Link()
     link.beside()
     link_alone = link.rate
-    print(f"link alone: {link_alone / 1e9:.1f} GB/s each way "
-          f"(host memory {2 * link_alone / 1e9:.1f} GB/s)")  # fmt: skip
+    print(
+        f"link alone: {link_alone / 1e9:.1f} GB/s each way "
+        f"(host memory {2 * link_alone / 1e9:.1f} GB/s)"
+    )
     for name, make in (("CPU copy", cpu_copy), ("CPU Adam", cpu_adam)):
         op, nbytes = make()
         alone = timed(op, nbytes)
         beside = link.beside(op, nbytes)
-        print(f"{name}: alone {alone / 1e9:.1f} GB/s; beside the link {beside / 1e9:.1f} GB/s "
-              f"({beside / alone:.2f}x), the link then {link.rate / 1e9:.1f} GB/s each way "
-              f"({link.rate / link_alone:.2f}x); host memory together "
-              f"{(beside + 2 * link.rate) / 1e9:.1f} GB/s")  # fmt: skip
+        print(
+            f"{name}: alone {alone / 1e9:.1f} GB/s; beside the link {beside / 1e9:.1f} GB/s "
+            f"({beside / alone:.2f}x), the link then {link.rate / 1e9:.1f} GB/s each way "
+            f"({link.rate / link_alone:.2f}x); host memory together "
+            f"{(beside + 2 * link.rate) / 1e9:.1f} GB/s"
+        )
         if name == "CPU Adam":
             per_param = ADAM_BYTES_PER_PARAM * 1e9
-            print(f"CPU Adam: {alone / per_param:.2f} G params/s alone, "
-                  f"{beside / per_param:.2f} beside the link")  # fmt: skip
+            print(
+                f"CPU Adam: {alone / per_param:.2f} G params/s alone, "
+                f"{beside / per_param:.2f} beside the link"
+            )
         del op
 
 

@@ -74,17 +74,22 @@ def one_case(huge: bool, zero_first: bool) -> dict:
         del arr
         region.close()
     total = sum(times.values())
-    return dict(times, total=total, rate=nbytes * ARRAYS / total / 1e9, huge_gb=huge_gb,
-                copy_gbs=copy_gbs)  # fmt: skip
+    return dict(
+        times, total=total, rate=nbytes * ARRAYS / total / 1e9, huge_gb=huge_gb, copy_gbs=copy_gbs
+    )
 
 
 def main() -> None:
     torch.cuda.init()
-    thp = {k: Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().strip()
-           for k in ("enabled", "defrag")}  # fmt: skip
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{GB:g} GB in {ARRAYS} arrays, {torch.get_num_threads()} intra-op threads, "
-          f"transparent_hugepage {thp}")  # fmt: skip
+    thp = {
+        k: Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().strip()
+        for k in ("enabled", "defrag")
+    }
+    print(
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{GB:g} GB in {ARRAYS} arrays, {torch.get_num_threads()} intra-op threads, "
+        f"transparent_hugepage {thp}"
+    )
     for huge in (False, True):
         for zero_first in (False, True):
             r = one_case(huge, zero_first)

@@ -36,8 +36,11 @@ def _save(fig, out: str) -> None:
     print(f"wrote {out}")
 
 
-ENGINES = {"HDO": "HybridDeviceOptimizer + overlap", "cpu_adam": "cpu_adam (exact)",
-           "cpu_adam_delayed": "cpu_adam_delayed"}  # fmt: skip
+ENGINES = {
+    "HDO": "HybridDeviceOptimizer + overlap",
+    "cpu_adam": "cpu_adam (exact)",
+    "cpu_adam_delayed": "cpu_adam_delayed",
+}
 NAME = re.compile(r"(?:sweep |GBS4 )(HDO|cpu_adam_delayed|cpu_adam) (\d+)%")
 
 
@@ -54,9 +57,13 @@ def points(files: list[Path]) -> dict[tuple[str, str], list[tuple[float, float, 
             if not match or r["status"] != "ok" or "GBS1" in r["case"]["name"]:
                 continue
             b = base[r["case"]["baseline"]]
-            found.setdefault((match[1], suite), []).append((int(match[2]) / 100,
-                                    s["step_time_s_median"] / b["step_time_s_median"],
-                                    s["gpu_peak_allocated_gb"]))  # fmt: skip
+            found.setdefault((match[1], suite), []).append(
+                (
+                    int(match[2]) / 100,
+                    s["step_time_s_median"] / b["step_time_s_median"],
+                    s["gpu_peak_allocated_gb"],
+                )
+            )
     return {key: sorted(v) for key, v in sorted(found.items())}
 
 
@@ -73,10 +80,18 @@ def sweep(out: str, *files: str) -> None:
         slow.plot(x, [p[1] for p in pts], marker + "-", color=colors[engine], label=label)
         peak.plot(x, [p[2] for p in pts], marker + "--", color=colors[engine], label=label)
     slow.axhline(1.0, color="gray", lw=0.8)
-    slow.set(xlabel="optimizer_offload_fraction", ylabel="step time / no-offload step",
-             title="slowdown (GBS 4, one H200)", ylim=(0, None))  # fmt: skip
-    peak.set(xlabel="optimizer_offload_fraction", ylabel="peak GPU memory (GiB)",
-             title="peak GPU memory", ylim=(0, None))  # fmt: skip
+    slow.set(
+        xlabel="optimizer_offload_fraction",
+        ylabel="step time / no-offload step",
+        title="slowdown (GBS 4, one H200)",
+        ylim=(0, None),
+    )
+    peak.set(
+        xlabel="optimizer_offload_fraction",
+        ylabel="peak GPU memory (GiB)",
+        title="peak GPU memory",
+        ylim=(0, None),
+    )
     slow.legend(fontsize=7)
     _save(fig, out)
 
@@ -98,8 +113,10 @@ def curves(path: Path) -> list[tuple[str, list[float]]]:
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return [(f"{path.stem} ({len(rows)} iterations)", [r["loss"] for r in rows])]
-    return [(r["case"]["name"], r["summary"].get("losses", []))
-            for r in json.loads(path.read_text())["results"]]  # fmt: skip
+    return [
+        (r["case"]["name"], r["summary"].get("losses", []))
+        for r in json.loads(path.read_text())["results"]
+    ]
 
 
 def losses(out: str, *files: str) -> None:

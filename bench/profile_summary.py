@@ -43,9 +43,12 @@ def summarize(path: str, top: int = 12) -> str:
     start = min(e["ts"] for e in timed)
     end = max(e["ts"] + e["dur"] for e in timed)
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
-    lines = [f"== {path}", f"window {(end - start) / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms "
-             f"({busy / (end - start):.0%}), {len(kernels)} kernels, copies "
-             f"{sum(e['dur'] for e in copies) / 1e3:.1f} ms"]  # fmt: skip
+    lines = [
+        f"== {path}",
+        f"window {(end - start) / 1e3:.1f} ms, kernels busy {busy / 1e3:.1f} ms "
+        f"({busy / (end - start):.0%}), {len(kernels)} kernels, copies "
+        f"{sum(e['dur'] for e in copies) / 1e3:.1f} ms",
+    ]
     for title, group in (("kernels", kernels), ("cuda runtime", runtime), ("cpu ops", ops)):
         total: Counter[str] = Counter()
         count: Counter[str] = Counter()
@@ -73,15 +76,24 @@ def _longest_sync(runtime: list, gpu: list, last: int = 6) -> list[str]:
     sync = max(syncs, key=lambda e: e["dur"])
     a, b = sync["ts"], sync["ts"] + sync["dur"]
     by_id = {e.get("args", {}).get("correlation"): e for e in gpu}
-    launched = [e for e in runtime if e.get("tid") == sync.get("tid") and e["ts"] < a
-                and e.get("args", {}).get("correlation") in by_id]  # fmt: skip
-    lines = [f"-- the longest cudaStreamSynchronize ({sync['dur'] / 1e3:.1f} ms): its thread's "
-             "last launches (stream, GPU start / end ms from the sync's start)"]  # fmt: skip
+    launched = [
+        e
+        for e in runtime
+        if e.get("tid") == sync.get("tid")
+        and e["ts"] < a
+        and e.get("args", {}).get("correlation") in by_id
+    ]
+    lines = [
+        f"-- the longest cudaStreamSynchronize ({sync['dur'] / 1e3:.1f} ms): its thread's "
+        "last launches (stream, GPU start / end ms from the sync's start)"
+    ]
     for e in sorted(launched, key=lambda e: e["ts"])[-last:]:
         g = by_id[e["args"]["correlation"]]
-        lines.append(f"  {e['name']} -> stream {_stream(g)} "
-                     f"{(g['ts'] - a) / 1e3:+.1f} / {(g['ts'] + g['dur'] - a) / 1e3:+.1f}  "
-                     f"{g['name'][:60]}")  # fmt: skip
+        lines.append(
+            f"  {e['name']} -> stream {_stream(g)} "
+            f"{(g['ts'] - a) / 1e3:+.1f} / {(g['ts'] + g['dur'] - a) / 1e3:+.1f}  "
+            f"{g['name'][:60]}"
+        )
     lines.append("-- GPU streams during it: ops, busy ms, first start / last end ms")
     streams: dict = {}
     for g in gpu:
@@ -98,8 +110,7 @@ def _longest_sync(runtime: list, gpu: list, last: int = 6) -> list[str]:
     return lines
 
 
-def _copy_delays(runtime: list, kernels: list, copies: list, start: float,
-                 top: int) -> list[str]:  # fmt: skip
+def _copy_delays(runtime: list, kernels: list, copies: list, start: float, top: int) -> list[str]:
     """The copies that waited longest to start on the GPU once launched and once their own
     stream's work before them had ended, each with its stream and what the other streams' copies
     were doing meanwhile (a small copy of the training's stream that waits for another stream's
@@ -117,8 +128,10 @@ def _copy_delays(runtime: list, kernels: list, copies: list, start: float,
         k = bisect.bisect_left(spans, (c["ts"],))  # the stream's work that began before it
         ready = max([call["ts"] + call["dur"], *(end for _, end in spans[k - 1 : k])])
         waits.append((c["ts"] - ready, c))
-    lines = ["-- copies that waited longest once launched and their stream free: ms, stream, "
-             "ready at ms, name | the other streams' copies meanwhile (count, MB)"]  # fmt: skip
+    lines = [
+        "-- copies that waited longest once launched and their stream free: ms, stream, "
+        "ready at ms, name | the other streams' copies meanwhile (count, MB)"
+    ]
     for wait, c in sorted(waits, key=lambda w: -w[0])[:top]:
         a, stream = c["ts"] - wait, _stream(c)
         others: dict = {}
@@ -127,8 +140,10 @@ def _copy_delays(runtime: list, kernels: list, copies: list, start: float,
                 n, mb = others.get(_stream(o), (0, 0.0))
                 others[_stream(o)] = (n + 1, mb + o.get("args", {}).get("bytes", 0) / 1e6)
         beside = ", ".join(f"stream {k}: {n}, {mb:.0f}" for k, (n, mb) in others.items())
-        lines.append(f"  {wait / 1e3:8.1f} stream {stream} at {(a - start) / 1e3:+9.1f} "
-                     f"{c['name'][:32]} | {beside or 'none'}")  # fmt: skip
+        lines.append(
+            f"  {wait / 1e3:8.1f} stream {stream} at {(a - start) / 1e3:+9.1f} "
+            f"{c['name'][:32]} | {beside or 'none'}"
+        )
     return lines
 
 
@@ -144,21 +159,29 @@ def _threads(runtime: list, top: int) -> list[str]:
     for e in runtime:
         per.setdefault((e.get("tid"), e["name"]), []).append(e["dur"])
     for (tid, name), durs in sorted(per.items(), key=lambda kv: -sum(kv[1]))[: 2 * top]:
-        lines.append(f"  tid {tid}: {len(durs):6d} {sum(durs) / 1e3:9.2f} {max(durs) / 1e3:8.2f}"
-                     f"  {name}")  # fmt: skip
+        lines.append(
+            f"  tid {tid}: {len(durs):6d} {sum(durs) / 1e3:9.2f} {max(durs) / 1e3:8.2f}  {name}"
+        )
     lines.append("-- the longest runtime calls, and what other threads' calls overlapped them")
     t0 = min((e["ts"] for e in runtime), default=0.0)
     for e in sorted(runtime, key=lambda e: -e["dur"])[:top]:
         a, b = e["ts"], e["ts"] + e["dur"]
         beside = sorted(
-            ((min(b, o["ts"] + o["dur"]) - max(a, o["ts"]), o) for o in runtime
-             if o.get("tid") != e.get("tid") and o["ts"] < b and o["ts"] + o["dur"] > a),
+            (
+                (min(b, o["ts"] + o["dur"]) - max(a, o["ts"]), o)
+                for o in runtime
+                if o.get("tid") != e.get("tid") and o["ts"] < b and o["ts"] + o["dur"] > a
+            ),
             key=lambda x: -x[0],
-        )[:3]  # fmt: skip
-        others = "; ".join(f"tid {o.get('tid')} {o['name']} {o['dur'] / 1e3:.2f} ms"
-                           for _, o in beside) or "nothing"  # fmt: skip
-        lines.append(f"  tid {e.get('tid')} {e['name']} {e['dur'] / 1e3:.2f} ms at "
-                     f"+{(a - t0) / 1e3:.1f} ms | beside: {others}")  # fmt: skip
+        )[:3]
+        others = (
+            "; ".join(f"tid {o.get('tid')} {o['name']} {o['dur'] / 1e3:.2f} ms" for _, o in beside)
+            or "nothing"
+        )
+        lines.append(
+            f"  tid {e.get('tid')} {e['name']} {e['dur'] / 1e3:.2f} ms at "
+            f"+{(a - t0) / 1e3:.1f} ms | beside: {others}"
+        )
     return lines
 
 
@@ -180,25 +203,36 @@ def _main_thread(timed: list, ops: list, start: float, top: int = 10) -> list[st
     for e in timed:
         if e.get("cat") == "user_annotation":
             notes.setdefault((e["name"], e.get("tid") == main), []).append(e)
-    lines = ["-- annotations: count, total ms, longest ms, first start ms (main: the forward's "
-             "thread)"]  # fmt: skip
+    lines = [
+        "-- annotations: count, total ms, longest ms, first start ms (main: the forward's thread)"
+    ]
     for (name, on_main), group in sorted(notes.items(), key=lambda kv: -_total(kv[1])):
         first = (min(e["ts"] for e in group) - start) / 1e3
-        lines.append(f"  {'main ' if on_main else 'other'} {len(group):5d} "
-                     f"{_total(group) / 1e3:9.1f} {max(e['dur'] for e in group) / 1e3:8.1f} "
-                     f"{first:+9.1f}  {name[:70]}")  # fmt: skip
-    gaps = _idle([e for e in timed if e.get("tid") == main
-                  and e.get("cat") in ("cpu_op", "cuda_runtime")])  # fmt: skip
+        lines.append(
+            f"  {'main ' if on_main else 'other'} {len(group):5d} "
+            f"{_total(group) / 1e3:9.1f} {max(e['dur'] for e in group) / 1e3:8.1f} "
+            f"{first:+9.1f}  {name[:70]}"
+        )
+    gaps = _idle(
+        [e for e in timed if e.get("tid") == main and e.get("cat") in ("cpu_op", "cuda_runtime")]
+    )
     marks = [e for (_, on_main), group in notes.items() if on_main for e in group]
-    lines.append("-- the forward's thread idle outside CUDA: ms, from ms, after -> before "
-                 "[the annotation around it]")  # fmt: skip
+    lines.append(
+        "-- the forward's thread idle outside CUDA: ms, from ms, after -> before "
+        "[the annotation around it]"
+    )
     for gap, at, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
-        around = max(marks, default=None, key=lambda e: min(e["ts"] + e["dur"], after["ts"])
-                     - max(e["ts"], at))  # fmt: skip
+        around = max(
+            marks,
+            default=None,
+            key=lambda e: min(e["ts"] + e["dur"], after["ts"]) - max(e["ts"], at),
+        )
         inside = around and min(around["ts"] + around["dur"], after["ts"]) > max(around["ts"], at)
         note = f" [{around['name'][:50]}]" if inside else ""
-        lines.append(f"  {gap / 1e3:8.1f} {(at - start) / 1e3:+9.1f}  {before['name'][:40]} -> "
-                     f"{after['name'][:40]}{note}")  # fmt: skip
+        lines.append(
+            f"  {gap / 1e3:8.1f} {(at - start) / 1e3:+9.1f}  {before['name'][:40]} -> "
+            f"{after['name'][:40]}{note}"
+        )
     lines.append(
         "-- the other threads with 100 runtime calls or more: idle outside CUDA "
         "between calls, total ms and the longest three (from ms, after which call)"
@@ -211,10 +245,14 @@ def _main_thread(timed: list, ops: list, start: float, top: int = 10) -> list[st
         if len(group) < 100:
             continue
         idle = sorted(_idle(group), key=lambda g: -g[0])
-        longest = "; ".join(f"{g / 1e3:.1f} at {(at - start) / 1e3:+.1f} after {b['name']}"
-                            for g, at, b, _ in idle[:3])  # fmt: skip
-        lines.append(f"  tid {tid}: {len(group)} calls, idle {sum(g for g, *_ in idle) / 1e3:.1f}"
-                     f" ms; {longest}")  # fmt: skip
+        longest = "; ".join(
+            f"{g / 1e3:.1f} at {(at - start) / 1e3:+.1f} after {b['name']}"
+            for g, at, b, _ in idle[:3]
+        )
+        lines.append(
+            f"  tid {tid}: {len(group)} calls, idle {sum(g for g, *_ in idle) / 1e3:.1f}"
+            f" ms; {longest}"
+        )
     return lines
 
 
@@ -236,17 +274,25 @@ def _micro_batches(ops: list, kernels: list, end: float) -> list[str]:
     if not starts:
         return []
     spans = list(zip(starts, [*starts[1:], end], strict=True))
-    lines = ["-- micro-batches: host ms / GPU busy ms (forward start to the next; the last to "
-             "the window's end)"]  # fmt: skip
+    lines = [
+        "-- micro-batches: host ms / GPU busy ms (forward start to the next; the last to "
+        "the window's end)"
+    ]
     for i, (a, b) in enumerate(spans):
-        busy = _union([(max(k["ts"], a), min(k["ts"] + k["dur"], b)) for k in kernels
-                       if k["ts"] < b and k["ts"] + k["dur"] > a])  # fmt: skip
+        busy = _union(
+            [
+                (max(k["ts"], a), min(k["ts"] + k["dur"], b))
+                for k in kernels
+                if k["ts"] < b and k["ts"] + k["dur"] > a
+            ]
+        )
         lines.append(f"{i:3d} {(b - a) / 1e3:9.1f} {busy / 1e3:9.1f}")
     return lines
 
 
-def _timeline(kernels: list, copies: list, timed: list, start: float, end: float,
-              columns: int = 120) -> list[str]:  # fmt: skip
+def _timeline(
+    kernels: list, copies: list, timed: list, start: float, end: float, columns: int = 120
+) -> list[str]:
     """Each busy GPU stream's kernels (K), copies up (U) and down (D) and other copies and
     memsets (M) over the window, a column per 1/``columns`` of it (digit: tenths busy, # all),
     above a row marking where each micro-batch's forward starts (|) and where the forward's

@@ -58,10 +58,15 @@ class Case:
 
     def command(self, out_dir: Path, iters: int) -> list[str]:
         return [
-            sys.executable, str(ROOT / "run_recipe.py"), "--recipe", self.recipe,
-            *self.overrides, f"train.train_iters={iters}", f"output_dir={out_dir / self.slug}",
+            sys.executable,
+            str(ROOT / "run_recipe.py"),
+            "--recipe",
+            self.recipe,
+            *self.overrides,
+            f"train.train_iters={iters}",
+            f"output_dir={out_dir / self.slug}",
             f"launcher.nproc_per_node={self.nproc}",
-        ]  # fmt: skip
+        ]
 
 
 def _optimizer_cases(recipe: str, extra: tuple[str, ...] = ()) -> list[Case]:
@@ -69,10 +74,17 @@ def _optimizer_cases(recipe: str, extra: tuple[str, ...] = ()) -> list[Case]:
     for pct in (25, 50, 100):
         for overlap in (False, True):
             name = f"HDO {pct}%" + (" + overlap" if overlap else "")
-            cases.append(Case(name, recipe, (
-                *extra, f"offload/optimizer=cpu_{pct}",
-                f"optimizer.overlap_cpu_optimizer_d2h_h2d={str(overlap).lower()}",
-            )))  # fmt: skip
+            cases.append(
+                Case(
+                    name,
+                    recipe,
+                    (
+                        *extra,
+                        f"offload/optimizer=cpu_{pct}",
+                        f"optimizer.overlap_cpu_optimizer_d2h_h2d={str(overlap).lower()}",
+                    ),
+                )
+            )
     return cases
 
 
@@ -80,11 +92,13 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
     return [
         Case("no offload", recipe, extra),
         Case("no offload (repeat)", recipe, extra, baseline="no offload"),
-        Case(f"activation offload {act_layers} layers", recipe,
-             (*extra, "offload/activation=enabled",
-              f"model.cpu_offloading_num_layers={act_layers}")),
+        Case(
+            f"activation offload {act_layers} layers",
+            recipe,
+            (*extra, "offload/activation=enabled", f"model.cpu_offloading_num_layers={act_layers}"),
+        ),
         *_optimizer_cases(recipe, extra),
-    ]  # fmt: skip
+    ]
 
 
 PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
@@ -103,12 +117,20 @@ PROXY_LONG = ("train.global_batch_size=1", "train.micro_batch_size=1", "model.se
 STATES = [
     Case("no offload", "qwen3_30b_a3b_proxy", PROXY),
     Case("optimizer states offload", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=states")),
-    *(Case(f"optimizer states offload, window {mb} MiB", "qwen3_30b_a3b_proxy",
-           (*PROXY, "offload/optimizer=states",
-            f"optimizer.optimizer_state_offload_chunk_size_mb={mb // 4}"))
-      for mb in (128, 2048)),
+    *(
+        Case(
+            f"optimizer states offload, window {mb} MiB",
+            "qwen3_30b_a3b_proxy",
+            (
+                *PROXY,
+                "offload/optimizer=states",
+                f"optimizer.optimizer_state_offload_chunk_size_mb={mb // 4}",
+            ),
+        )
+        for mb in (128, 2048)
+    ),
     Case("cpu_adam 100%", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=cpu_adam")),
-]  # fmt: skip
+]
 # Data parallel over two GPUs, with and without the optimizer-state offload.
 TWO_GPU_STATES = [
     Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
@@ -124,22 +146,55 @@ TWO_GPU_STATES = [
 # same global batch; and CP2 with the optimizer states offloaded.
 LONG_2 = ("train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_length=32768")
 TWO_GPU_CP = [
-    Case("tiny DP2, deterministic", "tiny", ("model.deterministic_mode=true",),
-         "tiny DP2, deterministic", nproc=2),
-    Case("tiny CP2, deterministic", "tiny", ("model.deterministic_mode=true", "parallel=cp2"),
-         "tiny DP2, deterministic", nproc=2),
-    Case("tiny CP2 activation offload 2 layers", "tiny",
-         ("model.deterministic_mode=true", "parallel=cp2", "offload/activation=enabled",
-          "model.cpu_offloading_num_layers=2"), "tiny DP2, deterministic", nproc=2),
-    Case("tiny CP2 HDO 50%", "tiny",
-         ("model.deterministic_mode=true", "parallel=cp2", "offload/optimizer=cpu_50"),
-         "tiny DP2, deterministic", nproc=2),
+    Case(
+        "tiny DP2, deterministic",
+        "tiny",
+        ("model.deterministic_mode=true",),
+        "tiny DP2, deterministic",
+        nproc=2,
+    ),
+    Case(
+        "tiny CP2, deterministic",
+        "tiny",
+        ("model.deterministic_mode=true", "parallel=cp2"),
+        "tiny DP2, deterministic",
+        nproc=2,
+    ),
+    Case(
+        "tiny CP2 activation offload 2 layers",
+        "tiny",
+        (
+            "model.deterministic_mode=true",
+            "parallel=cp2",
+            "offload/activation=enabled",
+            "model.cpu_offloading_num_layers=2",
+        ),
+        "tiny DP2, deterministic",
+        nproc=2,
+    ),
+    Case(
+        "tiny CP2 HDO 50%",
+        "tiny",
+        ("model.deterministic_mode=true", "parallel=cp2", "offload/optimizer=cpu_50"),
+        "tiny DP2, deterministic",
+        nproc=2,
+    ),
     Case("proxy seq 32k DP2", "qwen3_30b_a3b_proxy", LONG_2, "proxy seq 32k DP2", nproc=2),
-    Case("proxy seq 32k CP2", "qwen3_30b_a3b_proxy", (*LONG_2, "parallel=cp2"),
-         "proxy seq 32k DP2", nproc=2),
-    Case("proxy seq 32k CP2 optimizer states offload", "qwen3_30b_a3b_proxy",
-         (*LONG_2, "parallel=cp2", "offload/optimizer=states"), "proxy seq 32k DP2", nproc=2),
-]  # fmt: skip
+    Case(
+        "proxy seq 32k CP2",
+        "qwen3_30b_a3b_proxy",
+        (*LONG_2, "parallel=cp2"),
+        "proxy seq 32k DP2",
+        nproc=2,
+    ),
+    Case(
+        "proxy seq 32k CP2 optimizer states offload",
+        "qwen3_30b_a3b_proxy",
+        (*LONG_2, "parallel=cp2", "offload/optimizer=states"),
+        "proxy seq 32k DP2",
+        nproc=2,
+    ),
+]
 # The CPU-Adam engine on the proxy at global batch 1 and 4, each beside its no-offload baseline
 # and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
 PROXY_RECIPE = "qwen3_30b_a3b_proxy"
@@ -154,8 +209,9 @@ def _batch(gbs: int) -> tuple[str, str]:
 GBS1 = _batch(1)
 
 
-def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
-                    nproc: int = 1) -> list[Case]:  # fmt: skip
+def _cpu_adam_cases(
+    gbs: int, delayed_fractions: tuple[float, ...] = (), nproc: int = 1
+) -> list[Case]:
     batch = _batch(gbs)
     tag = f"DP{nproc} GBS{gbs}" if nproc > 1 else f"GBS{gbs}"
     base = f"{tag} no offload"
@@ -168,16 +224,32 @@ def _cpu_adam_cases(gbs: int, delayed_fractions: tuple[float, ...] = (),
         case("HDO 100% + overlap", "offload/optimizer=cpu_100"),
         case("cpu_adam 100%", "offload/optimizer=cpu_adam"),
         case("cpu_adam_delayed 100%", "offload/optimizer=cpu_adam_delayed", *DELAY),
-        *(case(f"cpu_adam_delayed {f:.0%}", "offload/optimizer=cpu_adam_delayed", *DELAY,
-               f"optimizer.optimizer_offload_fraction={f}") for f in delayed_fractions),
-        replace(case("cpu_adam_delayed at its hidden fraction",
-                     "offload/optimizer=cpu_adam_delayed", *DELAY),
-                hidden_fraction_of=f"{tag} cpu_adam_delayed 100%"),
+        *(
+            case(
+                f"cpu_adam_delayed {f:.0%}",
+                "offload/optimizer=cpu_adam_delayed",
+                *DELAY,
+                f"optimizer.optimizer_offload_fraction={f}",
+            )
+            for f in delayed_fractions
+        ),
+        replace(
+            case(
+                "cpu_adam_delayed at its hidden fraction",
+                "offload/optimizer=cpu_adam_delayed",
+                *DELAY,
+            ),
+            hidden_fraction_of=f"{tag} cpu_adam_delayed 100%",
+        ),
         case("no offload (repeat)"),  # the baseline's own spread within the suite
         # the placement whose convergence stays within the seeds' noise (cpu-adam-conv-7/8)
-        case("cpu_adam_delayed experts only", "offload/optimizer=cpu_adam_delayed", *DELAY,
-             EXPERTS_ONLY),
-    ]  # fmt: skip
+        case(
+            "cpu_adam_delayed experts only",
+            "offload/optimizer=cpu_adam_delayed",
+            *DELAY,
+            EXPERTS_ONLY,
+        ),
+    ]
 
 
 ALL_ON_CPU = "optimizer.cpu_adam_gpu_share=0"
@@ -187,8 +259,11 @@ def _split_cases(gbs: int) -> list[Case]:
     """Exact mode with its GPU share balanced each step (the default) against all of Adam on the
     CPU, beside the baseline (twice) and HDO 100% + overlap."""
     cases = _cpu_adam_cases(gbs)
-    all_on_cpu = replace(cases[2], name=f"{cases[2].name}, all on the CPU",
-                         overrides=(*cases[2].overrides, ALL_ON_CPU))  # fmt: skip
+    all_on_cpu = replace(
+        cases[2],
+        name=f"{cases[2].name}, all on the CPU",
+        overrides=(*cases[2].overrides, ALL_ON_CPU),
+    )
     return [*cases[:3], all_on_cpu, cases[5]]
 
 
@@ -198,8 +273,9 @@ def _late_share_cases(gbs: int) -> list[Case]:
     baseline (twice)."""
     cases = _cpu_adam_cases(gbs)
     balanced = "optimizer.cpu_adam_gpu_share=null"
-    shared = replace(cases[3], name=f"{cases[3].name}, GPU share",
-                     overrides=(*cases[3].overrides, balanced))  # fmt: skip
+    shared = replace(
+        cases[3], name=f"{cases[3].name}, GPU share", overrides=(*cases[3].overrides, balanced)
+    )
     return [cases[0], cases[3], shared, cases[5]]
 
 
@@ -208,11 +284,19 @@ def _experts_cases(gbs: int) -> list[Case]:
     exact (offload/optimizer=cpu_adam_delayed_experts) on two GPUs with expert parallelism (the
     experts' own optimizer part), beside delayed and exact mode at 100% and the baseline
     (twice), all EP2."""
-    ep2 = [replace(c, overrides=(*c.overrides, "parallel=ep2"))
-           for c in _cpu_adam_cases(gbs, nproc=2)]  # fmt: skip
-    experts = replace(ep2[3], name=f"DP2 GBS{gbs} cpu_adam_delayed_experts 100%",
-                      overrides=(*_batch(gbs), "parallel=ep2",
-                                 "offload/optimizer=cpu_adam_delayed_experts", *DELAY))  # fmt: skip
+    ep2 = [
+        replace(c, overrides=(*c.overrides, "parallel=ep2")) for c in _cpu_adam_cases(gbs, nproc=2)
+    ]
+    experts = replace(
+        ep2[3],
+        name=f"DP2 GBS{gbs} cpu_adam_delayed_experts 100%",
+        overrides=(
+            *_batch(gbs),
+            "parallel=ep2",
+            "offload/optimizer=cpu_adam_delayed_experts",
+            *DELAY,
+        ),
+    )
     return [ep2[0], experts, ep2[3], ep2[2], ep2[5]]
 
 
@@ -223,15 +307,28 @@ def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ..
     for f in fractions:
         frac = f"optimizer.optimizer_offload_fraction={f}"
         cases += [
-            Case(f"sweep cpu_adam {f:.0%}", PROXY_RECIPE,
-                 (*batch, "offload/optimizer=cpu_adam", frac), base),
-            Case(f"sweep cpu_adam_delayed {f:.0%}", PROXY_RECIPE,
-                 (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY, frac), base),
-        ]  # fmt: skip
-    cases += [Case(f"sweep HDO {f:.0%} + overlap", PROXY_RECIPE,
-                   (*batch, "offload/optimizer=cpu_100",
-                    f"optimizer.optimizer_offload_fraction={f}"), base)
-              for f in hdo]  # fmt: skip
+            Case(
+                f"sweep cpu_adam {f:.0%}",
+                PROXY_RECIPE,
+                (*batch, "offload/optimizer=cpu_adam", frac),
+                base,
+            ),
+            Case(
+                f"sweep cpu_adam_delayed {f:.0%}",
+                PROXY_RECIPE,
+                (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY, frac),
+                base,
+            ),
+        ]
+    cases += [
+        Case(
+            f"sweep HDO {f:.0%} + overlap",
+            PROXY_RECIPE,
+            (*batch, "offload/optimizer=cpu_100", f"optimizer.optimizer_offload_fraction={f}"),
+            base,
+        )
+        for f in hdo
+    ]
     return cases
 
 
@@ -239,8 +336,10 @@ def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ..
 # training beside the no-offload run of the same suite (two calls: the HDO runs are slow).
 OPTION = ("train.global_batch_size=4", "train.micro_batch_size=1")
 OPTION_BASE = "options no offload"
-FINE_GRAINED = ("model.fine_grained_activation_offloading=true",
-                "model.offload_modules=[expert_fc1,moe_act,core_attn,attn_proj]")  # fmt: skip
+FINE_GRAINED = (
+    "model.fine_grained_activation_offloading=true",
+    "model.offload_modules=[expert_fc1,moe_act,core_attn,attn_proj]",
+)
 
 
 def _option(name: str, *overrides: str) -> Case:
@@ -249,15 +348,22 @@ def _option(name: str, *overrides: str) -> Case:
 
 OPTIONS_1 = [
     _option("no offload"),
-    _option("activation enabled, 2 layers", "offload/activation=enabled",
-            "model.cpu_offloading_num_layers=2"),
+    _option(
+        "activation enabled, 2 layers",
+        "offload/activation=enabled",
+        "model.cpu_offloading_num_layers=2",
+    ),
     _option("fine-grained activation offload", *FINE_GRAINED),
     _option("optimizer states", "offload/optimizer=states"),
     _option("cpu_adam", "offload/optimizer=cpu_adam"),
     _option("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed", *DELAY),
-    _option("bf16 Adam states on the GPU", "optimizer.use_precision_aware_optimizer=true",
-            "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"),
-]  # fmt: skip
+    _option(
+        "bf16 Adam states on the GPU",
+        "optimizer.use_precision_aware_optimizer=true",
+        "optimizer.exp_avg_dtype=bf16",
+        "optimizer.exp_avg_sq_dtype=bf16",
+    ),
+]
 OPTIONS_2 = [
     _option("no offload"),
     *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (75, 25, 50, 100)),
@@ -265,8 +371,12 @@ OPTIONS_2 = [
 
 # The full 48-layer Qwen3-30B-A3B on one 4-GPU node (nvidia-h200-x4): no offload runs out of GPU
 # memory (status oom), the offloads that fit train, and a PP2 layout with optimizer offload.
-FULL = ("train.global_batch_size=16", "train.micro_batch_size=1",
-        "planner.gpu_memory_gb=139", "planner.host_memory_gb=500")  # fmt: skip
+FULL = (
+    "train.global_batch_size=16",
+    "train.micro_batch_size=1",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=500",
+)
 FULL_BASE = "full EP4 no offload"
 
 
@@ -276,13 +386,21 @@ def _full(name: str, *overrides: str) -> Case:
 
 FULL_4GPU = [
     _full("EP4 no offload", "parallel=ep4"),
-    _full("EP4 cpu_adam 50%", "parallel=ep4", "offload/optimizer=cpu_adam",
-          "optimizer.optimizer_offload_fraction=0.5"),
+    _full(
+        "EP4 cpu_adam 50%",
+        "parallel=ep4",
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=0.5",
+    ),
     _full("EP4 HDO 50%", "parallel=ep4", "offload/optimizer=cpu_50"),
     _full("EP4 optimizer states", "parallel=ep4", "offload/optimizer=states"),
-    _full("PP2 EP2 cpu_adam 50%", "parallel=pp2_ep2", "offload/optimizer=cpu_adam",
-          "optimizer.optimizer_offload_fraction=0.5"),
-]  # fmt: skip
+    _full(
+        "PP2 EP2 cpu_adam 50%",
+        "parallel=pp2_ep2",
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=0.5",
+    ),
+]
 
 
 # The planner's calibration spread (issue: within 10% on configurations it was not fitted on): a
@@ -332,29 +450,49 @@ SPREAD = [
     _spread(" HDO 100%", "dense", 2, 4096, "offload/optimizer=cpu_100"),
     _spread(" bf16 Adam states", "dense", 2, 4096, *BF16_STATES),
     _spread("", "MoE", 2, 4096),
-    _spread(" full recompute, states", "MoE", 1, 32768, *FULL_RECOMPUTE,
-            "offload/optimizer=states"),
-    _spread(" cpu_adam 50%", "MoE", 4, 2048, "offload/optimizer=cpu_adam",
-            "optimizer.optimizer_offload_fraction=0.5"),
+    _spread(
+        " full recompute, states", "MoE", 1, 32768, *FULL_RECOMPUTE, "offload/optimizer=states"
+    ),
+    _spread(
+        " cpu_adam 50%",
+        "MoE",
+        4,
+        2048,
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=0.5",
+    ),
     _spread(" selective recompute", "MoE", 1, 8192, *SELECTIVE),
     _spread(" bf16 Adam states", "MoE", 2, 4096, *BF16_STATES),
-    _spread(" activation offload 2 layers", "MoE", 1, 8192, "offload/activation=enabled",
-            "model.cpu_offloading_num_layers=2"),
-]  # fmt: skip
+    _spread(
+        " activation offload 2 layers",
+        "MoE",
+        1,
+        8192,
+        "offload/activation=enabled",
+        "model.cpu_offloading_num_layers=2",
+    ),
+]
 
-LONG_EXACT = Case("long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"),
-                  "long cpu_adam 100%")  # fmt: skip
-LONG_DELAYED = Case("long cpu_adam_delayed 100%", PROXY_RECIPE,
-                    (*GBS1, "offload/optimizer=cpu_adam_delayed", *DELAY),
-                    "long cpu_adam 100%")  # fmt: skip
+LONG_EXACT = Case(
+    "long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"), "long cpu_adam 100%"
+)
+LONG_DELAYED = Case(
+    "long cpu_adam_delayed 100%",
+    PROXY_RECIPE,
+    (*GBS1, "offload/optimizer=cpu_adam_delayed", *DELAY),
+    "long cpu_adam 100%",
+)
 # Delayed mode after more exact steps: does staleness cost less once the loss has left its steep
 # start? (2 exact steps fell behind exact mode and did not catch up.)
 LONG_DELAYED_LATER = [
-    Case(f"long cpu_adam_delayed 100% after {n} exact steps", PROXY_RECIPE,
-         (*GBS1, "offload/optimizer=cpu_adam_delayed", f"optimizer.cpu_adam_exact_steps={n}"),
-         "long cpu_adam 100%")
+    Case(
+        f"long cpu_adam_delayed 100% after {n} exact steps",
+        PROXY_RECIPE,
+        (*GBS1, "offload/optimizer=cpu_adam_delayed", f"optimizer.cpu_adam_exact_steps={n}"),
+        "long cpu_adam 100%",
+    )
     for n in (20, 50)
-]  # fmt: skip
+]
 
 # Delayed mode's convergence where ZeRO-Offload uses delayed updates: GBS 4 and a warmup of 20
 # iterations, delayed updates from its end (the default start), two seeds (weights and data order)
@@ -398,9 +536,12 @@ CONV_MODES = {
 
 
 def _conv(mode: str, seed: int) -> Case:
-    return Case(f"conv {mode} seed {seed}", PROXY_RECIPE,
-                (*CONV, *CONV_MODES[mode], f"train.seed={seed}"),
-                f"conv no offload seed {seed}")  # fmt: skip
+    return Case(
+        f"conv {mode} seed {seed}",
+        PROXY_RECIPE,
+        (*CONV, *CONV_MODES[mode], f"train.seed={seed}"),
+        f"conv no offload seed {seed}",
+    )
 
 
 CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
@@ -418,9 +559,13 @@ CONV_EP2_MODES = {
 
 
 def _conv_ep2(mode: str, seed: int) -> Case:
-    return Case(f"conv EP2 {mode} seed {seed}", PROXY_RECIPE,
-                (*CONV, "parallel=ep2", *CONV_EP2_MODES[mode], f"train.seed={seed}"),
-                f"conv EP2 no offload seed {seed}", nproc=2)  # fmt: skip
+    return Case(
+        f"conv EP2 {mode} seed {seed}",
+        PROXY_RECIPE,
+        (*CONV, "parallel=ep2", *CONV_EP2_MODES[mode], f"train.seed={seed}"),
+        f"conv EP2 no offload seed {seed}",
+        nproc=2,
+    )
 
 
 # Adam's kernels against each other on the tiny recipe, deterministic, 20 iterations: torch's fused
@@ -431,12 +576,16 @@ def _conv_ep2(mode: str, seed: int) -> Case:
 TINY_DET = ("model.deterministic_mode=true",)
 GPU_FUSED_ADAMW = "torch fused AdamW on the GPU"
 ADAM_PARITY = [
-    Case(GPU_FUSED_ADAMW, "tiny", (*TINY_DET, "offload/optimizer=cpu_adam",
-                                   "optimizer.optimizer_offload_fraction=1e-6"), GPU_FUSED_ADAMW),
+    Case(
+        GPU_FUSED_ADAMW,
+        "tiny",
+        (*TINY_DET, "offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=1e-6"),
+        GPU_FUSED_ADAMW,
+    ),
     Case("TE FusedAdam on the GPU (no offload)", "tiny", TINY_DET, GPU_FUSED_ADAMW),
     Case("cpu_adam 100%", "tiny", (*TINY_DET, "offload/optimizer=cpu_adam"), GPU_FUSED_ADAMW),
     Case("HDO 100% + overlap", "tiny", (*TINY_DET, "offload/optimizer=cpu_100"), GPU_FUSED_ADAMW),
-]  # fmt: skip
+]
 
 
 PROFILE_AT = (
@@ -458,8 +607,10 @@ def _profile_cases(gbs: int) -> list[Case]:
     """Iteration 5 of no offload and of both exact host engines under the torch profiler: what
     forward+backward spends where the engines slow it (issue: exact offload's cost)."""
     base = f"GBS{gbs} no offload"
-    return [Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *PROFILE_AT, *extra), base)
-            for name, extra in EXACT_ROWS]  # fmt: skip
+    return [
+        Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *PROFILE_AT, *extra), base)
+        for name, extra in EXACT_ROWS
+    ]
 
 
 def _cost_cases(gbs: int) -> list[Case]:
@@ -474,16 +625,21 @@ def _cost_cases(gbs: int) -> list[Case]:
             ("cpu_adam_delayed 100%", ("offload/optimizer=cpu_adam_delayed", *DELAY)),
         ]
     rows.append(("no offload (repeat)", ()))
-    return [Case(f"cost GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
-            for name, extra in rows]  # fmt: skip
+    return [
+        Case(f"cost GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
+        for name, extra in rows
+    ]
 
 
 def _pairs(gbs: int, runs: int) -> list[Case]:
     """Forward+backward under the exact engines against the host's drift: no offload, cpu_adam
     and states in turn, the first ``runs`` of three rounds (ending on no offload), each beside
     its neighbours in time."""
-    return [replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
-            for i in (1, 2, 3) for c in _cost_cases(gbs)[:3]][:runs]  # fmt: skip
+    return [
+        replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
+        for i in (1, 2, 3)
+        for c in _cost_cases(gbs)[:3]
+    ][:runs]
 
 
 GBS8_PAIRS = _pairs(8, 8)
@@ -495,19 +651,32 @@ def _remainder_cases(gbs: int) -> list[Case]:
     between two no-offload runs."""
     base = f"remainders GBS{gbs} no offload"
     states = ("offload/optimizer=states",)
-    rows = (("no offload", ()), ("states", states),
-            ("states, fp32 masters", (*states, "optimizer.store_param_remainders=false")),
-            ("no offload (repeat)", ()))  # fmt: skip
-    return [Case(f"remainders GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
-            for name, extra in rows]  # fmt: skip
+    rows = (
+        ("no offload", ()),
+        ("states", states),
+        ("states, fp32 masters", (*states, "optimizer.store_param_remainders=false")),
+        ("no offload (repeat)", ()),
+    )
+    return [
+        Case(f"remainders GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
+        for name, extra in rows
+    ]
 
 
 # The held-out dense shape of the exact-offload issue: llama3_8b at seq 8192, GBS 8, MB 1, with
 # offload/optimizer=auto on one H200 (its step and peak beside the GBS 4 run's 4.49 s, 121.7 GB).
-LLAMA_AUTO = Case("llama3_8b seq 8192 GBS 8, auto", "llama3_8b",
-                  (*_batch(8), "scheduler.lr_warmup_iters=2", "planner.gpu_memory_gb=139",
-                   "planner.host_memory_gb=125",
-                   "offload/optimizer=auto"), "llama3_8b seq 8192 GBS 8, auto")  # fmt: skip
+LLAMA_AUTO = Case(
+    "llama3_8b seq 8192 GBS 8, auto",
+    "llama3_8b",
+    (
+        *_batch(8),
+        "scheduler.lr_warmup_iters=2",
+        "planner.gpu_memory_gb=139",
+        "planner.host_memory_gb=125",
+        "offload/optimizer=auto",
+    ),
+    "llama3_8b seq 8192 GBS 8, auto",
+)
 
 DETERMINISTIC = (*_batch(4), "model.deterministic_mode=true")
 
@@ -515,8 +684,11 @@ DETERMINISTIC = (*_batch(4), "model.deterministic_mode=true")
 def _determinism_cases() -> list[Case]:
     """Two identical runs each of no offload and of both exact host engines, deterministic mode:
     each pair's per-iteration losses must be identical."""
-    return [Case(f"{name}{again}", PROXY_RECIPE, (*DETERMINISTIC, *extra), "no offload")
-            for name, extra in EXACT_ROWS for again in ("", " (repeat)")]  # fmt: skip
+    return [
+        Case(f"{name}{again}", PROXY_RECIPE, (*DETERMINISTIC, *extra), "no offload")
+        for name, extra in EXACT_ROWS
+        for again in ("", " (repeat)")
+    ]
 
 
 BF16_MOMENTS = ("optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16")
@@ -528,12 +700,15 @@ def _bf16_moment_cases() -> list[Case]:
     and state offload moves 8 B/param instead of 12 (its fp32-moment run beside it)."""
     base = "TE FusedAdam bf16 moments, no offload"
     common = (*DETERMINISTIC, "scheduler.lr_warmup_iters=2")
-    return [Case(name, PROXY_RECIPE, (*common, *extra), base)
-            for name, extra in (
-                (base, ("optimizer.use_precision_aware_optimizer=true", *BF16_MOMENTS)),
-                ("states, bf16 moments", ("offload/optimizer=states", *BF16_MOMENTS)),
-                ("cpu_adam, bf16 moments", ("offload/optimizer=cpu_adam", *BF16_MOMENTS)),
-                ("states, fp32 moments", ("offload/optimizer=states",)))]  # fmt: skip
+    return [
+        Case(name, PROXY_RECIPE, (*common, *extra), base)
+        for name, extra in (
+            (base, ("optimizer.use_precision_aware_optimizer=true", *BF16_MOMENTS)),
+            ("states, bf16 moments", ("offload/optimizer=states", *BF16_MOMENTS)),
+            ("cpu_adam, bf16 moments", ("offload/optimizer=cpu_adam", *BF16_MOMENTS)),
+            ("states, fp32 moments", ("offload/optimizer=states",)),
+        )
+    ]
 
 
 def _bf16_kernel_cases() -> list[Case]:
@@ -560,16 +735,21 @@ CAPACITY = (
     "planner.gpu_memory_gb=139",
     "planner.host_memory_gb=125",
 )
-MEANT_NOT_TO_FIT = ("full EP4 no offload", "full EP2 no offload", "28 layers, no offload",
-                    "llama3_8b under 48 GB, no weight offload",
-                    "proxy under 12 GB, no weight offload")  # fmt: skip
+MEANT_NOT_TO_FIT = (
+    "full EP4 no offload",
+    "full EP2 no offload",
+    "28 layers, no offload",
+    "llama3_8b under 48 GB, no weight offload",
+    "proxy under 12 GB, no weight offload",
+)
 
 
 def _capacity_auto(layers: int) -> Case:
     """``offload/optimizer=auto`` on a slice of ``layers`` layers of that box: what the planner
     picks (state-offload fraction, moment and gradient dtypes) is what trains."""
-    overrides = tuple(f"model.num_layers={layers}" if o.startswith("model.num_layers=") else o
-                      for o in CAPACITY)  # fmt: skip
+    overrides = tuple(
+        f"model.num_layers={layers}" if o.startswith("model.num_layers=") else o for o in CAPACITY
+    )
     return Case(
         f"{layers} layers, auto",
         "qwen3_30b_a3b",
@@ -580,78 +760,146 @@ def _capacity_auto(layers: int) -> Case:
 
 CAPACITY_CASES = [
     Case("28 layers, no offload", "qwen3_30b_a3b", CAPACITY, "28 layers, no offload"),
-    Case("28 layers, states 75% bf16 moments and gradients", "qwen3_30b_a3b",
-         (*CAPACITY, "offload/optimizer=states", *BF16_MOMENTS, "ddp.grad_reduce_in_fp32=false",
-          "optimizer.optimizer_state_offload_fraction=0.75"), "28 layers, no offload"),
-]  # fmt: skip
+    Case(
+        "28 layers, states 75% bf16 moments and gradients",
+        "qwen3_30b_a3b",
+        (
+            *CAPACITY,
+            "offload/optimizer=states",
+            *BF16_MOMENTS,
+            "ddp.grad_reduce_in_fp32=false",
+            "optimizer.optimizer_state_offload_fraction=0.75",
+        ),
+        "28 layers, no offload",
+    ),
+]
 
 
 # Weight offload (offload/weight=enabled): the dense held-out shape (8 layers of width 2048, seq
 # 4096, MB 4) with every layer's weights on the host, and the MoE proxy with all four; each beside
 # the same run with its weights on the GPU (optimizer states offloaded in both: weight offload
 # needs a host engine).
-DENSE_8 = ("model.num_layers=8", "model.hidden_size=2048", "model.ffn_hidden_size=7168",
-           "model.num_attention_heads=16", "model.num_query_groups=8", "model.kv_channels=128",
-           "model.seq_length=4096", "model.max_position_embeddings=4096",
-           "train.global_batch_size=8", "train.micro_batch_size=4", "scheduler.lr_warmup_iters=2",
-           "offload/optimizer=states")  # fmt: skip
+DENSE_8 = (
+    "model.num_layers=8",
+    "model.hidden_size=2048",
+    "model.ffn_hidden_size=7168",
+    "model.num_attention_heads=16",
+    "model.num_query_groups=8",
+    "model.kv_channels=128",
+    "model.seq_length=4096",
+    "model.max_position_embeddings=4096",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "scheduler.lr_warmup_iters=2",
+    "offload/optimizer=states",
+)
 PROXY_WEIGHTS = (*_batch(4), "scheduler.lr_warmup_iters=2", "offload/optimizer=states")
 WEIGHT_CASES = [
     Case("dense 8 layers, states", "llama3_8b", DENSE_8, "dense 8 layers, states"),
-    Case("dense 8 layers, states + weights of 8", "llama3_8b",
-         (*DENSE_8, "offload/weight=enabled", "model.cpu_offloading_num_layers=8"),
-         "dense 8 layers, states"),
+    Case(
+        "dense 8 layers, states + weights of 8",
+        "llama3_8b",
+        (*DENSE_8, "offload/weight=enabled", "model.cpu_offloading_num_layers=8"),
+        "dense 8 layers, states",
+    ),
     Case("proxy, states", "qwen3_30b_a3b_proxy", PROXY_WEIGHTS, "proxy, states"),
-    Case("proxy, states + weights of 4", "qwen3_30b_a3b_proxy",
-         (*PROXY_WEIGHTS, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
-         "proxy, states"),
-]  # fmt: skip
+    Case(
+        "proxy, states + weights of 4",
+        "qwen3_30b_a3b_proxy",
+        (*PROXY_WEIGHTS, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
+        "proxy, states",
+    ),
+]
 
 
 # Weight offload's capacity (issue: "fits a 48 / 12 GB GPU" shown on a bigger one, held to that
 # size by train.gpu_memory_cap_gb): llama3_8b at seq 8192 with weights, gradients, optimizer state
 # and activations on the host, beside the same line without weight offload; the MoE proxy under
 # 12 GB (full recompute and bf16 gradients: its logits alone take 3.5 GB), beside it without.
-LLAMA_48 = ("train.global_batch_size=8", "train.micro_batch_size=1", "train.gpu_memory_cap_gb=48",
-            "planner.host_memory_gb=125", "scheduler.lr_warmup_iters=2", "offload/optimizer=states",
-            "optimizer.optimizer_state_offload_fraction=0.01", *BF16_MOMENTS,
-            "ddp.grad_reduce_in_fp32=false", "offload/activation=enabled",
-            "model.cpu_offloading_num_layers=31")  # fmt: skip
-PROXY_12 = (*PROXY_WEIGHTS, "train.gpu_memory_cap_gb=12", "planner.host_memory_gb=125",
-            "ddp.grad_reduce_in_fp32=false", "model.recompute_granularity=full",
-            "model.recompute_method=uniform", "model.recompute_num_layers=1")  # fmt: skip
+LLAMA_48 = (
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+    "train.gpu_memory_cap_gb=48",
+    "planner.host_memory_gb=125",
+    "scheduler.lr_warmup_iters=2",
+    "offload/optimizer=states",
+    "optimizer.optimizer_state_offload_fraction=0.01",
+    *BF16_MOMENTS,
+    "ddp.grad_reduce_in_fp32=false",
+    "offload/activation=enabled",
+    "model.cpu_offloading_num_layers=31",
+)
+PROXY_12 = (
+    *PROXY_WEIGHTS,
+    "train.gpu_memory_cap_gb=12",
+    "planner.host_memory_gb=125",
+    "ddp.grad_reduce_in_fp32=false",
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
+)
 WEIGHT_CAP_CASES = [
-    Case("llama3_8b under 48 GB, no weight offload", "llama3_8b", LLAMA_48,
-         "llama3_8b under 48 GB, no weight offload"),
-    Case("llama3_8b under 48 GB, weights of 31 layers", "llama3_8b",
-         (*LLAMA_48, "offload/weight=enabled"), "llama3_8b under 48 GB, no weight offload"),
-    Case("proxy under 12 GB, no weight offload", "qwen3_30b_a3b_proxy", PROXY_12,
-         "proxy under 12 GB, no weight offload"),
-    Case("proxy under 12 GB, weights of 4 layers", "qwen3_30b_a3b_proxy",
-         (*PROXY_12, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
-         "proxy under 12 GB, no weight offload"),
-]  # fmt: skip
+    Case(
+        "llama3_8b under 48 GB, no weight offload",
+        "llama3_8b",
+        LLAMA_48,
+        "llama3_8b under 48 GB, no weight offload",
+    ),
+    Case(
+        "llama3_8b under 48 GB, weights of 31 layers",
+        "llama3_8b",
+        (*LLAMA_48, "offload/weight=enabled"),
+        "llama3_8b under 48 GB, no weight offload",
+    ),
+    Case(
+        "proxy under 12 GB, no weight offload",
+        "qwen3_30b_a3b_proxy",
+        PROXY_12,
+        "proxy under 12 GB, no weight offload",
+    ),
+    Case(
+        "proxy under 12 GB, weights of 4 layers",
+        "qwen3_30b_a3b_proxy",
+        (*PROXY_12, "offload/weight=enabled", "model.cpu_offloading_num_layers=4"),
+        "proxy under 12 GB, no weight offload",
+    ),
+]
 
 
 # The llama3_8b line without the cap and without weight offload, every state on the host: its
 # losses beside the capped run's (which rise at iterations 6-8 on the mock data).
 _UNCAPPED = ("train.gpu_memory_cap_gb", "optimizer.optimizer_state_offload")
-LLAMA_UNCAPPED = Case("llama3_8b uncapped, no weight offload", "llama3_8b",
-                      (*(o for o in LLAMA_48 if not o.startswith(_UNCAPPED)),
-                       "optimizer.optimizer_state_offload_fraction=1.0"),
-                      "llama3_8b uncapped, no weight offload")  # fmt: skip
+LLAMA_UNCAPPED = Case(
+    "llama3_8b uncapped, no weight offload",
+    "llama3_8b",
+    (
+        *(o for o in LLAMA_48 if not o.startswith(_UNCAPPED)),
+        "optimizer.optimizer_state_offload_fraction=1.0",
+    ),
+    "llama3_8b uncapped, no weight offload",
+)
 
 
 # The full 48-layer Qwen3-30B-A3B on one two-GPU box (nvidia-h200-x2: 2 x 139 GB, ~250 GB RAM),
 # EP2, GBS 8: no offload runs out of GPU memory, offload/optimizer=auto picks what fits both the
 # GPUs and the host (one device call each: the model takes minutes to build and pin).
-FULL_2 = ("parallel=ep2", *_batch(8), "scheduler.lr_warmup_iters=2", "planner.gpu_memory_gb=139",
-          "planner.host_memory_gb=250")  # fmt: skip
+FULL_2 = (
+    "parallel=ep2",
+    *_batch(8),
+    "scheduler.lr_warmup_iters=2",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=250",
+)
 FULL_2GPU = [
     Case("full EP2 no offload", "qwen3_30b_a3b", FULL_2, "full EP2 no offload", nproc=2),
-    Case("full EP2 auto", "qwen3_30b_a3b", (*FULL_2, "offload/optimizer=auto"),
-         "full EP2 no offload", nproc=2),
-]  # fmt: skip
+    Case(
+        "full EP2 auto",
+        "qwen3_30b_a3b",
+        (*FULL_2, "offload/optimizer=auto"),
+        "full EP2 no offload",
+        nproc=2,
+    ),
+]
 
 
 def _two_gpu_engine_cases(gbs: int) -> list[Case]:
@@ -749,7 +997,7 @@ SUITES: dict[str, list[Case]] = {
             for share in (0.45, 0.5)
         ],
         _cost_cases(4)[-1],
-    ],  # fmt: skip
+    ],
     # its EP2 states row, which its call's time left out, beside EP2's baseline again
     "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
     # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
@@ -918,7 +1166,7 @@ SUITES: dict[str, list[Case]] = {
             "proxy EP2",
             nproc=2,
         ),
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -962,8 +1210,14 @@ def _rank_logs(run_dir: Path) -> str:
 def at_hidden_fraction(case: Case, results: list[dict]) -> Case:
     """``case`` at the offload fraction its ``hidden_fraction_of`` run reported, rounded down to
     a hundredth (unchanged when that run reported none)."""
-    found = next((r["summary"].get("cpu_adam_hidden_fraction") for r in results
-                  if r["case"]["name"] == case.hidden_fraction_of), None)  # fmt: skip
+    found = next(
+        (
+            r["summary"].get("cpu_adam_hidden_fraction")
+            for r in results
+            if r["case"]["name"] == case.hidden_fraction_of
+        ),
+        None,
+    )
     if not found:
         return case
     fraction = math.floor(found * 100) / 100
@@ -1042,7 +1296,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "results": results,
                 },
                 indent=1,
-            )  # fmt: skip
+            )
         )
     return 0
 
@@ -1090,34 +1344,46 @@ def _states_line(r: dict, base: dict) -> str | None:
         bound = 2 * moved / HOST_LINK_GB_PER_S * 1000
         how = f"2 x {moved:.1f} GB / {HOST_LINK_GB_PER_S:.0f} GB/s"
     else:
-        moved = (s["states_host_gb"] * 1024**3 if s.get("states_host_gb")
-                 else 12 * s["states_offloaded_params"]) / 1e9  # fmt: skip
-        link = rank_link_gb_per_s(both_ways_gb_per_s(r["environment"]["gpu"]),
-                                  r["case"].get("nproc", 1))  # fmt: skip
+        moved = (
+            s["states_host_gb"] * 1024**3
+            if s.get("states_host_gb")
+            else 12 * s["states_offloaded_params"]
+        ) / 1e9
+        link = rank_link_gb_per_s(
+            both_ways_gb_per_s(r["environment"]["gpu"]), r["case"].get("nproc", 1)
+        )
         bound = moved / link * 1000
         how = f"{moved:.1f} GB each way at once / {link:.1f} GB/s"
     overhead = (s["step_time_s_median"] - base["step_time_s_median"]) * 1000
     fwd_bwd = (s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]) * 1000
     rest = (s["optimizer_time_s_median"] - base["optimizer_time_s_median"]) * 1000
     peak = s["gpu_peak_allocated_gb"] / base["gpu_peak_allocated_gb"]
-    line = (f"- {case_label(r)}: transfer bound {how} = {bound:.0f} ms; overhead "
-            f"{overhead:.0f} ms ({overhead / bound:.2f}x the bound): forward+backward "
-            f"{fwd_bwd:+.0f} ms, rest of the step {rest:+.0f} ms; peak {peak:.2f}x the "
-            f"baseline's")  # fmt: skip
+    line = (
+        f"- {case_label(r)}: transfer bound {how} = {bound:.0f} ms; overhead "
+        f"{overhead:.0f} ms ({overhead / bound:.2f}x the bound): forward+backward "
+        f"{fwd_bwd:+.0f} ms, rest of the step {rest:+.0f} ms; peak {peak:.2f}x the "
+        f"baseline's"
+    )
     if not whole:
-        line += (f"; the pass (step() to the last copy out) "
-                 f"{s['states_stream_s_median'] * 1000:.0f} ms, "
-                 f"{s['states_link_gb_per_s']:.1f} GB/s each way; window "
-                 f"{s['states_window_gb'] * 1024:.0f} MiB")  # fmt: skip
+        line += (
+            f"; the pass (step() to the last copy out) "
+            f"{s['states_stream_s_median'] * 1000:.0f} ms, "
+            f"{s['states_link_gb_per_s']:.1f} GB/s each way; window "
+            f"{s['states_window_gb'] * 1024:.0f} MiB"
+        )
     if s.get("states_in_backward_gb"):  # those came in before the pass: its rate counts them
         line += f", {s['states_in_backward_gb']:.1f} GB in during the last backward"
     if s.get("states_beside_forward_s") is not None:
-        line += (f"; beside the next forward, its last Adam call "
-                 f"{s['states_beside_forward_s'] * 1000:.0f} ms after that forward's first "
-                 "wait for it")  # fmt: skip
+        line += (
+            f"; beside the next forward, its last Adam call "
+            f"{s['states_beside_forward_s'] * 1000:.0f} ms after that forward's first "
+            "wait for it"
+        )
     if s.get("states_forward_wait_s_median") is not None:
-        line += (f", that forward's thread waiting "
-                 f"{s['states_forward_wait_s_median'] * 1000:.0f} ms for it")  # fmt: skip
+        line += (
+            f", that forward's thread waiting "
+            f"{s['states_forward_wait_s_median'] * 1000:.0f} ms for it"
+        )
     return line
 
 
@@ -1131,8 +1397,13 @@ def _transfer_bound_lines(results: list[dict], by_name: dict[str, dict]) -> list
         if states and r["status"] == "ok" and (line := _states_line(r, base)):
             lines.append(line)
     if lines:
-        lines = ["", "Optimizer-state offload against the transfer bound (vs this suite's "
-                 "baseline; phases timed with CUDA events):", "", *lines]  # fmt: skip
+        lines = [
+            "",
+            "Optimizer-state offload against the transfer bound (vs this suite's "
+            "baseline; phases timed with CUDA events):",
+            "",
+            *lines,
+        ]
     return lines
 
 
@@ -1153,36 +1424,48 @@ def _weight_offload_lines(results: list[dict], by_name: dict[str, dict]) -> list
         base = _baseline(r, by_name)
         if r["status"] != "ok" or not s.get("weight_offload_params") or not base:
             continue
-        run = to_run_config(compose_config([f"recipe={r['case']['recipe']}",
-                                            *r["case"]["overrides"]]))  # fmt: skip
+        run = to_run_config(
+            compose_config([f"recipe={r['case']['recipe']}", *r["case"]["overrides"]])
+        )
         up, down = weight_offload_link_bytes(run, s["weight_offload_params"])
         bound = max(up, down) / (run.planner.host_link_gb_per_s * 1e9)
         overhead = s["step_time_s_median"] - base["step_time_s_median"]
         sums = weight_offload_sum_bytes(run, s["weight_offload_params"])
         least = max(up - sums, down) / (run.planner.host_link_gb_per_s * 1e9)
-        lines.append(f"- {case_label(r)}: {s['weight_offload_params'] / 1e9:.2f}B params on "
-                     f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
-                     f"bound {_ms(bound)} ms ({_ms(least)} ms without the gradients' sums coming "
-                     f"back up); overhead {_ms(overhead)} ms ({overhead / bound:.2f}x the bound, "
-                     f"{overhead / least:.2f}x the one without the sums)")  # fmt: skip
+        lines.append(
+            f"- {case_label(r)}: {s['weight_offload_params'] / 1e9:.2f}B params on "
+            f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
+            f"bound {_ms(bound)} ms ({_ms(least)} ms without the gradients' sums coming "
+            f"back up); overhead {_ms(overhead)} ms ({overhead / bound:.2f}x the bound, "
+            f"{overhead / least:.2f}x the one without the sums)"
+        )
         held = s["weight_offload_params"] * (2 + grad_bytes(run)) / 1024**3  # bf16 + DDP's grads
         drop = base["gpu_peak_allocated_gb"] - s["gpu_peak_allocated_gb"]
-        lines.append(f"  - GPU peak {base['gpu_peak_allocated_gb']:.2f} -> "
-                     f"{s['gpu_peak_allocated_gb']:.2f} GB: {drop:.2f} GB less, {drop / held:.3f}x "
-                     f"the offloaded layers' weights and gradients ({held:.2f} GB)")  # fmt: skip
+        lines.append(
+            f"  - GPU peak {base['gpu_peak_allocated_gb']:.2f} -> "
+            f"{s['gpu_peak_allocated_gb']:.2f} GB: {drop:.2f} GB less, {drop / held:.3f}x "
+            f"the offloaded layers' weights and gradients ({held:.2f} GB)"
+        )
         if "weight_offload_up_gb" in s:  # what the engine counted, less the update's
             update, _ = weight_offload_update_bytes(run, s["weight_offload_params"])
             moved = s["weight_offload_up_gb"] * 1e9 - update
             ahead = moved / (run.planner.host_link_gb_per_s * 1e9)
             extra = s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]
-            lines.append(f"  - forward+backward alone: {moved / 1e9:.1f} GB up (weights, the "
-                         f"gradients' sums; counted by the engine): {_ms(ahead)} ms at the link; "
-                         f"forward+backward {_ms(extra)} ms over the baseline's "
-                         f"({extra / ahead:.2f}x)")  # fmt: skip
+            lines.append(
+                f"  - forward+backward alone: {moved / 1e9:.1f} GB up (weights, the "
+                f"gradients' sums; counted by the engine): {_ms(ahead)} ms at the link; "
+                f"forward+backward {_ms(extra)} ms over the baseline's "
+                f"({extra / ahead:.2f}x)"
+            )
     if lines:
-        lines = ["", "Weight offload against its link bound (all it moves, the offloaded "
-                 "params' states included, which the baseline's state offload moves too; vs "
-                 "the same run with its weights on the GPU):", "", *lines]  # fmt: skip
+        lines = [
+            "",
+            "Weight offload against its link bound (all it moves, the offloaded "
+            "params' states included, which the baseline's state offload moves too; vs "
+            "the same run with its weights on the GPU):",
+            "",
+            *lines,
+        ]
     return lines
 
 
@@ -1214,15 +1497,21 @@ def _ms(seconds: float) -> str:
 def _delayed_experts_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
     """The routed experts one step late, the dense part exact (with its GPU share) first:
     max(baseline step, the experts' CPU Adam) + the dense part's exact update."""
-    offloaded, rate, late = s["cpu_offloaded_params"], s["cpu_adam_params_per_s"], \
-        s.get("cpu_adam_delayed_params") or 0  # fmt: skip
+    offloaded, rate, late = (
+        s["cpu_offloaded_params"],
+        s["cpu_adam_params_per_s"],
+        s.get("cpu_adam_delayed_params") or 0,
+    )
     on_gpu, gpu_rate = s.get("cpu_adam_params_on_gpu"), s.get("cpu_adam_stream_params_per_s")
     now = offloaded - late
     exact_s = now / (rate + gpu_rate) if on_gpu and gpu_rate else now / rate
     bound = max(base_step, late / rate) + exact_s
-    gpu = (f" and on {on_gpu / 1e9:.2f}B of the dense part's on the GPU, their states "
-           f"through the window at {gpu_rate / 1e9:.2f} G/s" if on_gpu and gpu_rate
-           else "")  # fmt: skip
+    gpu = (
+        f" and on {on_gpu / 1e9:.2f}B of the dense part's on the GPU, their states "
+        f"through the window at {gpu_rate / 1e9:.2f} G/s"
+        if on_gpu and gpu_rate
+        else ""
+    )
     return bound, [
         f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host, {late / 1e9:.2f}B "
         f"(the routed experts) updated one step late and {now / 1e9:.2f}B (the dense part) "
@@ -1230,7 +1519,7 @@ def _delayed_experts_bound(name: str, s: dict, base_step: float, rated: str, ref
         f"bound max({_ms(base_step)}, {_ms(late / rate)}) + the exact part {_ms(exact_s)} = "
         f"{_ms(bound)} ms, step {_ms(s['step_time_s_median'])} ms = "
         f"{s['step_time_s_median'] / bound:.2f}x the bound",
-    ]  # fmt: skip
+    ]
 
 
 def _gpu_share_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
@@ -1243,22 +1532,25 @@ def _gpu_share_bound(name: str, s: dict, base_step: float, rated: str, ref: floa
     cpu_alone = base_step + offloaded / rate
     return base_step + both, [
         f"- {name}: the states of {offloaded / 1e9:.2f}B params on the host; "
-        + _split(s, rated, "states") + f" ({12 * gpu_rate / 1e9:.1f} GB/s each way)",
+        + _split(s, rated, "states")
+        + f" ({12 * gpu_rate / 1e9:.1f} GB/s each way)",
         f"bound at both rates sum({_ms(base_step)}, {_ms(both)}) = {_ms(base_step + both)} ms, "
         f"step {_ms(step)} ms = {step / (base_step + both):.2f}x that bound and "
         f"{step / cpu_alone:.2f}x the CPU's alone at its rate, sum({_ms(base_step)}, "
         f"{_ms(offloaded / rate)}) = {_ms(cpu_alone)} ms",
         _whole_update(s, ref),
-    ]  # fmt: skip
+    ]
 
 
 def _split(s: dict, rated: str, what: str) -> str:
     """Where a GPU share run's Adam ran: the CPU's params at ``rated``, the GPU's share and the
     rate ``what`` (its states, with or without gradients) came through the window at."""
-    return (f"Adam on {s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
-            f"{s['cpu_adam_params_on_gpu'] / 1e9:.2f}B (a GPU share of "
-            f"{s['cpu_adam_gpu_share']:.2f}) on the GPU, their {what} through the window at "
-            f"{s['cpu_adam_stream_params_per_s'] / 1e9:.2f} G/s")  # fmt: skip
+    return (
+        f"Adam on {s['cpu_adam_params_on_cpu'] / 1e9:.2f}B on the CPU at {rated} and on "
+        f"{s['cpu_adam_params_on_gpu'] / 1e9:.2f}B (a GPU share of "
+        f"{s['cpu_adam_gpu_share']:.2f}) on the GPU, their {what} through the window at "
+        f"{s['cpu_adam_stream_params_per_s'] / 1e9:.2f} G/s"
+    )
 
 
 def _whole_update(s: dict, ref: float | None) -> str:
@@ -1284,7 +1576,7 @@ def _late_share_bound(name: str, s: dict, base_step: float, rated: str, ref: flo
         f"bound max({_ms(base_step)}, {_ms(both)}) = {_ms(bound)} ms, step {_ms(step)} ms = "
         f"{step / bound:.2f}x the bound",
         _whole_update(s, ref),
-    ]  # fmt: skip
+    ]
 
 
 def _cpu_bound(name: str, s: dict, base_step: float, rated: str, ref: float | None):
@@ -1297,7 +1589,7 @@ def _cpu_bound(name: str, s: dict, base_step: float, rated: str, ref: float | No
         f"- {name}: {s['cpu_offloaded_params'] / 1e9:.2f}B params on the CPU at {rated}",
         f"bound {'max' if delayed else 'sum'}({_ms(base_step)}, {_ms(cpu)}) = {_ms(bound)} ms, "
         f"step {_ms(step)} ms = {step / bound:.2f}x the bound",
-    ]  # fmt: skip
+    ]
 
 
 def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
@@ -1320,9 +1612,9 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
         hdo_name = r["case"]["baseline"].replace("no offload", "HDO 100% + overlap")
         hdo = _of_call(r, hdo_name, results, by_name).get("summary", {}).get("step_time_s_median")
         hdo = hdo if hdo_name != r["case"]["baseline"] else None
-        rated = (f"{rate / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads"
-                 + (f"; {rate / ref:.2f}x torch's fused AdamW alone, {ref / 1e9:.2f} G/s)"
-                    if ref else ")"))  # fmt: skip
+        rated = f"{rate / 1e9:.2f} G/s ({s['cpu_adam_threads']} threads" + (
+            f"; {rate / ref:.2f}x torch's fused AdamW alone, {ref / 1e9:.2f} G/s)" if ref else ")"
+        )
         if s.get("cpu_adam_mode") == "delayed experts":
             bounded = _delayed_experts_bound
         elif s.get("cpu_adam_params_on_gpu") and s.get("cpu_adam_stream_params_per_s"):
@@ -1334,27 +1626,45 @@ def _cpu_adam_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             f"CPU worker {_ms(s['cpu_adam_wall_s_median'])} ms (Adam "
             f"{_ms(s['cpu_adam_busy_s_median'])}, waiting for gradients "
             f"{_ms(s['cpu_adam_wait_s_median'])})"
-            + (f", the window's pass {_ms(s['cpu_adam_stream_s_median'])} ms"
-               if s.get("cpu_adam_params_on_gpu") else "")
-            + (f" (the states of {s['cpu_adam_in_backward_params'] / 1e9:.2f}B params in "
-               "during the last backward)" if s.get("cpu_adam_in_backward_params") else "")
-        )  # fmt: skip
+            + (
+                f", the window's pass {_ms(s['cpu_adam_stream_s_median'])} ms"
+                if s.get("cpu_adam_params_on_gpu")
+                else ""
+            )
+            + (
+                f" (the states of {s['cpu_adam_in_backward_params'] / 1e9:.2f}B params in "
+                "during the last backward)"
+                if s.get("cpu_adam_in_backward_params")
+                else ""
+            )
+        )
         if s.get("cpu_adam_lands_in_forward") and not delayed:
             waited = s.get("cpu_adam_forward_wait_s_median")
-            parts.append("landing during the next forward"
-                         + (f" (which waited {_ms(waited)} ms for it)"
-                            if waited is not None else ""))  # fmt: skip
+            parts.append(
+                "landing during the next forward"
+                + (f" (which waited {_ms(waited)} ms for it)" if waited is not None else "")
+            )
         if delayed and "cpu_adam_copies_in_backward" in s:
-            parts.append(("copies during the last backward" if s["cpu_adam_copies_in_backward"]
-                          else "copies at the step boundary")
-                         + f" (step() {_ms(s['cpu_adam_boundary_s_median'])} ms until "
-                         "the update was handed over)")  # fmt: skip
+            parts.append(
+                (
+                    "copies during the last backward"
+                    if s["cpu_adam_copies_in_backward"]
+                    else "copies at the step boundary"
+                )
+                + f" (step() {_ms(s['cpu_adam_boundary_s_median'])} ms until "
+                "the update was handed over)"
+            )
         if hdo and r["case"]["name"] != hdo_name:
             parts.append(f"{hdo / step:.2f}x faster than HDO 100% + overlap")
         lines.append("; ".join(parts))
     if lines:
-        lines = ["", "CPU-Adam engine against its bounds (this suite's baseline; CPU rate from "
-                 "the engine's own timing of its Adam calls):", "", *lines]  # fmt: skip
+        lines = [
+            "",
+            "CPU-Adam engine against its bounds (this suite's baseline; CPU rate from "
+            "the engine's own timing of its Adam calls):",
+            "",
+            *lines,
+        ]
     return lines
 
 
@@ -1386,8 +1696,12 @@ def convergence(results: list[dict]) -> dict | None:
             continue
         gap = statistics.fmean(by_seed.values()) - statistics.fmean(base.values())
         paired = {seed: v - base[seed] for seed, v in by_seed.items() if seed in base}
-        rows[name] = {"final": by_seed, "gap": gap, "paired": paired,
-                      "within_noise": abs(gap) <= spread}  # fmt: skip
+        rows[name] = {
+            "final": by_seed,
+            "gap": gap,
+            "paired": paired,
+            "within_noise": abs(gap) <= spread,
+        }
     return {"baseline": baseline, "baseline_final": base, "spread": spread, "runs": rows}
 
 
@@ -1396,15 +1710,21 @@ def _convergence_lines(results: list[dict]) -> list[str]:
     if found is None:
         return []
     base = found["baseline_final"]
-    lines = ["", f"Final loss (mean of the last {CONVERGENCE_TAIL} iterations) per seed; the "
-             f"baseline ({found['baseline']}) spreads {found['spread']:.3f} across seeds "
-             f"({', '.join(f'{s}: {v:.3f}' for s, v in base.items())}):", ""]  # fmt: skip
+    lines = [
+        "",
+        f"Final loss (mean of the last {CONVERGENCE_TAIL} iterations) per seed; the "
+        f"baseline ({found['baseline']}) spreads {found['spread']:.3f} across seeds "
+        f"({', '.join(f'{s}: {v:.3f}' for s, v in base.items())}):",
+        "",
+    ]
     for name, row in found["runs"].items():
         finals = ", ".join(f"{s}: {v:.3f}" for s, v in row["final"].items())
         paired = ", ".join(f"{s}: {d:+.3f}" for s, d in row["paired"].items())
         verdict = "within" if row["within_noise"] else "outside"
-        lines.append(f"- {name}: {finals}; against the same seed's baseline {paired}; mean "
-                     f"{row['gap']:+.3f} against the baseline's, {verdict} its spread")  # fmt: skip
+        lines.append(
+            f"- {name}: {finals}; against the same seed's baseline {paired}; mean "
+            f"{row['gap']:+.3f} against the baseline's, {verdict} its spread"
+        )
     return lines
 
 
@@ -1422,22 +1742,41 @@ def _scale_lines(results: list[dict]) -> list[str]:
         measured = s.get("gpu_peak_per_rank_gb")
         before, peak = s.get("host_used_gb_before_per_node"), s.get("host_used_gb_max_per_node")
         startup = s.get("startup_s") or {}
-        rows.append([
-            case_label(r), verdict, r["status"],
-            fmt(s.get("time_to_first_step_s"), ".0f")
-            + (f" ({', '.join(f'{k} {v:.0f}' for k, v in startup.items())})" if startup else ""),
-            f"{min(measured):.1f}-{max(measured):.1f}" if measured else "-",
-            f"{min(ranks):.1f}-{max(ranks):.1f}",
-            fmt(max(p - b for p, b in zip(peak, before, strict=True)), ".1f") if peak else "-",
-            f"{planned_host:.1f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                case_label(r),
+                verdict,
+                r["status"],
+                fmt(s.get("time_to_first_step_s"), ".0f")
+                + (
+                    f" ({', '.join(f'{k} {v:.0f}' for k, v in startup.items())})" if startup else ""
+                ),
+                f"{min(measured):.1f}-{max(measured):.1f}" if measured else "-",
+                f"{min(ranks):.1f}-{max(ranks):.1f}",
+                fmt(max(p - b for p, b in zip(peak, before, strict=True)), ".1f") if peak else "-",
+                f"{planned_host:.1f}",
+            ]
+        )
     if not rows:
         return []
-    return ["", "Per rank and per node, beside `--plan` on the same command line:", "",
-            *markdown_table(
-        ["config", "--plan", "status", "time to first step s (phases s)",
-         "GPU peak per rank GB", "planned GB", "node RAM used by the run GB", "planned host GB"],
-        rows)]  # fmt: skip
+    return [
+        "",
+        "Per rank and per node, beside `--plan` on the same command line:",
+        "",
+        *markdown_table(
+            [
+                "config",
+                "--plan",
+                "status",
+                "time to first step s (phases s)",
+                "GPU peak per rank GB",
+                "planned GB",
+                "node RAM used by the run GB",
+                "planned host GB",
+            ],
+            rows,
+        ),
+    ]
 
 
 # The headline: per offload mode and batch, its latest suite's row against that suite's
@@ -1513,23 +1852,34 @@ def _headline(files: list[Path]) -> list[str]:
             continue
         r, d = found[key]
         s = r["summary"]
-        base = next((b["summary"] for b in d["results"]
-                     if b["case"]["name"] == r["case"]["baseline"] != r["case"]["name"]),
-                    {})  # fmt: skip
+        base = next(
+            (
+                b["summary"]
+                for b in d["results"]
+                if b["case"]["name"] == r["case"]["baseline"] != r["case"]["name"]
+            ),
+            {},
+        )
         if key[0] in INTERLEAVED:  # the medians over the suite's calls, its rounds
             s = _medians(calls, key)
             base = _medians(calls, (key[0], r["case"]["baseline"])) if base else {}
         step = s.get("step_time_s_median")
         fb, base_fb = s.get("fwd_bwd_time_s_median"), base.get("fwd_bwd_time_s_median")
-        rows.append([
-            r["case"]["name"], f"`{key[0]}` {d['environment']['commit'][:7]}",
-            d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
-            r["status"], fmt(step * 1000 if step else None, ".0f"),
-            fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
-            fmt(ratio(fb, base_fb), ".2f", "x"), fmt(s.get("tokens_per_s_median"), ",.0f"),
-            fmt(s.get("tflops_per_gpu_median"), ".0f"), fmt(s.get("gpu_peak_allocated_gb")),
-            fmt(s.get("host_used_gb_max_per_node", [None])[0]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r["case"]["name"],
+                f"`{key[0]}` {d['environment']['commit'][:7]}",
+                d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
+                r["status"],
+                fmt(step * 1000 if step else None, ".0f"),
+                fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
+                fmt(ratio(fb, base_fb), ".2f", "x"),
+                fmt(s.get("tokens_per_s_median"), ",.0f"),
+                fmt(s.get("tflops_per_gpu_median"), ".0f"),
+                fmt(s.get("gpu_peak_allocated_gb")),
+                fmt(s.get("host_used_gb_max_per_node", [None])[0]),
+            ]
+        )
     if not rows:
         return []
     return [
@@ -1542,11 +1892,24 @@ def _headline(files: list[Path]) -> list[str]:
         f"interleaved rounds ({', '.join(f'`{x}`' for x in sorted(INTERLEAVED))}) are medians over "
         "their calls.",
         "",
-        *markdown_table(["run", "suite, commit", "GPU", "status", "step ms", "step vs baseline",
-                         "fwd+bwd vs baseline", "tokens/s", "TFLOP/s/GPU", "GPU peak GB",
-                         "host RAM GB"], rows),
+        *markdown_table(
+            [
+                "run",
+                "suite, commit",
+                "GPU",
+                "status",
+                "step ms",
+                "step vs baseline",
+                "fwd+bwd vs baseline",
+                "tokens/s",
+                "TFLOP/s/GPU",
+                "GPU peak GB",
+                "host RAM GB",
+            ],
+            rows,
+        ),
         "",
-    ]  # fmt: skip
+    ]
 
 
 REPORTS = ROOT / "docs/benchmarks"
@@ -1588,8 +1951,11 @@ def render(files: list[Path]) -> str:
 def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:
     """One suite family's section: the machine of each call, its rows' table, the lines set
     against bounds, the commands and the loss curves."""
-    results = [{**r, "environment": d["environment"], "source": path.name}
-               for path, d in group for r in d["results"]]  # fmt: skip
+    results = [
+        {**r, "environment": d["environment"], "source": path.name}
+        for path, d in group
+        for r in d["results"]
+    ]
     by_name = {r["case"]["name"]: r for r in results}
     names = [r["case"]["name"] for r in results]
     for r in results:  # the baseline of its own call where it has one, else the family's
@@ -1609,24 +1975,43 @@ def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:
             "",
         ]
     lines += markdown_table(
-        ["config", "status", "step ms (fwd+bwd / rest)", "slowdown", "peak GPU GB", "saved GB",
-         "peak fwd+bwd / step GB", "pinned host GB", "final loss", "max abs Δloss vs baseline"],
+        [
+            "config",
+            "status",
+            "step ms (fwd+bwd / rest)",
+            "slowdown",
+            "peak GPU GB",
+            "saved GB",
+            "peak fwd+bwd / step GB",
+            "pinned host GB",
+            "final loss",
+            "max abs Δloss vs baseline",
+        ],
         [_row(r, by_name) for r in results],
-    )  # fmt: skip
+    )
     lines += _transfer_bound_lines(results, by_name)
     lines += _weight_offload_lines(results, by_name)
     lines += _cpu_adam_lines(results, by_name)
     lines += _scale_lines(results)
     lines += _convergence_lines(results)
-    lines += [f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
-              for r in results if r["summary"].get("auto")]  # fmt: skip
+    lines += [
+        f"- {r['case']['name']}: auto chose {r['summary']['auto']}"
+        for r in results
+        if r["summary"].get("auto")
+    ]
     lines += ["", "Commands:", ""]
     lines += [f"- {case_label(r)}: `{' '.join(r['command'])}`" for r in results]
     lines += _loss_curves(results)
     for r in results:
         if r["status"] != "ok":
-            lines += ["", f"`{r['case']['name']}` ended:", "", "```",
-                      failure_lines(r["error_tail"]), "```"]  # fmt: skip
+            lines += [
+                "",
+                f"`{r['case']['name']}` ended:",
+                "",
+                "```",
+                failure_lines(r["error_tail"]),
+                "```",
+            ]
     return [*lines, ""]
 
 
@@ -1664,12 +2049,17 @@ def _loss_curves(results: list[dict]) -> list[str]:
     longest = max((len(v) for v in losses.values()), default=0)
     if not longest:
         return []
-    curves = [[f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()]
-              for i in range(longest)]  # fmt: skip
-    return ["", "<details><summary>loss curves</summary>", "",
-            *markdown_table(["iter", *losses], [[str(i + 1), *row] for i, row in
-                                                enumerate(curves)]),
-            "", "</details>"]  # fmt: skip
+    curves = [
+        [f"{v[i]:.4f}" if i < len(v) else "" for v in losses.values()] for i in range(longest)
+    ]
+    return [
+        "",
+        "<details><summary>loss curves</summary>",
+        "",
+        *markdown_table(["iter", *losses], [[str(i + 1), *row] for i, row in enumerate(curves)]),
+        "",
+        "</details>",
+    ]
 
 
 def failure_lines(tail: str) -> str:

@@ -29,8 +29,9 @@ def compose_run(*overrides: str, extra_recipe_dirs: tuple[Path, ...] = ()) -> Ru
     return to_run_config(compose_config(list(overrides), extra_recipe_dirs=extra_recipe_dirs))
 
 
-def run_cli(*args: str, cwd: Path | None = None,
-            env: dict | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess[str]:
     """run_recipe.py as a user runs it: a fresh process, its exit code and its output."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(

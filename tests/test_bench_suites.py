@@ -19,8 +19,13 @@ CASES = {case.name: case for cases in run_benchmarks.SUITES.values() for case in
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bench_case_is_accepted(name: str, tmp_path) -> None:
     case = CASES[name]
-    args = ["--recipe", case.recipe, *case.overrides, f"launcher.nproc_per_node={case.nproc}",
-            f"output_dir={tmp_path}/run"]  # fmt: skip
+    args = [
+        "--recipe",
+        case.recipe,
+        *case.overrides,
+        f"launcher.nproc_per_node={case.nproc}",
+        f"output_dir={tmp_path}/run",
+    ]
     assert main([*args, "--dry-run"]) == EXIT_OK, name
     # the no-offload rows of the full model, of the capacity slice and under a GPU memory cap are
     # meant not to fit
@@ -34,8 +39,12 @@ def test_the_hidden_fraction_row_runs_at_the_fraction_its_delayed_row_reported()
     cases = {c.name: c for c in run_benchmarks.SUITES["cpu-adam-4"]}
     hidden = cases["GBS4 cpu_adam_delayed at its hidden fraction"]
     assert hidden.hidden_fraction_of == "GBS4 cpu_adam_delayed 100%"
-    results = [{"case": {"name": hidden.hidden_fraction_of},
-                "summary": {"cpu_adam_hidden_fraction": 0.2369}}]  # fmt: skip
+    results = [
+        {
+            "case": {"name": hidden.hidden_fraction_of},
+            "summary": {"cpu_adam_hidden_fraction": 0.2369},
+        }
+    ]
     assert run_benchmarks.at_hidden_fraction(hidden, results).overrides[-1] == (
         "optimizer.optimizer_offload_fraction=0.23"
     )
@@ -72,8 +81,11 @@ def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> Non
     )
     section = text.split("## Suite `gbs-4-beside`", 1)[1]
     assert "| cost GBS4 no offload (repeat) (gbs-4-beside-14a2ce5) |" in section
-    for call, hdo_s, step_s in (("gbs-4-beside-14a2ce5", 3.984, 1.298),
-                                ("gbs-4-beside", 5.823, 1.647)):  # fmt: skip
-        line = next(x for x in section.splitlines()
-                    if x.startswith(f"- cost GBS4 cpu_adam 100% ({call}): "))  # fmt: skip
+    for call, hdo_s, step_s in (
+        ("gbs-4-beside-14a2ce5", 3.984, 1.298),
+        ("gbs-4-beside", 5.823, 1.647),
+    ):
+        line = next(
+            x for x in section.splitlines() if x.startswith(f"- cost GBS4 cpu_adam 100% ({call}): ")
+        )
         assert line.endswith(f"{hdo_s / step_s:.2f}x faster than HDO 100% + overlap"), line

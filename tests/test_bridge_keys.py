@@ -92,14 +92,22 @@ def test_every_refused_key_has_a_reason(outcome) -> None:
 
 def test_the_keys_the_issue_named_are_accepted() -> None:
     for line in (
-        "ddp.use_distributed_optimizer=true", "model.recompute_modules=[moe_act]",
-        "model.virtual_pipeline_model_parallel_size=2", "model.cross_entropy_loss_fusion=true",
-        "model.attention_backend=flash", "optimizer.main_params_dtype=fp32",
-        "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16", "rng.seed=7",
-        "dataset.seq_length=256", "train.manual_gc=true", "checkpoint.ckpt_format=torch_dist",
-        "scheduler.start_weight_decay=0.033", "logger.tensorboard_dir=/tmp/tb",
+        "ddp.use_distributed_optimizer=true",
+        "model.recompute_modules=[moe_act]",
+        "model.virtual_pipeline_model_parallel_size=2",
+        "model.cross_entropy_loss_fusion=true",
+        "model.attention_backend=flash",
+        "optimizer.main_params_dtype=fp32",
+        "optimizer.exp_avg_dtype=bf16",
+        "optimizer.exp_avg_sq_dtype=bf16",
+        "rng.seed=7",
+        "dataset.seq_length=256",
+        "train.manual_gc=true",
+        "checkpoint.ckpt_format=torch_dist",
+        "scheduler.start_weight_decay=0.033",
+        "logger.tensorboard_dir=/tmp/tb",
         "mixed_precision=bf16_mixed",
-    ):  # fmt: skip
+    ):
         key, _, value = line.partition("=")
         assert accepted(key, value, True), line
 

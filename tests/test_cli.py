@@ -55,8 +55,13 @@ def test_bridge_command_dry_run_saves_the_resolved_config(tmp_path: Path, capsys
 def test_dry_run_is_a_summary_at_80_columns_and_the_tree_is_behind_full(tmp_path: Path) -> None:
     """What is offloaded, what the command line changed, whether it fits, the checks: a screen,
     not the resolved tree (485 lines before), which --full adds."""
-    args = ("--recipe", "qwen3_30b_a3b_proxy", "offload/optimizer=states",
-            "offload/activation=enabled", "--dry-run")  # fmt: skip
+    args = (
+        "--recipe",
+        "qwen3_30b_a3b_proxy",
+        "offload/optimizer=states",
+        "offload/activation=enabled",
+        "--dry-run",
+    )
     env_cols = {"COLUMNS": "80"}
     short = run_cli(*args, f"output_dir={tmp_path}/a", env=env_cols)
     assert short.returncode == EXIT_OK
@@ -170,11 +175,18 @@ def test_help_and_list_recipes_start_fast_and_quiet() -> None:
     from offload_runner.cli import help_text
 
     for flag in ("--help", "--list-recipes"):
-        done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "run_recipe.py"),
-                               flag], capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", str(ROOT / "run_recipe.py"), flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0
-        imported = [line.split("|")[-1].strip() for line in done.stderr.splitlines()
-                    if line.startswith("import time:")]  # fmt: skip
+        imported = [
+            line.split("|")[-1].strip()
+            for line in done.stderr.splitlines()
+            if line.startswith("import time:")
+        ]
         assert not {"torch", "megatron.core"} & set(imported), flag
         assert "Warning" not in done.stderr and "warn" not in done.stdout.lower()
     assert "== Config groups (group=option) ==" in help_text()
@@ -190,11 +202,17 @@ def test_hydra_cfg_job_and_info_defaults(capsys) -> None:
 
 
 def _sweep_fractions(values: str, sweep_dir: Path) -> int:
-    return main([
-        "-m", "--recipe", "tiny", "optimizer.optimizer_cpu_offload=true",
-        f"optimizer.optimizer_offload_fraction={values}", f"hydra.sweep.dir={sweep_dir}",
-        "--dry-run",
-    ])  # fmt: skip
+    return main(
+        [
+            "-m",
+            "--recipe",
+            "tiny",
+            "optimizer.optimizer_cpu_offload=true",
+            f"optimizer.optimizer_offload_fraction={values}",
+            f"hydra.sweep.dir={sweep_dir}",
+            "--dry-run",
+        ]
+    )
 
 
 def test_multirun_sweeps_a_key(tmp_path: Path, capsys) -> None:
@@ -302,8 +320,9 @@ def test_bridge_cpu_offloading_alone_is_a_warning(tmp_path: Path, capsys) -> Non
         (None, "folder", "is a folder"),
     ],
 )
-def test_broken_recipe_files_are_usage_errors(content, name: str, message: str, tmp_path: Path,
-                                              capsys) -> None:  # fmt: skip
+def test_broken_recipe_files_are_usage_errors(
+    content, name: str, message: str, tmp_path: Path, capsys
+) -> None:
     path = tmp_path / name
     if content is None:
         path.mkdir()
@@ -331,9 +350,12 @@ def test_unknown_recipe_names_the_closest(capsys) -> None:
 
 @pytest.mark.parametrize(
     "override",
-    ["+optimizer.optimizer_offload_fractoin=0.5", "optimizer.optimizer_offload_fractoin=0.5",
-     "++optimizer.optimizer_offload_fractoin=0.5"],
-)  # fmt: skip
+    [
+        "+optimizer.optimizer_offload_fractoin=0.5",
+        "optimizer.optimizer_offload_fractoin=0.5",
+        "++optimizer.optimizer_offload_fractoin=0.5",
+    ],
+)
 def test_unknown_keys_are_refused_however_spelled(override: str, tmp_path: Path, capsys) -> None:
     assert main(["--recipe", "tiny", override, "--dry-run", f"output_dir={tmp_path}/o"]) == 2
     captured = capsys.readouterr()
@@ -351,11 +373,17 @@ def test_unknown_keys_are_refused_however_spelled(override: str, tmp_path: Path,
         ("optimizer.cpu_adam_chunk_mb=16", "suite cpu-adam-4-pieces"),
     ],
 )
-def test_a_removed_key_says_why_it_went(tmp_path: Path, capsys, removed: str,
-                                        evidence: str) -> None:  # fmt: skip
+def test_a_removed_key_says_why_it_went(
+    tmp_path: Path, capsys, removed: str, evidence: str
+) -> None:
     """A knob cut for a derived default: the message names the bench rows behind the cut."""
-    args = ["--recipe", "tiny", "offload/optimizer=cpu_adam_delayed", removed,
-            f"output_dir={tmp_path}/o"]  # fmt: skip
+    args = [
+        "--recipe",
+        "tiny",
+        "offload/optimizer=cpu_adam_delayed",
+        removed,
+        f"output_dir={tmp_path}/o",
+    ]
     assert main([*args, "--dry-run"]) == 2
     captured = capsys.readouterr()
     text = " ".join((captured.out + captured.err).split())
@@ -380,8 +408,16 @@ def test_hydra_flags_work_in_any_position(capsys, tmp_path: Path) -> None:
     assert main(["--recipe", "tiny", "--cfg", "job", "model.num_layers=8"]) == EXIT_OK
     assert yaml.safe_load(capsys.readouterr().out)["model"]["num_layers"] == 8
     sweep = tmp_path / "sweep"
-    code = main(["--recipe", "tiny", "-m", "train.micro_batch_size=1,2", "--dry-run",
-                 f"hydra.sweep.dir={sweep}"])  # fmt: skip
+    code = main(
+        [
+            "--recipe",
+            "tiny",
+            "-m",
+            "train.micro_batch_size=1,2",
+            "--dry-run",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
     assert code == EXIT_OK and (sweep / "1/config.yaml").is_file()
 
 
@@ -430,8 +466,13 @@ def test_no_cuda_under_torchrun_says_so(monkeypatch, tmp_path: Path, capsys) -> 
 
 @pytest.mark.skipif(validation_te_available(), reason="Transformer Engine is installed here")
 def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, capsys) -> None:
-    args = ["--recipe", "tiny", "offload/activation=enabled", "model.cpu_offloading_num_layers=1",
-            f"output_dir={tmp_path}/run"]  # fmt: skip
+    args = [
+        "--recipe",
+        "tiny",
+        "offload/activation=enabled",
+        "model.cpu_offloading_num_layers=1",
+        f"output_dir={tmp_path}/run",
+    ]
     assert main(args) == EXIT_FAILED  # the machine lacks it: not a usage error
     assert "Transformer Engine" in capsys.readouterr().err
 
@@ -481,12 +522,17 @@ def test_training_is_refused_before_it_starts_when_host_ram_is_short() -> None:
     from offload_runner.cli import host_ram_short
     from tests.conftest import compose_run
 
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=states",
-                      "planner.host_memory_gb=30")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b_proxy", "offload/optimizer=states", "planner.host_memory_gb=30"
+    )
     message, fix = host_ram_short(run, 1)
     assert "needs" in message and "the node has 30 GB" in message
     assert "optimizer.exp_avg_dtype=bf16" in fix
-    bf16 = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=states",
-                       "optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16",
-                       "planner.host_memory_gb=30")  # fmt: skip
+    bf16 = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "offload/optimizer=states",
+        "optimizer.exp_avg_dtype=bf16",
+        "optimizer.exp_avg_sq_dtype=bf16",
+        "planner.host_memory_gb=30",
+    )
     assert host_ram_short(bf16, 1) is None

@@ -88,9 +88,12 @@ def test_optimizer_cpu_options(choice: str, fraction: float, overlap: bool) -> N
 
 @pytest.mark.parametrize(
     ("choice", "delayed", "scope"),
-    [("cpu_adam", False, "all"), ("cpu_adam_delayed", True, "all"),
-     ("cpu_adam_delayed_experts", True, "experts")],
-)  # fmt: skip
+    [
+        ("cpu_adam", False, "all"),
+        ("cpu_adam_delayed", True, "all"),
+        ("cpu_adam_delayed_experts", True, "experts"),
+    ],
+)
 def test_cpu_adam_options(choice: str, delayed: bool, scope: str) -> None:
     o = compose_run("recipe=tiny", f"offload/optimizer={choice}").optimizer
     assert o.optimizer_cpu_offload and o.cpu_offload_engine.value == "cpu_adam"

@@ -91,14 +91,29 @@ def lr_at(step: int) -> float:
     return 1e-3 * (0.5 + 0.5 * step / STEPS)  # a changing learning rate
 
 
-def engine(buffers: Buffers, fraction: float, kind: type = CpuAdam, *, delayed: bool = False,
-           exact_steps: int = 0, predict: bool = False, copy_during_backward: bool = False,
-           **kwargs) -> CpuAdam:  # fmt: skip
+def engine(
+    buffers: Buffers,
+    fraction: float,
+    kind: type = CpuAdam,
+    *,
+    delayed: bool = False,
+    exact_steps: int = 0,
+    predict: bool = False,
+    copy_during_backward: bool = False,
+    **kwargs,
+) -> CpuAdam:
     """A CpuAdam over ``buffers``' groups, its mode from the flags (Delayed where ``delayed``)."""
     mode = Delayed(exact_steps, predict, copy_during_backward) if delayed else Exact()
     kwargs = {"chunk_bytes": 4 * 1500, "mode": mode, **kwargs}
-    return kind(buffers.groups(lr_at(1)), fraction=fraction, lr=1e-3, weight_decay=0.1,
-                betas=BETAS, eps=EPS, **kwargs)  # fmt: skip
+    return kind(
+        buffers.groups(lr_at(1)),
+        fraction=fraction,
+        lr=1e-3,
+        weight_decay=0.1,
+        betas=BETAS,
+        eps=EPS,
+        **kwargs,
+    )
 
 
 class Reference:
@@ -110,8 +125,11 @@ class Reference:
         no_decay = [p for p, wd in zip(self.params, DECAY, strict=True) if not wd]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=1e-3, betas=BETAS, eps=EPS, fused=True,
-        )  # fmt: skip
+            lr=1e-3,
+            betas=BETAS,
+            eps=EPS,
+            fused=True,
+        )
 
     def step(self, step: int, grads: torch.Tensor) -> None:
         start = 0
@@ -291,8 +309,7 @@ def test_state_dict_round_trip_continues_the_same_run(delayed: bool, predict: bo
             assert torch.equal(a_buf.param, b_buf.param), f"step {step}"
     a.finish()
     b.finish()
-    assert all(torch.equal(x, y) for x, y in zip(masters(a, a_buf), masters(b, b_buf),
-                                                 strict=True))  # fmt: skip
+    assert all(torch.equal(x, y) for x, y in zip(masters(a, a_buf), masters(b, b_buf), strict=True))
     assert b.param_groups[0]["step"] == 11
     a.close()
     b.close()
@@ -399,8 +416,9 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     assert hidden == pytest.approx(0.25)
     assert cpu_adam.metrics(optimizer, forward_backward_s=1e6)["cpu_adam_hidden_fraction"] == 1.0
     # a link at which the copies of the whole shard take 20x the overhead allowed: 0.125
-    planner = PlannerConfig(host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1,
-                            cpu_adam_launch_slowdown=0.0)  # fmt: skip
+    planner = PlannerConfig(
+        host_link_gb_per_s=20 * rate / 1e9, delayed_max_overhead=0.1, cpu_adam_launch_slowdown=0.0
+    )
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=planner)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.125)
     # a link at which the whole shard's copies take 3.2 forward+backwards: at the boundary 0.1
@@ -409,8 +427,7 @@ def test_metrics_give_the_fraction_that_hides_under_forward_backward() -> None:
     slow = replace(planner, host_link_gb_per_s=5 * rate / 1e9)
     found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx(0.1 / 3.2)
-    found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow,
-                             copy_micro_batches=2)  # fmt: skip
+    found = cpu_adam.metrics(optimizer, forward_backward_s=fb, planner=slow, copy_micro_batches=2)
     assert found["cpu_adam_hidden_fraction"] == pytest.approx((0.1 + 1 / 3) / 3.2)
     # exact mode landing during the forward: the forward's wait for the update is not its work
     for update in eng.history:
@@ -445,8 +462,11 @@ def test_a_delayed_run_measures_how_much_its_cpu_adam_slowed_forward_backward() 
     busy = cpu_adam.metrics(optimizer)["cpu_adam_busy_s_median"]
     no_copies = PlannerConfig(host_link_gb_per_s=1e9, delayed_max_overhead=0.1)
     # forward+backward 2 busy with the CPU, 1.7 busy without: 0.3 s lost per second beside it
-    found = cpu_adam.metrics(optimizer, forward_backward_s=2 * busy,
-                             planner=replace(no_copies, forward_backward_s=1.7 * busy))  # fmt: skip
+    found = cpu_adam.metrics(
+        optimizer,
+        forward_backward_s=2 * busy,
+        planner=replace(no_copies, forward_backward_s=1.7 * busy),
+    )
     assert found["cpu_adam_launch_slowdown"] == pytest.approx(0.3)
     assert found["cpu_adam_launch_slowdown_measured"] is True
     assert found["cpu_adam_forward_backward_without_s"] == pytest.approx(1.7 * busy)
@@ -621,14 +641,16 @@ def test_delayed_experts_scope_delays_the_expert_part_alone() -> None:
     from offload_runner.offload.cpu_adam import mode_name, part_delays
 
     experts = [False, True]
-    for option, expected in (("cpu_adam", [False, False]), ("cpu_adam_delayed", [True, True]),
-                             ("cpu_adam_delayed_experts", [False, True])):  # fmt: skip
+    for option, expected in (
+        ("cpu_adam", [False, False]),
+        ("cpu_adam_delayed", [True, True]),
+        ("cpu_adam_delayed_experts", [False, True]),
+    ):
         run = compose_run("recipe=tiny_moe", "parallel=ep2", f"offload/optimizer={option}")
         assert part_delays(run, experts) == expected, option
     with pytest.raises(RuntimeError, match="found no optimizer part of routed experts"):
         part_delays(run, [False])  # expert parameters inside the dense part (EP=1)
-    engines = [SimpleNamespace(delayed=d, offloaded_numel=n)
-               for d, n in ((False, 10), (True, 30))]  # fmt: skip
+    engines = [SimpleNamespace(delayed=d, offloaded_numel=n) for d, n in ((False, 10), (True, 30))]
     assert mode_name(engines) == "delayed experts"
     assert mode_name(engines[1:]) == "delayed" and mode_name(engines[:1]) == "exact"
     assert mode_name([engines[0], SimpleNamespace(delayed=True, offloaded_numel=0)]) == "exact"
@@ -678,8 +700,15 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
 
     exact = 2
     buffers, twin = Buffers(), Buffers()
-    eng = engine(buffers, 1.0, delayed=True, exact_steps=exact, copy_during_backward=True,
-                 clip_grad=CLIP, gpu_share=share)  # fmt: skip
+    eng = engine(
+        buffers,
+        1.0,
+        delayed=True,
+        exact_steps=exact,
+        copy_during_backward=True,
+        clip_grad=CLIP,
+        gpu_share=share,
+    )
     at_boundary, ref = engine(twin, 1.0, delayed=True, exact_steps=exact), Reference(buffers)
     model = Trainable(buffers)
     eng.watch_backward([model])
@@ -730,8 +759,9 @@ def test_before_clip_waits_for_the_workers_last_update_and_the_step_counts_that_
     from offload_runner.offload import cpu_adam
 
     buffers = Buffers()
-    eng = engine(buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True,
-                 clip_grad=CLIP)  # fmt: skip
+    eng = engine(
+        buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True, clip_grad=CLIP
+    )
     adam = eng._adam
     eng._adam = lambda *args: (time.sleep(0.02), adam(*args))  # ~0.3 s an update
     model = Trainable(buffers)
@@ -763,8 +793,15 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
     from offload_runner.offload import cpu_adam
 
     def build(buffers: Buffers):
-        eng = engine(buffers, 1.0, delayed=True, exact_steps=2, predict=True,
-                     copy_during_backward=True, clip_grad=CLIP)  # fmt: skip
+        eng = engine(
+            buffers,
+            1.0,
+            delayed=True,
+            exact_steps=2,
+            predict=True,
+            copy_during_backward=True,
+            clip_grad=CLIP,
+        )
         model = Trainable(buffers)
         eng.watch_backward([model])
         return eng, model, host_adam.arming(contextlib.nullcontext, [eng])
@@ -805,8 +842,9 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
         assert crossed == len(b[0]._pieces), f"step {step}: copied at the boundary"
     a[0].finish()
     b[0].finish()
-    assert all(torch.equal(x, y) for x, y in zip(masters(a[0], a_buf), masters(b[0], b_buf),
-                                                 strict=True))  # fmt: skip
+    assert all(
+        torch.equal(x, y) for x, y in zip(masters(a[0], a_buf), masters(b[0], b_buf), strict=True)
+    )
     assert torch.equal(a_buf.param, b_buf.param)
     a[0].close()
     b[0].close()
@@ -817,8 +855,9 @@ def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> Non
     hanging, and close() gives the update up."""
 
     buffers = Buffers()
-    eng = engine(buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True,
-                 clip_grad=CLIP)  # fmt: skip
+    eng = engine(
+        buffers, 1.0, delayed=True, exact_steps=1, copy_during_backward=True, clip_grad=CLIP
+    )
     model = Trainable(buffers)
     eng.watch_backward([model])
     no_sync = host_adam.arming(contextlib.nullcontext, [eng])
@@ -866,8 +905,14 @@ def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
     from offload_runner.offload import cpu_adam
 
     buffers = Buffers()
-    eng = engine(buffers, 1.0, delayed=True, exact_steps=2, copy_during_backward=True,
-                 land_during_forward=True)  # fmt: skip
+    eng = engine(
+        buffers,
+        1.0,
+        delayed=True,
+        exact_steps=2,
+        copy_during_backward=True,
+        land_during_forward=True,
+    )
     model = Trainable(buffers)
     eng.watch([model])
     eng.watch_backward([model])
@@ -895,8 +940,9 @@ def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
 
     twin = Buffers()
     at_boundary = engine(twin, 1.0, delayed=True, exact_steps=1, land_during_forward=True)
-    orders = pieces_in_worker_order(at_boundary, range(1, 4),
-                                    lambda step: drive(at_boundary, twin, step))  # fmt: skip
+    orders = pieces_in_worker_order(
+        at_boundary, range(1, 4), lambda step: drive(at_boundary, twin, step)
+    )
     backward = forward[::-1]
     assert orders == [forward, backward, backward]
     at_boundary.close()
@@ -961,8 +1007,11 @@ def test_an_armed_gpu_share_splits_before_the_last_backward_and_stays_exact() ->
 
 def test_no_gpu_share_with_weight_prediction_nor_at_zero() -> None:
     buffers = Buffers()
-    for kwargs in ({"delayed": True, "predict": True, "gpu_share": 0.5, "balance": True},
-                   {"gpu_share": 0.0}, {"delayed": True, "gpu_share": 0.0}):  # fmt: skip
+    for kwargs in (
+        {"delayed": True, "predict": True, "gpu_share": 0.5, "balance": True},
+        {"gpu_share": 0.0},
+        {"delayed": True, "gpu_share": 0.0},
+    ):
         eng = engine(buffers, 1.0, **kwargs)
         drive(eng, buffers, 1)
         assert not eng.streams_states and eng._on_cpu == len(eng._pieces)
@@ -1061,16 +1110,19 @@ def test_deterministic_mode_takes_the_gpu_share_from_the_config(
         raise AssertionError("measured a rate")
 
     monkeypatch.setattr(step_cost, "measured_rate", measured)
-    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
-                      "model.deterministic_mode=true")  # fmt: skip
+    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "model.deterministic_mode=true")
     assert not balanced_share(run)
     cost = step_cost.step_cost(run)
     assert cost.cpu_adam_params_per_s == hardware.REFERENCE_CPU_ADAM_PARAMS_PER_S
     assert 0 < cost.gpu_share(run) < 1
     run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam")
     assert balanced_share(run)
-    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "model.deterministic_mode=true",
-                      "planner.cpu_adam_params_per_s=2e9")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam",
+        "model.deterministic_mode=true",
+        "planner.cpu_adam_params_per_s=2e9",
+    )
     assert step_cost.step_cost(run).cpu_adam_params_per_s == 2e9
 
 
@@ -1133,8 +1185,9 @@ def test_upcast_blocks_reuse_the_threads_arrays_and_match_fp32_adam(
     m = (torch.randn(n, generator=g) * 1e-3).bfloat16()
     v = (torch.rand(n, generator=g) * 1e-6).bfloat16()
     ref_master, ref_m, ref_v = master.clone(), m.float(), v.float()
-    fused = host_adam.torch_adamw(torch.tensor(3.0), dict(lr=1e-3, beta1=0.9, beta2=0.95,
-                                                          weight_decay=0.1, eps=1e-8))  # fmt: skip
+    fused = host_adam.torch_adamw(
+        torch.tensor(3.0), dict(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+    )
     fused([ref_master], [grad.float()], [ref_m], [ref_v])
     host_adam.adamw([master], [grad], [m], [v], fused)
     assert torch.equal(master, ref_master)
@@ -1156,8 +1209,10 @@ def test_attach_says_what_it_built(caplog: pytest.LogCaptureFixture) -> None:
 
     run = RunConfig()
     run.optimizer.cpu_adam_delayed_update = True
-    built = [SimpleNamespace(offloaded_numel=15 * 10**8, delayed=True, window_bytes=2**29),
-             SimpleNamespace(offloaded_numel=5 * 10**8, delayed=False, window_bytes=0)]  # fmt: skip
+    built = [
+        SimpleNamespace(offloaded_numel=15 * 10**8, delayed=True, window_bytes=2**29),
+        SimpleNamespace(offloaded_numel=5 * 10**8, delayed=False, window_bytes=0),
+    ]
     with caplog.at_level(logging.INFO, logger=wiring.log.name):
         wiring._announce(run, built, 3_000_000_000, [0, 1, 2, 3], 0.5, [True, False], [True, True])
     text = caplog.text

@@ -21,12 +21,20 @@ def _readme_commands() -> list[str]:
 
 def _help_commands() -> list[str]:
     text = (PROJECT_ROOT / "conf/config.yaml").read_text()
-    return [line.strip() for line in text.splitlines()
-            if line.strip().startswith("python run_recipe.py")]  # fmt: skip
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip().startswith("python run_recipe.py")
+    ]
 
 
-COMMANDS = sorted({c for c in _readme_commands() + _help_commands()
-                   if ("--dry-run" in c or "--plan" in c) and "<" not in c})  # fmt: skip
+COMMANDS = sorted(
+    {
+        c
+        for c in _readme_commands() + _help_commands()
+        if ("--dry-run" in c or "--plan" in c) and "<" not in c
+    }
+)
 
 
 def test_the_documents_hold_runnable_examples() -> None:

@@ -34,8 +34,10 @@ pytestmark = pytest.mark.gpu
 
 ITERS = 8
 BASE = (
-    f"train.train_iters={ITERS}", "model.deterministic_mode=true", "scheduler.lr_warmup_iters=2",
-)  # fmt: skip
+    f"train.train_iters={ITERS}",
+    "model.deterministic_mode=true",
+    "scheduler.lr_warmup_iters=2",
+)
 RESUME_TOLERANCE = 1e-3
 # Ring attention adds the two halves of each softmax in another order than one kernel does.
 CONTEXT_PARALLEL_TOLERANCE = 1e-2
@@ -73,8 +75,12 @@ def all_on_cpu(root: str) -> dict:
 @cache
 def adam_kernels(root: str) -> float:
     """How far torch's fused AdamW on the CPU and on the GPU part the losses there."""
-    on_gpu = train(Path(root) / "share-none", *SHARE_ITERS, "offload/optimizer=cpu_adam",
-                   "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
+    on_gpu = train(
+        Path(root) / "share-none",
+        *SHARE_ITERS,
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=1e-6",
+    )
     return max_delta(all_on_cpu(root)["losses"], on_gpu["losses"])
 
 
@@ -102,9 +108,12 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     them so too; fp32 masters (optimizer.store_param_remainders=false, 12 B/param) the plain
     baseline's."""
     fp32 = masters == "fp32"
-    run = train(Path(root) / f"states-{masters}", "offload/optimizer=states",
-                "optimizer.optimizer_state_offload_chunk_size_mb=1",
-                f"optimizer.store_param_remainders={str(not fp32).lower()}")  # fmt: skip
+    run = train(
+        Path(root) / f"states-{masters}",
+        "offload/optimizer=states",
+        "optimizer.optimizer_state_offload_chunk_size_mb=1",
+        f"optimizer.store_param_remainders={str(not fp32).lower()}",
+    )
     base = (
         baseline(root)
         if fp32
@@ -142,8 +151,11 @@ def test_weight_offload_matches_state_offload(root: str, clip: str) -> None:
     one multi-tensor norm: its last bit moved the losses by 3e-5 at iteration 3 and by more than
     1e-3 by iteration 20 (H100, 9b205a6 and 4d1edf0), as any two norm orders would."""
     # fp32 masters in both (weight offload keeps its layers' so: rounded to nearest even)
-    iters = ("train.train_iters=20", f"optimizer.clip_grad={clip}",
-             "optimizer.store_param_remainders=false")  # fmt: skip
+    iters = (
+        "train.train_iters=20",
+        f"optimizer.clip_grad={clip}",
+        "optimizer.store_param_remainders=false",
+    )
     states = train(Path(root) / f"weights-base-{clip}", *iters, "offload/optimizer=states")
     run = train(Path(root) / f"weights-{clip}", *iters, *WEIGHTS)
     assert run["weight_offload_layers"] == 2 and run["weight_offload_params"] > 0
@@ -156,14 +168,19 @@ def test_weight_offload_matches_state_offload(root: str, clip: str) -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param(("offload/optimizer=states", "offload/activation=enabled"),
-                     id="activations"),
-        pytest.param(("offload/optimizer=states", "model.recompute_granularity=full",
-                      "model.recompute_method=uniform", "model.recompute_num_layers=1"),
-                     id="full-recompute"),
+        pytest.param(("offload/optimizer=states", "offload/activation=enabled"), id="activations"),
+        pytest.param(
+            (
+                "offload/optimizer=states",
+                "model.recompute_granularity=full",
+                "model.recompute_method=uniform",
+                "model.recompute_num_layers=1",
+            ),
+            id="full-recompute",
+        ),
         pytest.param(("offload/optimizer=cpu_adam",), id="cpu-adam"),
     ],
-)  # fmt: skip
+)
 def test_weight_offload_composes(root: str, extra: tuple[str, ...]) -> None:
     """With activation offload (the seeds' "both"), full recompute (the layer's forward runs
     again inside backward) and the CPU-Adam engine: without clipping (whose norm order differs,
@@ -195,14 +212,20 @@ def test_cpu_adam_matches_hybrid_device_optimizer_and_reports_its_rate(root: str
     base = train(Path(root) / "base20", *iters)
     hdo = train(Path(root) / "hdo100", *iters, "offload/optimizer=cpu_100")
     run = train(Path(root) / "cpu-adam", *iters, *ALL_ON_CPU)
-    on_gpu = train(Path(root) / "cpu-adam-none", *iters, "offload/optimizer=cpu_adam",
-                   "optimizer.optimizer_offload_fraction=1e-6")  # fmt: skip
+    on_gpu = train(
+        Path(root) / "cpu-adam-none",
+        *iters,
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=1e-6",
+    )
     delta = max_delta(run["losses"], base["losses"])
     gpu_delta = max_delta(run["losses"], on_gpu["losses"])
-    print(f"cpu_adam vs torch's fused AdamW on the GPU: max |Δloss| {gpu_delta:.2e}; vs GPU Adam "
-          f"(TE FusedAdam): {delta:.2e}; vs HDO 100%: "
-          f"{max_delta(run['losses'], hdo['losses']):.2e}; {run['cpu_adam_params_per_s']:.3g} "
-          f"params/s on {run['cpu_adam_threads']} threads")  # fmt: skip
+    print(
+        f"cpu_adam vs torch's fused AdamW on the GPU: max |Δloss| {gpu_delta:.2e}; vs GPU Adam "
+        f"(TE FusedAdam): {delta:.2e}; vs HDO 100%: "
+        f"{max_delta(run['losses'], hdo['losses']):.2e}; {run['cpu_adam_params_per_s']:.3g} "
+        f"params/s on {run['cpu_adam_threads']} threads"
+    )
     assert on_gpu.get("cpu_offloaded_params", 0) == 0
     assert run["losses"] == hdo["losses"]
     assert run["cpu_adam_lands_in_forward"]  # one GPU: the next forward waits module by module
@@ -221,13 +244,19 @@ def test_cpu_adam_gpu_share_splits_the_update_between_cpu_and_gpu(root: str) -> 
     kernels' last-bit differences flip bf16 roundings, here on different elements)."""
     cpu, kernels = all_on_cpu(root), adam_kernels(root)
     shared = train(Path(root) / "share-balanced", *SHARE_ITERS, "offload/optimizer=cpu_adam")
-    fixed = train(Path(root) / "share-fixed", *SHARE_ITERS, "offload/optimizer=cpu_adam",
-                  "optimizer.cpu_adam_gpu_share=0.5")  # fmt: skip
-    print(f"GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced), "
-          f"{fixed['cpu_adam_gpu_share']:.2f} (0.5): max |Δloss| against all on the CPU "
-          f"{max_delta(shared['losses'], cpu['losses']):.2e} / "
-          f"{max_delta(fixed['losses'], cpu['losses']):.2e}; CPU against GPU Adam {kernels:.2e}; "
-          f"window {shared['cpu_adam_stream_params_per_s']:.3g} params/s")  # fmt: skip
+    fixed = train(
+        Path(root) / "share-fixed",
+        *SHARE_ITERS,
+        "offload/optimizer=cpu_adam",
+        "optimizer.cpu_adam_gpu_share=0.5",
+    )
+    print(
+        f"GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced), "
+        f"{fixed['cpu_adam_gpu_share']:.2f} (0.5): max |Δloss| against all on the CPU "
+        f"{max_delta(shared['losses'], cpu['losses']):.2e} / "
+        f"{max_delta(fixed['losses'], cpu['losses']):.2e}; CPU against GPU Adam {kernels:.2e}; "
+        f"window {shared['cpu_adam_stream_params_per_s']:.3g} params/s"
+    )
     for run in (shared, fixed):
         assert run["cpu_adam_params_on_cpu"] > 0 and run["cpu_adam_params_on_gpu"] > 0
         assert run["cpu_offloaded_params"] == cpu["cpu_offloaded_params"]
@@ -278,8 +307,10 @@ def test_cpu_adam_delayed_gpu_share_runs_part_of_each_late_update_on_the_gpu(roo
     kernels = adam_kernels(root)
     shared = train(Path(root) / "late-shared", *SHARE_ITERS, *DELAYED_SHARE)
     delta = max_delta(shared["losses"], cpu["losses"])
-    print(f"delayed, GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced): max |Δloss| "
-          f"against all on the CPU {delta:.2e}; CPU against GPU Adam {kernels:.2e}")  # fmt: skip
+    print(
+        f"delayed, GPU share {shared['cpu_adam_gpu_share']:.2f} (balanced): max |Δloss| "
+        f"against all on the CPU {delta:.2e}; CPU against GPU Adam {kernels:.2e}"
+    )
     assert cpu["cpu_adam_params_on_gpu"] == 0 and cpu["cpu_adam_mode"] == "delayed"
     assert shared["cpu_adam_params_on_cpu"] > 0 and shared["cpu_adam_params_on_gpu"] > 0
     assert shared["cpu_adam_mode"] == "delayed" and shared["cpu_adam_copies_in_backward"]
@@ -306,8 +337,9 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
     step late after the warmup, the dense part's exact (with its GPU share); exact mode's losses
     until then; resume continues the run."""
     experts = ("parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts")
-    exact = train(Path(root) / "moe-exact", "parallel=ep2", "offload/optimizer=cpu_adam",
-                  recipe="tiny_moe")  # fmt: skip
+    exact = train(
+        Path(root) / "moe-exact", "parallel=ep2", "offload/optimizer=cpu_adam", recipe="tiny_moe"
+    )
     run = train(Path(root) / "moe-delayed-experts", *experts, recipe="tiny_moe")
     assert run["cpu_adam_mode"] == "delayed experts"
     assert 0 < run["cpu_adam_delayed_params"] < run["cpu_offloaded_params"]
@@ -318,11 +350,20 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
     assert run["losses"][warmup + 1 :] != exact["losses"][warmup + 1 :]
     assert run["final_loss"] < run["first_loss"]
     ckpt, half = Path(root) / "ckpt-moe-delayed-experts", ITERS // 2
-    train(Path(root) / "first-moe-delayed-experts", *experts, f"train.train_iters={half}",
-          f"checkpoint.save={ckpt}", f"scheduler.lr_decay_iters={ITERS}",
-          recipe="tiny_moe")  # fmt: skip
-    resumed = train(Path(root) / "resumed-moe-delayed-experts", *experts,
-                    f"checkpoint.load={ckpt}", recipe="tiny_moe")  # fmt: skip
+    train(
+        Path(root) / "first-moe-delayed-experts",
+        *experts,
+        f"train.train_iters={half}",
+        f"checkpoint.save={ckpt}",
+        f"scheduler.lr_decay_iters={ITERS}",
+        recipe="tiny_moe",
+    )
+    resumed = train(
+        Path(root) / "resumed-moe-delayed-experts",
+        *experts,
+        f"checkpoint.load={ckpt}",
+        recipe="tiny_moe",
+    )
     delta = max_delta(resumed["losses"], run["losses"][half:])
     print(f"delayed experts, resumed vs uninterrupted: max |Δloss| {delta:.2e}")
     assert delta < RESUME_TOLERANCE
@@ -360,7 +401,7 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
             ),
             id="pp2-vpp2",
             marks=TWO_GPUS,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, ...]) -> None:
@@ -375,12 +416,18 @@ def assert_resume_continues(root: str, offload: tuple[str, ...], recipe: str = "
     ckpt = Path(root) / f"ckpt-{name}"
     full = train(Path(root) / f"full-{name}", *offload, recipe=recipe)
     half = ITERS // 2
-    train(Path(root) / f"first-{name}", *offload, f"train.train_iters={half}",
-          f"checkpoint.save={ckpt}", f"scheduler.lr_decay_iters={ITERS}",
-          recipe=recipe)  # fmt: skip
+    train(
+        Path(root) / f"first-{name}",
+        *offload,
+        f"train.train_iters={half}",
+        f"checkpoint.save={ckpt}",
+        f"scheduler.lr_decay_iters={ITERS}",
+        recipe=recipe,
+    )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(half)
-    resumed = train(Path(root) / f"resumed-{name}", *offload, f"checkpoint.load={ckpt}",
-                    recipe=recipe)  # fmt: skip
+    resumed = train(
+        Path(root) / f"resumed-{name}", *offload, f"checkpoint.load={ckpt}", recipe=recipe
+    )
     assert resumed["iterations"] == ITERS - half
     delta = max_delta(resumed["losses"], full["losses"][half:])
     print(f"{name}, resumed vs uninterrupted: max |Δloss| {delta:.2e}")
@@ -402,11 +449,18 @@ def test_checkpoint_moves_between_hybrid_and_cpu_adam(
     ckpt = Path(root) / f"ckpt-{saved_with}-{loaded_with}"
     half = ITERS // 2
     full = train(Path(root) / f"full-x-{saved_with}", f"offload/optimizer={saved_with}")
-    train(Path(root) / f"first-x-{saved_with}", f"offload/optimizer={saved_with}",
-          f"train.train_iters={half}", f"checkpoint.save={ckpt}",
-          f"scheduler.lr_decay_iters={ITERS}")  # fmt: skip
-    resumed = train(Path(root) / f"resumed-x-{loaded_with}", f"offload/optimizer={loaded_with}",
-                    f"checkpoint.load={ckpt}")  # fmt: skip
+    train(
+        Path(root) / f"first-x-{saved_with}",
+        f"offload/optimizer={saved_with}",
+        f"train.train_iters={half}",
+        f"checkpoint.save={ckpt}",
+        f"scheduler.lr_decay_iters={ITERS}",
+    )
+    resumed = train(
+        Path(root) / f"resumed-x-{loaded_with}",
+        f"offload/optimizer={loaded_with}",
+        f"checkpoint.load={ckpt}",
+    )
     delta = max_delta(resumed["losses"], full["losses"][half:])
     print(f"{saved_with} -> {loaded_with}: max |Δloss| {delta:.2e}")
     assert delta < RESUME_TOLERANCE
@@ -429,8 +483,11 @@ def test_wandb_offline_run_of_a_real_run(root: str, monkeypatch: pytest.MonkeyPa
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     saved = Path(root) / "wandb-saved"
-    train(Path(root) / "wandb-run", "logger.wandb_project=offload-runner",
-          f"logger.wandb_save_dir={saved}")  # fmt: skip
+    train(
+        Path(root) / "wandb-run",
+        "logger.wandb_project=offload-runner",
+        f"logger.wandb_save_dir={saved}",
+    )
     (run,) = (saved / "wandb").glob("offline-run-*")
     history = next(run.glob("*.wandb")).read_bytes()
     for tag in (b"lm loss", b"time/step_s", b"memory/gpu_peak_allocated_gb"):

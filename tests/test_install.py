@@ -27,18 +27,49 @@ sys.exit(cli.main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def wheel_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out),
-                    str(PROJECT_ROOT)], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            str(out),
+            str(PROJECT_ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = out.glob("offload_runner-*.whl")
     site = out / "site"  # a fresh install target: pip installs the wheel there, nothing else
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                    str(site), str(wheel)], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return site
 
 
 def cli(site: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BOOTSTRAP, str(site), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", BOOTSTRAP, str(site), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_wheel_carries_the_configs_and_recipes(wheel_site: Path) -> None:
@@ -60,8 +91,9 @@ def test_wheel_carries_every_module(wheel_site: Path) -> None:
 def test_installed_cli_runs_outside_the_checkout(wheel_site: Path, tmp_path: Path) -> None:
     listed = cli(wheel_site, "--list-recipes", cwd=tmp_path)
     assert listed.returncode == 0 and "qwen3_30b_a3b_proxy" in listed.stdout, listed.stderr
-    dry = cli(wheel_site, "--recipe", "tiny", "--dry-run", f"output_dir={tmp_path / 'run'}",
-              cwd=tmp_path)  # fmt: skip
+    dry = cli(
+        wheel_site, "--recipe", "tiny", "--dry-run", f"output_dir={tmp_path / 'run'}", cwd=tmp_path
+    )
     assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
     assert (tmp_path / "run/config.yaml").is_file()
     helped = cli(wheel_site, "--help", cwd=tmp_path)

@@ -45,9 +45,15 @@ PIECE = 1500  # params per piece of the window: the shard spans several pieces a
 
 
 def windowed(buffers: Buffers, piece: int = PIECE, rem: bool = False) -> WindowedStates:
-    return WindowedStates(buffers.groups(lr_at(1)), lr=1e-3, weight_decay=0.1, betas=BETAS,
-                          eps=EPS, window_bytes=SLOTS * per_param(rem) * piece,
-                          remainders=rem)  # fmt: skip
+    return WindowedStates(
+        buffers.groups(lr_at(1)),
+        lr=1e-3,
+        weight_decay=0.1,
+        betas=BETAS,
+        eps=EPS,
+        window_bytes=SLOTS * per_param(rem) * piece,
+        remainders=rem,
+    )
 
 
 def per_param(rem: bool) -> int:
@@ -95,8 +101,10 @@ def test_windowed_update_is_bit_identical_to_torch_fused_adamw(rem: bool) -> Non
     eng.close()
 
 
-@pytest.mark.parametrize(("grown", "rem"), [(0, False), (1, False), (SLOTS + 2, False),
-                                           (10**6, False), (SLOTS + 2, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("grown", "rem"),
+    [(0, False), (1, False), (SLOTS + 2, False), (10**6, False), (SLOTS + 2, True)],
+)
 def test_pieces_the_last_backward_brought_in_pass_bit_identically(grown: int, rem: bool) -> None:
     """Armed for the last micro-batch (``host_adam.arming``), the pass grows slots into the
     memory the backward frees, each loaded at once (``grown`` of them the budget allows, up to
@@ -181,8 +189,10 @@ def test_windowed_checkpoint_continues_the_run_and_moves_to_cpu_adam(rem: bool) 
     assert all(s["master_param"].dtype == torch.float32 for s in saved["state"].values())
     assert a.state[a_buf.views[0]]["master_param"].dtype == a.host_master.dtype  # views again
     copies = {}
-    for name, build in (("windowed", lambda b: windowed(b, rem=rem)),
-                        ("cpu_adam", lambda b: engine(b, 1.0))):  # fmt: skip
+    for name, build in (
+        ("windowed", lambda b: windowed(b, rem=rem)),
+        ("cpu_adam", lambda b: engine(b, 1.0)),
+    ):
         buf = Buffers(seed=1)
         buf.param.copy_(a_buf.param)  # the model's own checkpoint: the bf16 weights as they are
         eng = build(buf)
@@ -209,19 +219,35 @@ class Bf16MomentsReference(Reference):
 
     def __init__(self, buffers: Buffers) -> None:
         super().__init__(buffers)
-        self.moments = [(torch.zeros(p.numel(), dtype=torch.bfloat16),
-                         torch.zeros(p.numel(), dtype=torch.bfloat16))
-                        for p in self.params]  # fmt: skip
+        self.moments = [
+            (
+                torch.zeros(p.numel(), dtype=torch.bfloat16),
+                torch.zeros(p.numel(), dtype=torch.bfloat16),
+            )
+            for p in self.params
+        ]
 
     def step(self, step: int, grads: torch.Tensor) -> None:
         start = 0
-        for p, (m, v), n, group in zip(self.params, self.moments, ENGINE_SIZES, self._groups(),
-                                       strict=True):  # fmt: skip
+        for p, (m, v), n, group in zip(
+            self.params, self.moments, ENGINE_SIZES, self._groups(), strict=True
+        ):
             m32, v32 = m.float(), v.float()
-            torch._fused_adamw_([p.data.view(-1)], [grads[start : start + n].clone()], [m32],
-                                [v32], [], [torch.tensor(float(step))], lr=lr_at(step),
-                                beta1=BETAS[0], beta2=BETAS[1], weight_decay=group, eps=EPS,
-                                amsgrad=False, maximize=False)  # fmt: skip
+            torch._fused_adamw_(
+                [p.data.view(-1)],
+                [grads[start : start + n].clone()],
+                [m32],
+                [v32],
+                [],
+                [torch.tensor(float(step))],
+                lr=lr_at(step),
+                beta1=BETAS[0],
+                beta2=BETAS[1],
+                weight_decay=group,
+                eps=EPS,
+                amsgrad=False,
+                maximize=False,
+            )
             m.copy_(m32)
             v.copy_(v32)
             start += n
@@ -239,10 +265,18 @@ def test_bf16_moments_on_the_host_are_fp32_math_and_bf16_storage() -> None:
     and the window's, here on the CPU too): the moments stored in bf16 and each step the
     reference's (fp32 Adam on the upcast moments, rounded back), the masters likewise, but for
     the fused kernel's one-ulp tail elements; 8 B per param on the host instead of 12."""
-    for build in (lambda b: engine(b, 1.0, moment_dtypes=BF16),
-                  lambda b: WindowedStates(b.groups(lr_at(1)), lr=1e-3, weight_decay=0.1,
-                                           betas=BETAS, eps=EPS, moment_dtypes=BF16,
-                                           window_bytes=SLOTS * 16 * PIECE)):  # fmt: skip
+    for build in (
+        lambda b: engine(b, 1.0, moment_dtypes=BF16),
+        lambda b: WindowedStates(
+            b.groups(lr_at(1)),
+            lr=1e-3,
+            weight_decay=0.1,
+            betas=BETAS,
+            eps=EPS,
+            moment_dtypes=BF16,
+            window_bytes=SLOTS * 16 * PIECE,
+        ),
+    ):
         buffers = Buffers()
         eng, ref = build(buffers), Bf16MomentsReference(buffers)
         for step in range(1, 8):
@@ -265,9 +299,15 @@ def test_state_offload_fraction_keeps_the_rest_of_the_states_on_the_gpu() -> Non
     (whole parameters, in the buffer's order), the rest updated where they are; the run is
     still torch's AdamW."""
     buffers = Buffers()
-    eng = WindowedStates(buffers.groups(lr_at(1)), lr=1e-3, weight_decay=0.1, betas=BETAS,
-                         eps=EPS, window_bytes=SLOTS * BYTES_PER_PARAM * PIECE,
-                         fraction=0.5)  # fmt: skip
+    eng = WindowedStates(
+        buffers.groups(lr_at(1)),
+        lr=1e-3,
+        weight_decay=0.1,
+        betas=BETAS,
+        eps=EPS,
+        window_bytes=SLOTS * BYTES_PER_PARAM * PIECE,
+        fraction=0.5,
+    )
     ref = Reference(buffers)
     total = sum(ENGINE_SIZES)
     assert 0.3 * total < eng.offloaded_numel < 0.7 * total and eng.kept
@@ -335,9 +375,12 @@ def test_piece_spans_find_the_pieces_holding_each_parameter() -> None:
 
     def brute(view) -> set:
         lo = view.data_ptr() // view.element_size() - base
-        return {i for i, q in enumerate(eng._pieces)
-                if q.param.data_ptr() // 2 - base < lo + view.numel()
-                and lo < q.param.data_ptr() // 2 - base + q.numel}  # fmt: skip
+        return {
+            i
+            for i, q in enumerate(eng._pieces)
+            if q.param.data_ptr() // 2 - base < lo + view.numel()
+            and lo < q.param.data_ptr() // 2 - base + q.numel
+        }
 
     for view in buffers.views:
         assert spans.holding([view]) == sorted(brute(view))
@@ -359,8 +402,10 @@ def test_watched_passes_run_in_the_order_the_forward_needs_the_pieces(rem: bool)
         assert_matches(fp32_masters(eng, buffers), ref.params, step)
     modules = [list(m.parameters(recurse=False)) for m in chunk.children()]
     spans = host_adam.PieceSpans(eng._pieces)
-    first = [min(k for k, held in enumerate(modules) if i in spans.holding(held))
-             for i in range(len(eng._pieces))]  # fmt: skip
+    first = [
+        min(k for k, held in enumerate(modules) if i in spans.holding(held))
+        for i in range(len(eng._pieces))
+    ]
     assert first == sorted(first) and first[0] == 0 and first[-1] == len(modules) - 1
     starts = [p.start for p in eng._pieces]
     assert starts != sorted(starts)  # not the buffer's order

@@ -35,16 +35,26 @@ TINY_ACTIVATIONS = (4 * TINY_LAYER + TINY_MODEL_LEVEL) * 512
 
 def test_recompute_keeps_layer_inputs_and_rebuilds_one_group() -> None:
     base = make_plan(compose_run("recipe=tiny")).ranks[0]
-    full = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=full",
-                                 "model.recompute_method=uniform",
-                                 "model.recompute_num_layers=2")).ranks[0]  # fmt: skip
+    full = make_plan(
+        compose_run(
+            "recipe=tiny",
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=2",
+        )
+    ).ranks[0]
     hidden = 2 * 256 * 512
     assert full.activations == 2 * hidden + 4 * hidden  # two groups' inputs + model level
     assert full.recomputed == 2 * TINY_LAYER * 512  # backward rebuilds one group of 2 layers
     assert full.fwd_bwd_peak == full.static + full.activations + max(full.logits, full.recomputed)
-    block = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=full",
-                                  "model.recompute_method=block",
-                                  "model.recompute_num_layers=1")).ranks[0]  # fmt: skip
+    block = make_plan(
+        compose_run(
+            "recipe=tiny",
+            "model.recompute_granularity=full",
+            "model.recompute_method=block",
+            "model.recompute_num_layers=1",
+        )
+    ).ranks[0]
     assert block.activations == (hidden + 3 * TINY_LAYER * 512) + 4 * hidden
     # selective (core attention): flash attention keeps no score matrix, nothing to save
     selective = make_plan(compose_run("recipe=tiny", "model.recompute_granularity=selective"))
@@ -88,8 +98,9 @@ def test_state_offload_moves_the_optimizer_to_the_step_phase() -> None:
     assert rank.optimizer_gpu == 0 and rank.optimizer_step_only == 10 * P_TINY
     assert rank.host_pinned == 10 * P_TINY == rank.states_moved
     assert rank.step_peak == 16 * P_TINY + WORKSPACE_BYTES
-    fp32 = compose_run("recipe=tiny", "offload/optimizer=states",
-                       "optimizer.store_param_remainders=false")  # fmt: skip
+    fp32 = compose_run(
+        "recipe=tiny", "offload/optimizer=states", "optimizer.store_param_remainders=false"
+    )
     assert make_plan(fp32).ranks[0].host_pinned == 12 * P_TINY
     assert rank.fwd_bwd_peak == 6 * P_TINY + WORKSPACE_BYTES + rank.activations + rank.logits
 
@@ -115,8 +126,9 @@ def test_experts_split_over_ep_and_shard_over_expert_data_parallel() -> None:
 
 
 def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches() -> None:
-    run = compose_run("recipe=tiny", "model.pipeline_model_parallel_size=2",
-                      "train.global_batch_size=8")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny", "model.pipeline_model_parallel_size=2", "train.global_batch_size=8"
+    )
     plan = make_plan(run, world=2)
     first, last = plan.ranks
     stage = (2 * TINY_LAYER + TINY_MODEL_LEVEL) * 512  # 2 layers each
@@ -127,8 +139,11 @@ def test_pipeline_stages_hold_their_layers_and_in_flight_micro_batches() -> None
 
 def test_activation_offload_takes_layers_off_the_peak() -> None:
     base = make_plan(compose_run("recipe=tiny")).ranks[0]
-    off = make_plan(compose_run("recipe=tiny", "offload/activation=enabled",
-                                "model.cpu_offloading_num_layers=2")).ranks[0]  # fmt: skip
+    off = make_plan(
+        compose_run(
+            "recipe=tiny", "offload/activation=enabled", "model.cpu_offloading_num_layers=2"
+        )
+    ).ranks[0]
     assert 0 < off.activations_offloaded < 2 * TINY_LAYER * 512
     assert off.activations == base.activations - off.activations_offloaded
 
@@ -169,10 +184,14 @@ def test_the_link_note_counts_activation_offload_beside_weight_offload() -> None
     off the GPU per micro-batch, down and up again) in one bound; activations alone say so."""
     from offload_runner.step_cost import weight_offload_link_bytes, weight_offload_note
 
-    both = compose_run("recipe=llama3_8b", "train.global_batch_size=8",
-                       "offload/optimizer=states", "offload/weight=enabled",
-                       "offload/activation=enabled",
-                       "model.cpu_offloading_num_layers=8")  # fmt: skip
+    both = compose_run(
+        "recipe=llama3_8b",
+        "train.global_batch_size=8",
+        "offload/optimizer=states",
+        "offload/weight=enabled",
+        "offload/activation=enabled",
+        "model.cpu_offloading_num_layers=8",
+    )
     plan = make_plan(both)
     rank = plan.ranks[0]
     up, down = weight_offload_link_bytes(both, rank.weight_offload_params)
@@ -180,8 +199,9 @@ def test_the_link_note_counts_activation_offload_beside_weight_offload() -> None
     note = weight_offload_note(both, plan)
     assert f"activation offload {activations / 1e9:.3g} GB each way" in note
     assert f"+{(max(up, down) + activations) / 50.8e9:.2f} s" in note
-    alone = compose_run("recipe=llama3_8b", "offload/activation=enabled",
-                        "model.cpu_offloading_num_layers=8")  # fmt: skip
+    alone = compose_run(
+        "recipe=llama3_8b", "offload/activation=enabled", "model.cpu_offloading_num_layers=8"
+    )
     assert weight_offload_note(alone, make_plan(alone)).startswith("activation offload moves")
     plain = compose_run("recipe=tiny")
     assert weight_offload_note(plain, make_plan(plain)) is None
@@ -190,8 +210,12 @@ def test_the_link_note_counts_activation_offload_beside_weight_offload() -> None
 def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:
     """The proxy held to 16 GB: no optimizer setting fits, state offload with weight offload of
     the fewest layers does, and the choice says what the weights cost on the link."""
-    capped = ("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-              "planner.host_memory_gb=125", "offload/optimizer=auto")  # fmt: skip
+    capped = (
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "planner.host_memory_gb=125",
+        "offload/optimizer=auto",
+    )
     choice = choose_offload(compose_run(*capped, "train.gpu_memory_cap_gb=16"))
     assert choice.overrides["model.cpu_offloading_weights"] is True
     assert choice.overrides["optimizer.offload_optimizer_states"] is True
@@ -203,8 +227,9 @@ def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:
 def test_a_gpu_memory_cap_is_the_planners_gpu() -> None:
     plan = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24"))
     assert (plan.gpu_capacity_gb, plan.gpu_capacity_source) == (24.0, "train.gpu_memory_cap_gb")
-    told = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24",
-                                 "planner.gpu_memory_gb=40"))  # fmt: skip
+    told = make_plan(
+        compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24", "planner.gpu_memory_gb=40")
+    )
     assert told.gpu_capacity_gb == 40.0
 
 
@@ -215,20 +240,29 @@ def test_minimal_world_of_the_full_recipe() -> None:
 def test_auto_picks_the_least_optimizer_offload_that_fits() -> None:
     """At an H200 host's CPU Adam rate (4 G params/s; the rate is measured on this machine
     otherwise), half of Adam on the CPU (0.39 s) beats streaming the states (0.73 s)."""
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-                      "offload/optimizer=auto", "planner.gpu_memory_gb=48",
-                      "planner.host_memory_gb=512",
-                      "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "planner.gpu_memory_gb=48",
+        "planner.host_memory_gb=512",
+        "planner.cpu_adam_params_per_s=4e9",
+    )
     choice = choose_offload(run)
     assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
     assert choice.overrides["optimizer.cpu_offload_engine"].value == "cpu_adam"
     assert "offload/optimizer=cpu_adam optimizer.optimizer_offload_fraction=0.5" in (
         choice.description
     )
-    hybrid = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-                         "offload/optimizer=auto", "planner.auto_engine=hybrid",
-                         "planner.gpu_memory_gb=48", "planner.host_memory_gb=512",
-                         "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+    hybrid = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "planner.auto_engine=hybrid",
+        "planner.gpu_memory_gb=48",
+        "planner.host_memory_gb=512",
+        "planner.cpu_adam_params_per_s=4e9",
+    )
     slow = choose_offload(hybrid).description  # HDO's CPU Adam at 0.27x: streaming wins
     assert slow.startswith("offload/optimizer=states") and "; next: states" in slow
     assert "cpu_50" not in slow.partition("; next: ")[2]  # HDO ranks below two state settings
@@ -249,8 +283,9 @@ def test_cpu_adam_engine_host_memory() -> None:
     """16 B per offloaded param on the host (8 pinned), against HDO's 18 (6 pinned); on the GPU
     the engine keeps its ring of two pieces of fp32 masters (1 MiB pieces for the tiny model,
     64 MiB for the proxy's parts)."""
-    engine = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
-                                   "optimizer.cpu_adam_gpu_share=0")).ranks[0]  # fmt: skip
+    engine = make_plan(
+        compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_gpu_share=0")
+    ).ranks[0]
     hdo = make_plan(compose_run("recipe=tiny", "offload/optimizer=cpu_100")).ranks[0]
     params = count_parameters(compose_run("recipe=tiny").model).total
     assert engine.host_pinned == pytest.approx(8 * params, rel=1e-6)
@@ -271,9 +306,13 @@ def test_cpu_adam_engine_host_memory() -> None:
 
 
 def test_auto_tries_activation_layers_before_the_optimizer() -> None:
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-                      "offload/optimizer=auto", "offload/activation=auto",
-                      "planner.host_memory_gb=512")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "offload/activation=auto",
+        "planner.host_memory_gb=512",
+    )
     base = make_plan(run).worst.gpu_peak / 1024**3
     run.planner.gpu_memory_gb = base + 2.0 - 0.2  # just short: one offloaded layer is enough
     choice = choose_offload(run)
@@ -282,8 +321,12 @@ def test_auto_tries_activation_layers_before_the_optimizer() -> None:
 
 
 def test_auto_refuses_when_nothing_fits() -> None:
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "offload/optimizer=auto",
-                      "planner.gpu_memory_gb=10", "planner.host_memory_gb=512")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "offload/optimizer=auto",
+        "planner.gpu_memory_gb=10",
+        "planner.host_memory_gb=512",
+    )
     with pytest.raises(ValueError, match="no offload setting fits"):
         choose_offload(run)
 
@@ -311,10 +354,16 @@ def test_auto_finds_what_trains_28_layers_on_one_h200_box() -> None:
     capacity-28 trained a setting like it, with bf16 gradients too): state offload of part of
     the states with bf16 moments (the masters' remainders, 2 B/param on the host, spare the
     gradients' precision), the process and the margin counted on the host."""
-    run = compose_run("recipe=qwen3_30b_a3b", "parallel=single", "model.num_layers=28",
-                      "train.global_batch_size=4", "train.micro_batch_size=1",
-                      "offload/optimizer=auto", "planner.gpu_memory_gb=139",
-                      "planner.host_memory_gb=125")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b",
+        "parallel=single",
+        "model.num_layers=28",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "offload/optimizer=auto",
+        "planner.gpu_memory_gb=139",
+        "planner.host_memory_gb=125",
+    )
     choice = choose_offload(run)
     assert choice.overrides["optimizer.offload_optimizer_states"] is True
     assert "ddp.grad_reduce_in_fp32" not in choice.overrides
@@ -323,33 +372,72 @@ def test_auto_finds_what_trains_28_layers_on_one_h200_box() -> None:
 
 
 def test_plan_json_has_gpu_and_host_per_rank(capsys) -> None:
-    code = main(["--recipe", "tiny", "launcher.nproc_per_node=2", "--plan", "--json",
-                 "planner.gpu_memory_gb=80"])  # fmt: skip
+    code = main(
+        [
+            "--recipe",
+            "tiny",
+            "launcher.nproc_per_node=2",
+            "--plan",
+            "--json",
+            "planner.gpu_memory_gb=80",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == EXIT_OK and data["fits"] and data["world_size"] == 2
     assert [set(r) >= {"gpu_peak_gb", "host_gb"} for r in data["ranks"]] == [True, True]
 
 
 def test_plan_table_and_verdict(capsys) -> None:
-    assert main(["--recipe", "qwen3_30b_a3b_proxy", "--plan", "planner.gpu_memory_gb=40",
-                 "planner.host_memory_gb=512"]) == EXIT_FAILED  # fmt: skip
+    assert (
+        main(
+            [
+                "--recipe",
+                "qwen3_30b_a3b_proxy",
+                "--plan",
+                "planner.gpu_memory_gb=40",
+                "planner.host_memory_gb=512",
+            ]
+        )
+        == EXIT_FAILED
+    )
     out = capsys.readouterr().out
     assert "GPU peak" in out and "does not fit" in out and "GPU memory runs out first" in out
 
 
 def test_plan_with_auto_prints_its_choice(capsys) -> None:
-    assert main(["--recipe", "qwen3_30b_a3b_proxy", "train.global_batch_size=4", "--plan",
-                 "offload/optimizer=auto", "planner.gpu_memory_gb=48",
-                 "planner.host_memory_gb=512",
-                 "planner.cpu_adam_params_per_s=4e9"]) == EXIT_OK  # fmt: skip
+    assert (
+        main(
+            [
+                "--recipe",
+                "qwen3_30b_a3b_proxy",
+                "train.global_batch_size=4",
+                "--plan",
+                "offload/optimizer=auto",
+                "planner.gpu_memory_gb=48",
+                "planner.host_memory_gb=512",
+                "planner.cpu_adam_params_per_s=4e9",
+            ]
+        )
+        == EXIT_OK
+    )
     assert "auto: offload/optimizer=cpu_adam optimizer.optimizer_offload_fraction=0.5" in (
         capsys.readouterr().out
     )
 
 
 def test_auto_that_cannot_fit_exits_2(capsys) -> None:
-    assert main(["--recipe", "qwen3_30b_a3b_proxy", "--plan", "offload/optimizer=auto",
-                 "planner.gpu_memory_gb=10"]) == EXIT_USAGE  # fmt: skip
+    assert (
+        main(
+            [
+                "--recipe",
+                "qwen3_30b_a3b_proxy",
+                "--plan",
+                "offload/optimizer=auto",
+                "planner.gpu_memory_gb=10",
+            ]
+        )
+        == EXIT_USAGE
+    )
     assert "no offload setting fits" in capsys.readouterr().err
 
 
@@ -378,9 +466,11 @@ def test_planner_matches_every_measured_peak_within_10_percent() -> None:
     states = [r for r in rows if "states offload" in r.case]
     assert len(states) >= 6
     for r in states:
-        for measured, planned in ((r.measured_fwd_bwd_gb, r.planned_fwd_bwd_gb),
-                                  (r.measured_step_gb, r.planned_step_gb),
-                                  (r.measured_pinned_gb, r.planned_pinned_gb)):  # fmt: skip
+        for measured, planned in (
+            (r.measured_fwd_bwd_gb, r.planned_fwd_bwd_gb),
+            (r.measured_step_gb, r.planned_step_gb),
+            (r.measured_pinned_gb, r.planned_pinned_gb),
+        ):
             assert abs(planned - measured) < 0.10 * measured, f"{r.suite}/{r.case}"
 
 
@@ -395,9 +485,15 @@ def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> 
     """On PCIe CPU Adam beside its balanced GPU share costs less per param than streaming all
     10 B of states each way; on a link several times faster (Grace-Hopper class) streaming every
     state costs less than the GPU's Adam on what the least CPU fraction leaves on the GPU."""
-    common = ("recipe=qwen3_30b_a3b_proxy", "speed=plain", "train.global_batch_size=4",
-              "offload/optimizer=auto", "planner.gpu_memory_gb=60",
-              "planner.host_memory_gb=512", "planner.cpu_adam_params_per_s=4e9")  # fmt: skip
+    common = (
+        "recipe=qwen3_30b_a3b_proxy",
+        "speed=plain",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "planner.gpu_memory_gb=60",
+        "planner.host_memory_gb=512",
+        "planner.cpu_adam_params_per_s=4e9",
+    )
     pcie = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=50.8"))
     assert pcie.overrides["optimizer.offload_optimizer_states"] is False
     assert pcie.overrides["optimizer.optimizer_offload_fraction"] == 0.25
@@ -409,8 +505,9 @@ def test_auto_weighs_state_offload_against_cpu_adam_by_predicted_step_time() -> 
     # what CPU Adam's least fraction leaves there (gpu_time.gpu_adam_seconds)
     assert c2c.overrides["optimizer.offload_optimizer_states"] is True
     assert "31.1 GB of states each way at once over 450 GB/s" in c2c.description
-    hybrid = choose_offload(compose_run(*common, "planner.host_link_gb_per_s=450",
-                                        "planner.auto_engine=hybrid"))  # fmt: skip
+    hybrid = choose_offload(
+        compose_run(*common, "planner.host_link_gb_per_s=450", "planner.auto_engine=hybrid")
+    )
     assert hybrid.description.startswith("offload/optimizer=states")  # HDO's CPU Adam at 0.27x
 
 
@@ -425,9 +522,12 @@ def test_step_cost_model() -> None:
     # 12 x + 4 (1 - x) B/param at 50 L GB/s take as long
     on_cpu = (12 / (50e9 * L)) / (1 / (4e9 * K) + 8 / (50e9 * L))
     balanced = on_cpu / (4e9 * K)
-    for option, expected in (("cpu_adam", balanced), ("cpu_adam optimizer.cpu_adam_gpu_share=0",
-                             1 / 4e9), ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
-                             ("states", 10 / 50e9)):  # fmt: skip
+    for option, expected in (
+        ("cpu_adam", balanced),
+        ("cpu_adam optimizer.cpu_adam_gpu_share=0", 1 / 4e9),
+        ("cpu_100", 1 / (4e9 * HDO_RATE_SHARE)),
+        ("states", 10 / 50e9),
+    ):
         run = compose_run("recipe=tiny", *f"offload/optimizer={option}".split())
         rank = make_plan(run).ranks[0]
         params = count_parameters(run.model).total
@@ -445,9 +545,13 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     from offload_runner.step_cost import StepCost, hidden_fraction
 
     # tensor parallelism: Megatron-Core all-reduces gradients after the backward
-    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "parallel=tp2",
-                      "launcher.nproc_per_node=2",
-                      "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam_delayed",
+        "parallel=tp2",
+        "launcher.nproc_per_node=2",
+        "optimizer.optimizer_offload_fraction=0.5",
+    )
     rank = make_plan(run).ranks[0]
     params = rank.cpu_adam_params
     assert rank.boundary_params == params
@@ -464,9 +568,12 @@ def test_delayed_mode_hides_cpu_adam_under_forward_backward() -> None:
     long = StepCost(4e9, 50.0, forward_backward_s=10 * cpu)
     assert long.seconds(run, rank) == pytest.approx(copies)
     assert long.hidden_fraction(run, rank) == 1.0
-    exact = compose_run("recipe=tiny", "offload/optimizer=cpu_adam",
-                        "optimizer.optimizer_offload_fraction=0.5",
-                        "optimizer.cpu_adam_gpu_share=0")  # fmt: skip
+    exact = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam",
+        "optimizer.optimizer_offload_fraction=0.5",
+        "optimizer.cpu_adam_gpu_share=0",
+    )
     whole = make_plan(exact).ranks[0]  # one GPU: the whole shard (tensor parallelism's half)
     assert long.seconds(exact, whole) == pytest.approx(whole.cpu_adam_params / 4e9)
     assert hidden_fraction(2.0, 1e9, 4e9) == 0.5 and hidden_fraction(1.0, 1e9, 0) == 1.0
@@ -480,8 +587,11 @@ def test_delayed_copies_during_the_backward_hide_in_the_last_backward() -> None:
     after the backward) they wait for the step boundary again."""
     from offload_runner.step_cost import BACKWARD_SHARE, StepCost
 
-    run = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
-                      "optimizer.optimizer_offload_fraction=0.5")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam_delayed",
+        "optimizer.optimizer_offload_fraction=0.5",
+    )
     rank = make_plan(run).ranks[0]
     params = rank.cpu_adam_params
     assert params and rank.boundary_params == 0
@@ -570,8 +680,9 @@ def test_delayed_mode_with_a_gpu_share_streams_states_and_gradients_beside_the_c
     )
     assert short.delayed_seconds(shared, b) < short.delayed_seconds(cpu, a)
     assert "on the GPU, their states and gradients streamed" in cost.explain(shared, b)
-    guessing = compose_run(*common, "optimizer.cpu_adam_gpu_share=null",
-                           "optimizer.cpu_adam_weight_prediction=true")  # fmt: skip
+    guessing = compose_run(
+        *common, "optimizer.cpu_adam_gpu_share=null", "optimizer.cpu_adam_weight_prediction=true"
+    )
     assert cost.gpu_share(guessing) == 0
 
 
@@ -582,8 +693,11 @@ def test_weight_prediction_costs_host_memory_and_cpu_time() -> None:
     from offload_runner.step_cost import StepCost
 
     plain = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed")
-    guessing = compose_run("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
-                           "optimizer.cpu_adam_weight_prediction=true")  # fmt: skip
+    guessing = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam_delayed",
+        "optimizer.cpu_adam_weight_prediction=true",
+    )
     params = count_parameters(plain.model).total
     a, b = make_plan(plain).ranks[0], make_plan(guessing).ranks[0]
     assert b.host_pinned - a.host_pinned == pytest.approx(4 * params, rel=1e-6)
@@ -597,11 +711,17 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
     """planner.auto_delayed: the CPU-Adam engine in delayed mode; with forward+backward known,
     the smallest fraction that fits costs least (its copies), and the choice says how much of
     Adam would hide."""
-    run = compose_run("recipe=qwen3_30b_a3b_proxy", "train.global_batch_size=4",
-                      "offload/optimizer=auto", "planner.auto_delayed=true",
-                      "planner.forward_backward_s=0.6", "planner.gpu_memory_gb=48",
-                      "planner.host_memory_gb=512", "planner.cpu_adam_launch_slowdown=0",
-                      "planner.cpu_adam_params_per_s=3.7e9")  # fmt: skip
+    run = compose_run(
+        "recipe=qwen3_30b_a3b_proxy",
+        "train.global_batch_size=4",
+        "offload/optimizer=auto",
+        "planner.auto_delayed=true",
+        "planner.forward_backward_s=0.6",
+        "planner.gpu_memory_gb=48",
+        "planner.host_memory_gb=512",
+        "planner.cpu_adam_launch_slowdown=0",
+        "planner.cpu_adam_params_per_s=3.7e9",
+    )
     choice = choose_offload(run)
     assert choice.overrides["optimizer.cpu_adam_delayed_update"] is True
     assert choice.overrides["optimizer.optimizer_offload_fraction"] == 0.5
@@ -621,9 +741,16 @@ def test_auto_delayed_takes_the_cheapest_delayed_fraction_that_fits() -> None:
 
 
 def test_plan_prints_the_predicted_step_cost(capsys) -> None:
-    code = main(["--recipe", "tiny", "offload/optimizer=cpu_adam_delayed",
-                 "planner.cpu_adam_params_per_s=1e9", "planner.forward_backward_s=0.5",
-                 "--plan"])  # fmt: skip
+    code = main(
+        [
+            "--recipe",
+            "tiny",
+            "offload/optimizer=cpu_adam_delayed",
+            "planner.cpu_adam_params_per_s=1e9",
+            "planner.forward_backward_s=0.5",
+            "--plan",
+        ]
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert code == EXIT_OK
     assert "predicted +0.00 s per step" in out and "delayed: hidden under forward+backward" in out
@@ -725,9 +852,16 @@ def test_two_ranks_keep_room_for_nccl_and_share_the_hosts_link() -> None:
     from offload_runner.hardware import NODE_HOST_LINKS, rank_link_gb_per_s
     from offload_runner.plan import COMMUNICATOR_GB, make_plan
 
-    full = ("recipe=qwen3_30b_a3b", "speed=plain", "parallel=ep2", "train.global_batch_size=8",
-            "train.micro_batch_size=1", "planner.gpu_memory_gb=139",
-            "planner.host_memory_gb=250", "launcher.nproc_per_node=2")  # fmt: skip
+    full = (
+        "recipe=qwen3_30b_a3b",
+        "speed=plain",
+        "parallel=ep2",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "planner.gpu_memory_gb=139",
+        "planner.host_memory_gb=250",
+        "launcher.nproc_per_node=2",
+    )
     choice = choose_offload(compose_run(*full, "offload/optimizer=auto"))
     assert choice.overrides["optimizer.offload_optimizer_states"] is True
     assert choice.overrides.get("optimizer.optimizer_state_offload_fraction", 1.0) == 1.0
@@ -753,8 +887,12 @@ def test_bf16_moments_move_the_balanced_gpu_share() -> None:
 
     cost = StepCost(4e9, 50.0)
     fp32 = compose_run("recipe=tiny", "offload/optimizer=cpu_adam")
-    bf16 = compose_run("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16",
-                       "optimizer.exp_avg_sq_dtype=bf16")  # fmt: skip
+    bf16 = compose_run(
+        "recipe=tiny",
+        "offload/optimizer=cpu_adam",
+        "optimizer.exp_avg_dtype=bf16",
+        "optimizer.exp_avg_sq_dtype=bf16",
+    )
     assert cost.moved(fp32) == (12, 4, 0) and cost.moved(bf16) == (8, 4, 0)
     assert cost.exact_rate(bf16) == pytest.approx(4e9 * BF16_MOMENTS_CPU_FACTOR)
     k, per_byte = 4e9 * BF16_MOMENTS_CPU_FACTOR * K, 1 / (50e9 * L)
@@ -772,11 +910,16 @@ def test_the_launcher_hands_its_cpu_adam_rate_to_the_ranks(monkeypatch) -> None:
 
     timed = []
     monkeypatch.setattr(step_cost, "measured_rate", lambda threads: timed.append(threads) or 3.3e9)
-    assert step_cost.rate_for_ranks(compose_run("recipe=tiny", "offload/optimizer=cpu_adam"),
-                                     1) == 3.3e9  # fmt: skip
-    for unpinned in (("offload/optimizer=cpu_adam", "planner.cpu_adam_params_per_s=2e9"),
-                     ("offload/optimizer=cpu_adam", "model.deterministic_mode=true"),
-                     ("offload/optimizer=states",), ()):  # fmt: skip
+    assert (
+        step_cost.rate_for_ranks(compose_run("recipe=tiny", "offload/optimizer=cpu_adam"), 1)
+        == 3.3e9
+    )
+    for unpinned in (
+        ("offload/optimizer=cpu_adam", "planner.cpu_adam_params_per_s=2e9"),
+        ("offload/optimizer=cpu_adam", "model.deterministic_mode=true"),
+        ("offload/optimizer=states",),
+        (),
+    ):
         assert step_cost.rate_for_ranks(compose_run("recipe=tiny", *unpinned), 1) is None
     assert len(timed) == 1
     cfg = compose_config(["recipe=tiny", "offload/optimizer=cpu_adam"])

@@ -27,8 +27,10 @@ def test_window_writes_trace_and_table(tmp_path):
 
 def test_other_ranks_and_disabled_write_nothing(tmp_path):
     cfg = ProfilingConfig(use_pytorch_profiler=True, profile_step_start=1, profile_step_end=1)
-    for profiler in (IterationProfiler(cfg, tmp_path, rank=1),
-                     IterationProfiler(ProfilingConfig(), tmp_path, rank=0)):  # fmt: skip
+    for profiler in (
+        IterationProfiler(cfg, tmp_path, rank=1),
+        IterationProfiler(ProfilingConfig(), tmp_path, rank=0),
+    ):
         profiler.begin(1)
         profiler.end(1)
     assert not (tmp_path / "profile").exists()

@@ -14,10 +14,15 @@ from offload_runner.launch import submitit_rendezvous, torchrun_args
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 SLURM_NODE_2_OF_4 = {
-    "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "4",
-    "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[001-004]", "SLURM_NTASKS": "4",
-    "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
-}  # fmt: skip
+    "SUBMITIT_EXECUTOR": "slurm",
+    "SLURM_JOB_ID": "77",
+    "SLURM_JOB_NUM_NODES": "4",
+    "SLURM_NODEID": "2",
+    "SLURM_JOB_NODELIST": "gpu[001-004]",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+}
 
 
 def test_a_slurm_node_joins_the_rendezvous_at_the_first_node(monkeypatch) -> None:
@@ -25,11 +30,14 @@ def test_a_slurm_node_joins_the_rendezvous_at_the_first_node(monkeypatch) -> Non
         monkeypatch.setenv(key, value)
     found = submitit_rendezvous(LauncherConfig())
     assert found == {
-        "launcher.nnodes": "4", "launcher.rdzv_endpoint": "gpu001:29500",
-        "launcher.rdzv_id": "submitit-77", "launcher.node_rank": 2,
-    }  # fmt: skip
-    launcher = LauncherConfig(nnodes="4", node_rank=2, rdzv_endpoint="gpu001:29500",
-                              rdzv_id="submitit-77")  # fmt: skip
+        "launcher.nnodes": "4",
+        "launcher.rdzv_endpoint": "gpu001:29500",
+        "launcher.rdzv_id": "submitit-77",
+        "launcher.node_rank": 2,
+    }
+    launcher = LauncherConfig(
+        nnodes="4", node_rank=2, rdzv_endpoint="gpu001:29500", rdzv_id="submitit-77"
+    )
     args = " ".join(torchrun_args(launcher, 8, Path("/runs/x")))
     assert "--nnodes 4 --node-rank 2 --rdzv-backend c10d --rdzv-endpoint gpu001:29500" in args
     assert "--nproc-per-node 8" in args and "--standalone" not in args
@@ -49,8 +57,15 @@ def test_sweep_through_the_plugins_local_executor(tmp_path: Path) -> None:
     from tests.conftest import run_cli
 
     sweep = tmp_path / "sweep"
-    result = run_cli("-m", "--recipe", "tiny", "--dry-run", "hydra/launcher=submitit_local",
-                     "train.seed=1,2", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    result = run_cli(
+        "-m",
+        "--recipe",
+        "tiny",
+        "--dry-run",
+        "hydra/launcher=submitit_local",
+        "train.seed=1,2",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     seeds = []
     for job in ("0", "1"):
@@ -65,8 +80,15 @@ def test_more_than_one_task_per_node_is_refused(tmp_path: Path) -> None:
     from tests.conftest import run_cli
 
     sweep = tmp_path / "sweep"
-    result = run_cli("-m", "--recipe", "tiny", "--dry-run", "hydra/launcher=submitit_local",
-                     "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep}")  # fmt: skip
+    result = run_cli(
+        "-m",
+        "--recipe",
+        "tiny",
+        "--dry-run",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        f"hydra.sweep.dir={sweep}",
+    )
     assert result.returncode == 2  # the job's own exit code, read back from its saved result
     logs = " ".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.err"))
     assert "hydra.launcher.tasks_per_node must be 1" in " ".join(logs.split())

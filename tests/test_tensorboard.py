@@ -11,10 +11,18 @@ from offload_runner.metrics import MetricsReporter, StepMetrics
 
 
 def _step(i: int) -> StepMetrics:
-    return StepMetrics(iteration=i, loss=10.0 - i, lr=1e-4, grad_norm=1.5, step_time_s=0.5,
-                       tokens_per_s=1000.0, tflops_per_gpu=50.0, gpu_peak_allocated_gb=20.0,
-                       gpu_allocated_gb=10.0,
-                       host_pinned_gb=3.0)  # fmt: skip
+    return StepMetrics(
+        iteration=i,
+        loss=10.0 - i,
+        lr=1e-4,
+        grad_norm=1.5,
+        step_time_s=0.5,
+        tokens_per_s=1000.0,
+        tflops_per_gpu=50.0,
+        gpu_peak_allocated_gb=20.0,
+        gpu_allocated_gb=10.0,
+        host_pinned_gb=3.0,
+    )
 
 
 def test_step_metrics_become_tensorboard_scalars(tmp_path: Path) -> None:
@@ -30,8 +38,15 @@ def test_step_metrics_become_tensorboard_scalars(tmp_path: Path) -> None:
     events = EventAccumulator(str(board))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "learning-rate", "grad-norm", "time/step_s", "throughput/tokens_per_s",
-            "memory/gpu_peak_allocated_gb", "memory/host_pinned_gb"} <= tags  # fmt: skip
+    assert {
+        "lm loss",
+        "learning-rate",
+        "grad-norm",
+        "time/step_s",
+        "throughput/tokens_per_s",
+        "memory/gpu_peak_allocated_gb",
+        "memory/host_pinned_gb",
+    } <= tags
     assert [e.value for e in events.Scalars("lm loss")] == [9.0, 8.0, 7.0]
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
 

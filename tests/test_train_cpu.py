@@ -27,8 +27,9 @@ def test_reported_loss_survives_the_schedules_in_place_scaling() -> None:
 
 def _context_parallel_rank(rank: int, world: int, tmp: Path) -> None:
     """One CP rank: its slice of a micro-batch, its loss, the gradient DDP would average."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world
+    )
     torch.manual_seed(0)
     per_token = torch.rand(2, 16)  # the whole micro-batch's token losses, as the model computes
     mask = (torch.rand(2, 16) > 0.3).float()
@@ -44,8 +45,9 @@ def _context_parallel_rank(rank: int, world: int, tmp: Path) -> None:
     grad /= world  # DDP's mean over the DP x CP ranks
     value = report["lm loss"].clone()
     dist.all_reduce(value)
-    torch.save({"grad": grad, "loss": value, "positions": part["position_ids"][0]},
-               tmp / f"rank{rank}.pt")  # fmt: skip
+    torch.save(
+        {"grad": grad, "loss": value, "positions": part["position_ids"][0]}, tmp / f"rank{rank}.pt"
+    )
     dist.destroy_process_group()
 
 
@@ -135,8 +137,9 @@ def test_manual_gc_collects_only_on_its_interval(monkeypatch) -> None:
         collector.step(3)
 
 
-def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(monkeypatch, tmp_path: Path,
-                                                                    capsys) -> None:  # fmt: skip
+def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(
+    monkeypatch, tmp_path: Path, capsys
+) -> None:
     """torchrun reports rank 2 failed and its log shows CUDA's OOM: exit 1, status oom naming the
     rank, one message with its log and what to try; no traceback."""
     import json
@@ -166,8 +169,9 @@ def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(monkeypatch, 
 
 def _startup_rank(rank: int, world: int, tmp: Path) -> None:
     """Two gloo ranks of one node: only local rank 0 samples the node's RAM."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp / 'store'}", rank=rank, world_size=world
+    )
     startup = Startup(is_node_sampler=rank == 0)
     startup.phase("model")
     hold = bytearray(64 * 1024**2)  # the node's RAM in use grows while the run holds memory
@@ -187,8 +191,10 @@ def test_startup_reports_every_ranks_peak_and_the_nodes_ram(tmp_path: Path, monk
     assert report["gpu_alloc_retries_per_rank"] == [None, None]  # no CUDA: unknown, not 0
     assert 5 <= report["time_to_first_step_s"] < 60  # counted from the launcher's clock
     assert set(report["startup_s"]) == {"model"}
-    (before,), (peak,) = (report["host_used_gb_before_per_node"],
-                          report["host_used_gb_max_per_node"])  # fmt: skip
+    (before,), (peak,) = (
+        report["host_used_gb_before_per_node"],
+        report["host_used_gb_max_per_node"],
+    )
     assert 0 < before <= peak
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from conftest import compose_run
+from conftest import PROJECT_ROOT, compose_run
 
 from offload_runner.validation import (
     RULES,
@@ -18,6 +18,8 @@ from offload_runner.validation import (
 )
 
 WITH_TE = Environment(te_available=True, launching=True)
+# metadata --prepare wrote for the shipped sample (4096 and 2048 ids; .bin/.idx not kept)
+PREPARED = PROJECT_ROOT / "tests/data/prepared"
 ACT = ("offload/activation=enabled",)
 WEIGHT = ("offload/weight=enabled",)
 
@@ -85,12 +87,18 @@ CASES = [
     ),
     Case(
         "expert_offload_needs_grouped_experts",
-        ("recipe=tiny", "model.fine_grained_activation_offloading=true",
-         "model.offload_modules=[core_attn,expert_fc1]"),
-        ("recipe=tiny", "model.fine_grained_activation_offloading=true",
-         "model.offload_modules=[core_attn]"),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn,expert_fc1]",
+        ),
+        (
+            "recipe=tiny",
+            "model.fine_grained_activation_offloading=true",
+            "model.offload_modules=[core_attn]",
+        ),
         "model.offload_modules names expert_fc1 / moe_act",
-    ),  # fmt: skip
+    ),
     Case(
         "cpu_offloading_what",
         (
@@ -134,8 +142,13 @@ CASES = [
     ),
     Case(
         "weight_offload_bf16",
-        ("recipe=tiny", *WEIGHT, "offload/optimizer=cpu_adam", "model.bf16=false",
-         "optimizer.bf16=false"),
+        (
+            "recipe=tiny",
+            *WEIGHT,
+            "offload/optimizer=cpu_adam",
+            "model.bf16=false",
+            "optimizer.bf16=false",
+        ),
         ("recipe=tiny", *WEIGHT, "offload/optimizer=states"),
         "weight offload streams bf16 weights",
     ),
@@ -336,8 +349,11 @@ CASES = [
     Case(
         "weight_prediction_needs_delayed_mode",
         ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_weight_prediction=true"),
-        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed",
-         "optimizer.cpu_adam_weight_prediction=true"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_adam_delayed",
+            "optimizer.cpu_adam_weight_prediction=true",
+        ),
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(
@@ -348,16 +364,28 @@ CASES = [
     ),
     Case(
         "gpu_share_not_with_weight_prediction",
-        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5",
-         "optimizer.cpu_adam_weight_prediction=true"),
-        ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts",
-         "optimizer.cpu_adam_gpu_share=0.5", "optimizer.cpu_adam_weight_prediction=true"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_adam_delayed",
+            "optimizer.cpu_adam_gpu_share=0.5",
+            "optimizer.cpu_adam_weight_prediction=true",
+        ),
+        (
+            "recipe=tiny_moe",
+            "parallel=ep2",
+            "offload/optimizer=cpu_adam_delayed_experts",
+            "optimizer.cpu_adam_gpu_share=0.5",
+            "optimizer.cpu_adam_weight_prediction=true",
+        ),
         "optimizer.cpu_adam_weight_prediction extrapolates",
     ),
     Case(
         "delayed_scope_needs_delayed_mode",
-        ("recipe=tiny_moe", "offload/optimizer=cpu_adam",
-         "optimizer.cpu_adam_delayed_scope=experts"),
+        (
+            "recipe=tiny_moe",
+            "offload/optimizer=cpu_adam",
+            "optimizer.cpu_adam_delayed_scope=experts",
+        ),
         ("recipe=tiny_moe", "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts"),
         "optimizer.cpu_adam_delayed_scope=experts only acts",
     ),
@@ -418,46 +446,69 @@ CASES = [
     Case(
         "states_need_fp32_masters",
         ("recipe=tiny", "offload/optimizer=states", "optimizer.main_params_dtype=bf16"),
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=bf16",
-         "optimizer.exp_avg_sq_dtype=bf16"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.exp_avg_dtype=bf16",
+            "optimizer.exp_avg_sq_dtype=bf16",
+        ),
         "optimizer state offload keeps fp32 master weights and fp32 or bf16 moments",
-    ),  # fmt: skip
+    ),
     Case(
         "states_fraction_range",
         ("recipe=tiny", "offload/optimizer=states", "optimizer.optimizer_state_offload_fraction=0"),
-        ("recipe=tiny", "offload/optimizer=states",
-         "optimizer.optimizer_state_offload_fraction=0.25"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.optimizer_state_offload_fraction=0.25",
+        ),
         "optimizer_state_offload_fraction must be in (0, 1]",
-    ),  # fmt: skip
+    ),
     Case(
         "states_fraction_needs_state_offload",
         ("recipe=tiny", "optimizer.optimizer_state_offload_fraction=0.5"),
-        ("recipe=tiny", "optimizer.chunked_optimizer_state_offload=true",
-         "optimizer.optimizer_state_offload_fraction=0.5"),
+        (
+            "recipe=tiny",
+            "optimizer.chunked_optimizer_state_offload=true",
+            "optimizer.optimizer_state_offload_fraction=0.5",
+        ),
         "optimizer.optimizer_state_offload_fraction acts on optimizer state offload",
-    ),  # fmt: skip
+    ),
     Case(
         "states_chunk_size_non_negative",
-        ("recipe=tiny", "offload/optimizer=states",
-         "optimizer.optimizer_state_offload_chunk_size_mb=-1"),
-        ("recipe=tiny", "offload/optimizer=states",
-         "optimizer.optimizer_state_offload_chunk_size_mb=16"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.optimizer_state_offload_chunk_size_mb=-1",
+        ),
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.optimizer_state_offload_chunk_size_mb=16",
+        ),
         "optimizer_state_offload_chunk_size_mb must be >= 0",
-    ),  # fmt: skip
+    ),
     Case(
         "states_not_with_megatron_fsdp",
-        ("recipe=tiny", "optimizer.chunked_optimizer_state_offload=true",
-         "ddp.use_megatron_fsdp=true"),
+        (
+            "recipe=tiny",
+            "optimizer.chunked_optimizer_state_offload=true",
+            "ddp.use_megatron_fsdp=true",
+        ),
         ("recipe=tiny", "ddp.use_megatron_fsdp=true"),
         "Optimizer state offload is not supported with Megatron-FSDP.",
-    ),  # fmt: skip
+    ),
     Case(
         "cpu_adam_dtypes",
         ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=fp16"),
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=bf16",
-         "optimizer.exp_avg_sq_dtype=bf16"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_adam",
+            "optimizer.exp_avg_dtype=bf16",
+            "optimizer.exp_avg_sq_dtype=bf16",
+        ),
         "the CPU-Adam engine keeps fp32 master weights and fp32 or bf16 moments",
-    ),  # fmt: skip
+    ),
     Case(
         "heads_divisible_by_tp",
         ("recipe=tiny", "model.num_attention_heads=5", "parallel=tp2", "model.num_query_groups=2"),
@@ -585,7 +636,7 @@ CASES = [
             "optimizer.exp_avg_dtype=bf16",
         ),
         "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host",
-    ),  # fmt: skip
+    ),
     Case(
         "tensorboard_needs_package",
         ("recipe=tiny", "logger.tensorboard_dir=/tmp/tb"),
@@ -620,7 +671,7 @@ CASES = [
             "profiling.profile_step_end=4",
         ),
         "profiling window 5..4 is empty",
-    ),  # fmt: skip
+    ),
     Case(
         "profile_window_after_end",
         (
@@ -636,78 +687,175 @@ CASES = [
             "profiling.profile_step_end=60",
         ),
         "profiling starts at iteration 50, after the last one (20)",
-    ),  # fmt: skip
+    ),
     # Megatron-Bridge's sections
-    Case("distributed_optimizer_sections_differ",
-         ("recipe=tiny", "ddp.use_distributed_optimizer=false"),
-         ("recipe=tiny", "ddp.use_distributed_optimizer=false",
-          "optimizer.use_distributed_optimizer=false"),
-         "ddp.use_distributed_optimizer=False and optimizer.use_distributed_optimizer=True differ"),
-    Case("dataset_seq_length_differs", ("recipe=tiny", "dataset.seq_length=128"),
-         ("recipe=tiny", "model.seq_length=128"),
-         "dataset.seq_length=128 and model.seq_length=256 differ"),
-    Case("tokenizer_vocab_differs", ("recipe=tiny", "tokenizer.vocab_size=1000"),
-         ("recipe=tiny", "tokenizer.vocab_size=1000", "model.vocab_size=1000"),
-         "tokenizer.vocab_size=1000 and model.vocab_size="),
-    Case("tokenizer_vocab_divisor_differs",
-         ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=64"),
-         ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=128"),
-         "tokenizer.make_vocab_size_divisible_by=64 and"),
-    Case("dataset_blend_spelling", ("recipe=tiny", "dataset.blend=[[/d/a],[1.0]]"), RECIPE_TINY,
-         "dataset.blend / dataset.blend_per_split are Megatron-Bridge's Python spelling"),
-    Case("checkpoint_format", ("recipe=tiny", "checkpoint.ckpt_format=fsdp_dtensor"),
-         ("recipe=tiny", "checkpoint.ckpt_format=torch_dist"),
-         "checkpoint.ckpt_format=fsdp_dtensor: offload-runner saves and loads"),
-    Case("fp16_not_supported", ("recipe=tiny", "mixed_precision.fp16=true"), RECIPE_TINY,
-         "fp16 mixed precision is not supported"),
-    Case("fp8_not_supported", ("recipe=tiny", "mixed_precision.fp8=hybrid"), RECIPE_TINY,
-         "FP8 training (model.fp8=hybrid) is not supported"),
-    Case("virtual_pipeline_needs_pipeline",
-         ("recipe=tiny", "model.virtual_pipeline_model_parallel_size=2"),
-         ("recipe=tiny", "model.num_layers=4", "model.pipeline_model_parallel_size=2",
-          "model.virtual_pipeline_model_parallel_size=2"),
-         "virtual_pipeline_model_parallel_size=2 needs pipeline parallelism"),
-    Case("wsd_needs_decay_iters", ("recipe=tiny", "scheduler.lr_decay_style=WSD"),
-         ("recipe=tiny", "scheduler.lr_decay_style=WSD", "scheduler.lr_wsd_decay_iters=2"),
-         "scheduler.lr_decay_style=WSD needs the length of its final decay"),
-    Case("flex_dispatcher_needs_deep_ep",
-         ("recipe=qwen3_30b_a3b_proxy", "model.moe_token_dispatcher_type=flex"),
-         ("recipe=qwen3_30b_a3b_proxy",),
-         "model.moe_token_dispatcher_type=flex needs DeepEP",
-         Environment(te_available=True, launching=True, deep_ep_available=False)),
-    Case("wandb_needs_package", ("recipe=tiny", "logger.wandb_project=p"), RECIPE_TINY,
-         "logger.wandb_project is set, and the wandb package is not installed here",
-         Environment(te_available=True, launching=True, wandb_available=False)),
-    Case("evaluation_not_run",
-         ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=32"),
-         ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=0"),
-         "validation.eval_interval / eval_iters have no effect"),
-    Case("manual_gc_eval_unused", ("recipe=tiny", "train.manual_gc_eval=100"), RECIPE_TINY,
-         "train.manual_gc_eval=100 has no effect"),
-    Case("dataloader_keys_unused", ("recipe=tiny", "dataset.dataloader_type=cyclic"),
-         ("recipe=tiny", "dataset.dataloader_type=single"),
-         "dataset.dataloader_type / data_sharding"),
-    Case("tokenizer_not_loaded",
-         ("recipe=tiny", "tokenizer.tokenizer_type=HuggingFaceTokenizer"), RECIPE_TINY,
-         "tokenizer.HuggingFaceTokenizer is not loaded"),
-    Case("async_save_not_run", ("recipe=tiny", "checkpoint.async_save=true"), RECIPE_TINY,
-         "checkpoint.async_save=true has no effect"),
-    Case("fusions_need_te", ("recipe=qwen3_30b_a3b_proxy",),
-         ("recipe=qwen3_30b_a3b_proxy", "speed=plain"),
-         "model.moe_permute_fusion, model.moe_router_fusion, model.apply_rope_fusion, "
-         "model.cross_entropy_fusion_impl=te run inside Transformer Engine",
-         Environment(te_available=False, launching=True)),
-    Case("te_cuda_graphs_not_captured", ("recipe=tiny", "model.cuda_graph_impl=transformer_engine"),
-         ("recipe=tiny", "model.cuda_graph_impl=local"),
-         "model.cuda_graph_impl=transformer_engine is captured by the training loop's"),
-    Case("gradient_accumulation_fusion_needs_apex",
-         ("recipe=tiny", "model.gradient_accumulation_fusion=true"), RECIPE_TINY,
-         "model.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda",
-         Environment(te_available=True, launching=True, fused_wgrad_available=False)),
-    Case("mxfp8_buffer_reuse_unused",
-         ("recipe=tiny", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"), RECIPE_TINY,
-         "mixed_precision.fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag have no effect"),
-]  # fmt: skip
+    Case(
+        "distributed_optimizer_sections_differ",
+        ("recipe=tiny", "ddp.use_distributed_optimizer=false"),
+        (
+            "recipe=tiny",
+            "ddp.use_distributed_optimizer=false",
+            "optimizer.use_distributed_optimizer=false",
+        ),
+        "ddp.use_distributed_optimizer=False and optimizer.use_distributed_optimizer=True differ",
+    ),
+    Case(
+        "dataset_seq_length_differs",
+        ("recipe=tiny", "dataset.seq_length=128"),
+        ("recipe=tiny", "model.seq_length=128"),
+        "dataset.seq_length=128 and model.seq_length=256 differ",
+    ),
+    Case(
+        "tokenizer_vocab_differs",
+        ("recipe=tiny", "tokenizer.vocab_size=1000"),
+        ("recipe=tiny", "tokenizer.vocab_size=1000", "model.vocab_size=1000"),
+        "tokenizer.vocab_size=1000 and model.vocab_size=",
+    ),
+    Case(
+        "tokenizer_vocab_divisor_differs",
+        ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=64"),
+        ("recipe=tiny", "tokenizer.make_vocab_size_divisible_by=128"),
+        "tokenizer.make_vocab_size_divisible_by=64 and",
+    ),
+    Case(
+        "dataset_blend_spelling",
+        ("recipe=tiny", "dataset.blend=[[/d/a],[1.0]]"),
+        RECIPE_TINY,
+        "dataset.blend / dataset.blend_per_split are Megatron-Bridge's Python spelling",
+    ),
+    Case(
+        "checkpoint_format",
+        ("recipe=tiny", "checkpoint.ckpt_format=fsdp_dtensor"),
+        ("recipe=tiny", "checkpoint.ckpt_format=torch_dist"),
+        "checkpoint.ckpt_format=fsdp_dtensor: offload-runner saves and loads",
+    ),
+    Case(
+        "fp16_not_supported",
+        ("recipe=tiny", "mixed_precision.fp16=true"),
+        RECIPE_TINY,
+        "fp16 mixed precision is not supported",
+    ),
+    Case(
+        "fp8_not_supported",
+        ("recipe=tiny", "mixed_precision.fp8=hybrid"),
+        RECIPE_TINY,
+        "FP8 training (model.fp8=hybrid) is not supported",
+    ),
+    Case(
+        "virtual_pipeline_needs_pipeline",
+        ("recipe=tiny", "model.virtual_pipeline_model_parallel_size=2"),
+        (
+            "recipe=tiny",
+            "model.num_layers=4",
+            "model.pipeline_model_parallel_size=2",
+            "model.virtual_pipeline_model_parallel_size=2",
+        ),
+        "virtual_pipeline_model_parallel_size=2 needs pipeline parallelism",
+    ),
+    Case(
+        "wsd_needs_decay_iters",
+        ("recipe=tiny", "scheduler.lr_decay_style=WSD"),
+        ("recipe=tiny", "scheduler.lr_decay_style=WSD", "scheduler.lr_wsd_decay_iters=2"),
+        "scheduler.lr_decay_style=WSD needs the length of its final decay",
+    ),
+    Case(
+        "flex_dispatcher_needs_deep_ep",
+        ("recipe=qwen3_30b_a3b_proxy", "model.moe_token_dispatcher_type=flex"),
+        ("recipe=qwen3_30b_a3b_proxy",),
+        "model.moe_token_dispatcher_type=flex needs DeepEP",
+        Environment(te_available=True, launching=True, deep_ep_available=False),
+    ),
+    Case(
+        "wandb_needs_package",
+        ("recipe=tiny", "logger.wandb_project=p"),
+        RECIPE_TINY,
+        "logger.wandb_project is set, and the wandb package is not installed here",
+        Environment(te_available=True, launching=True, wandb_available=False),
+    ),
+    Case(
+        "evaluation_not_run",
+        ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=32"),
+        ("recipe=tiny", "validation.eval_interval=500", "validation.eval_iters=0"),
+        "validation.eval_interval / eval_iters have no effect",
+    ),
+    Case(
+        "manual_gc_eval_unused",
+        ("recipe=tiny", "train.manual_gc_eval=100"),
+        RECIPE_TINY,
+        "train.manual_gc_eval=100 has no effect",
+    ),
+    Case(
+        "dataloader_keys_unused",
+        ("recipe=tiny", "dataset.dataloader_type=cyclic"),
+        ("recipe=tiny", "dataset.dataloader_type=single"),
+        "dataset.dataloader_type / data_sharding",
+    ),
+    Case(
+        "tokenizer_not_loaded",
+        ("recipe=tiny", "tokenizer.tokenizer_type=HuggingFaceTokenizer"),
+        RECIPE_TINY,
+        "tokenizer.HuggingFaceTokenizer is not loaded",
+    ),
+    Case(
+        "async_save_not_run",
+        ("recipe=tiny", "checkpoint.async_save=true"),
+        RECIPE_TINY,
+        "checkpoint.async_save=true has no effect",
+    ),
+    Case(
+        "fusions_need_te",
+        ("recipe=qwen3_30b_a3b_proxy",),
+        ("recipe=qwen3_30b_a3b_proxy", "speed=plain"),
+        "model.moe_permute_fusion, model.moe_router_fusion, model.apply_rope_fusion, "
+        "model.cross_entropy_fusion_impl=te run inside Transformer Engine",
+        Environment(te_available=False, launching=True),
+    ),
+    Case(
+        "te_cuda_graphs_not_captured",
+        ("recipe=tiny", "model.cuda_graph_impl=transformer_engine"),
+        ("recipe=tiny", "model.cuda_graph_impl=local"),
+        "model.cuda_graph_impl=transformer_engine is captured by the training loop's",
+    ),
+    Case(
+        "gradient_accumulation_fusion_needs_apex",
+        ("recipe=tiny", "model.gradient_accumulation_fusion=true"),
+        RECIPE_TINY,
+        "model.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda",
+        Environment(te_available=True, launching=True, fused_wgrad_available=False),
+    ),
+    Case(
+        "prepared_vocab_exceeds_model",
+        (
+            "recipe=tiny",
+            "data=indexed",
+            f"dataset.data_path=[{PREPARED}/sotu]",
+            "model.vocab_size=1000",
+        ),
+        (
+            "recipe=tiny",
+            "data=indexed",
+            f"dataset.data_path=[{PREPARED}/sotu]",
+            "model.vocab_size=4096",
+        ),
+        "dataset.data_path was prepared with a tokenizer of 4096 ids",
+    ),
+    Case(
+        "prepared_eods_differ",
+        (
+            "recipe=tiny",
+            "data=indexed",
+            f"dataset.data_path=[0.5,{PREPARED}/sotu,0.5,{PREPARED}/small]",
+        ),
+        ("recipe=tiny", "data=indexed", f"dataset.data_path=[{PREPARED}/sotu]"),
+        "dataset.data_path blends prefixes prepared with different end-of-document ids",
+    ),
+    Case(
+        "mxfp8_buffer_reuse_unused",
+        ("recipe=tiny", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"),
+        RECIPE_TINY,
+        "mixed_precision.fp8_param_gather / reuse_grad_buf_for_mxfp8_param_ag have no effect",
+    ),
+]
 
 
 def test_every_rule_has_a_case() -> None:
@@ -805,8 +953,9 @@ def test_a_bare_megatron_core_assert_is_named_or_left_to_our_own_error() -> None
     """Megatron-Core's ``assert`` without a message (an empty offload_modules list under
     fine-grained offload): our rule's error alone, not a second, empty ``error: AssertionError``;
     where no rule of ours speaks, its own source line."""
-    run = compose_run("recipe=tiny", "model.fine_grained_activation_offloading=true",
-                      "model.offload_modules=[]")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny", "model.fine_grained_activation_offloading=true", "model.offload_modules=[]"
+    )
     found = errors(validate(run, WITH_TE))
     assert [v.message for v in found] == [
         "fine_grained_activation_offloading needs at least one module in model.offload_modules"
@@ -818,11 +967,19 @@ def test_a_bare_megatron_core_assert_is_named_or_left_to_our_own_error() -> None
 
 @pytest.mark.parametrize(
     "override",
-    ["train.global_batch_size=-8", "train.micro_batch_size=-1", "train.micro_batch_size=0",
-     "model.seq_length=0", "train.train_iters=0", "optimizer.lr=-1", "model.num_layers=0",
-     "model.num_layers=-4", "optimizer.optimizer_offload_fraction=1.5",
-     "optimizer.adam_beta2=2"],
-)  # fmt: skip
+    [
+        "train.global_batch_size=-8",
+        "train.micro_batch_size=-1",
+        "train.micro_batch_size=0",
+        "model.seq_length=0",
+        "train.train_iters=0",
+        "optimizer.lr=-1",
+        "model.num_layers=0",
+        "model.num_layers=-4",
+        "optimizer.optimizer_offload_fraction=1.5",
+        "optimizer.adam_beta2=2",
+    ],
+)
 def test_out_of_range_values_are_refused(override: str, tmp_path, capsys) -> None:
     from offload_runner.cli import EXIT_USAGE, main
 
@@ -853,9 +1010,12 @@ def test_ranges_name_real_numeric_fields_and_every_recipe_is_in_range() -> None:
 def test_moe_layer_recompute_does_not_walk_around_the_offload_recompute_rule() -> None:
     """model.moe_layer_recompute=true makes Megatron-Core set selective recompute after its own
     offload check has run: the rule judges the config as it finally is."""
-    run = compose_run("recipe=tiny_moe", "model.cpu_offloading=true",
-                      "model.cpu_offloading_num_layers=1",
-                      "model.moe_layer_recompute=true")  # fmt: skip
+    run = compose_run(
+        "recipe=tiny_moe",
+        "model.cpu_offloading=true",
+        "model.cpu_offloading_num_layers=1",
+        "model.moe_layer_recompute=true",
+    )
     assert "cpu_offloading_without_recompute" in {v.rule for v in check_rules(run, WITH_TE)}
 
 
@@ -868,9 +1028,16 @@ def test_a_one_layer_model_is_told_there_is_no_layer_to_offload() -> None:
 
 def test_the_deprecated_cuda_graph_flag_is_named_in_the_fix() -> None:
     """Megatron-Core's message names both flags; the fix names the one the user set."""
-    found = [v for v in check_rules(compose_run("recipe=tiny", "model.enable_cuda_graph=true",
-                                                "model.cuda_graph_impl=local"), WITH_TE)
-             if v.rule == "deprecated_cuda_graph_flag_with_impl"]  # fmt: skip
+    found = [
+        v
+        for v in check_rules(
+            compose_run(
+                "recipe=tiny", "model.enable_cuda_graph=true", "model.cuda_graph_impl=local"
+            ),
+            WITH_TE,
+        )
+        if v.rule == "deprecated_cuda_graph_flag_with_impl"
+    ]
     assert found and found[0].fix.startswith(
         "drop model.enable_cuda_graph (the deprecated spelling of model.cuda_graph_impl=local)"
     )

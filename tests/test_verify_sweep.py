@@ -20,14 +20,25 @@ from offload_runner.verify import compare, render_markdown, variant, write_repor
 LOSSES = [10.0, 9.5, 9.1, 8.8]
 
 
-def record_run(path: Path, overrides: list[str], losses: list[float] | None, peak: float,
-               step_s: float = 0.4, status: str = "ok") -> Path:  # fmt: skip
+def record_run(
+    path: Path,
+    overrides: list[str],
+    losses: list[float] | None,
+    peak: float,
+    step_s: float = 0.4,
+    status: str = "ok",
+) -> Path:
     """A run directory as the trainer leaves it."""
     cfg = compose_config(["recipe=tiny", *overrides])
     create_run_dir(path, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), overrides)
     if losses is not None:
-        summary = {"losses": losses, "step_time_s_median": step_s, "gpu_peak_allocated_gb": peak,
-                   "host_pinned_gb_max": 0.0, "iterations": len(losses)}  # fmt: skip
+        summary = {
+            "losses": losses,
+            "step_time_s_median": step_s,
+            "gpu_peak_allocated_gb": peak,
+            "host_pinned_gb_max": 0.0,
+            "iterations": len(losses),
+        }
         (path / "summary.json").write_text(json.dumps(summary))
     write_status(path, status)
     return path
@@ -60,8 +71,9 @@ def test_verify_baseline_switches_every_offload_off() -> None:
 def test_verify_passes_when_losses_match_and_memory_drops(tmp_path: Path) -> None:
     run = run_of("offload/optimizer=cpu_50", "verify.iters=4")
     base = RunResult.load(record_run(tmp_path / "b", [], LOSSES, peak=10.0))
-    off = RunResult.load(record_run(tmp_path / "o", [], [x + 2e-4 for x in LOSSES], peak=7.0,
-                                    step_s=0.8))  # fmt: skip
+    off = RunResult.load(
+        record_run(tmp_path / "o", [], [x + 2e-4 for x in LOSSES], peak=7.0, step_s=0.8)
+    )
     report = compare(run, ["offload/optimizer=cpu_50"], base, off, expected_saved_gb=3.2)
     assert report.passed
     assert report.max_delta == pytest.approx(2e-4)
@@ -125,10 +137,18 @@ def make_sweep(root: Path) -> Path:
     fractions = ["0", "0.25", "0.5", "1.0", "0.75"]
     peaks = [20.0, 16.0, 12.0, 4.0, None]
     for job, (fraction, peak) in enumerate(zip(fractions, peaks, strict=True)):
-        overrides = ["optimizer.optimizer_cpu_offload=true",
-                     f"optimizer.optimizer_offload_fraction={fraction}"]  # fmt: skip
-        record_run(root / str(job), overrides, LOSSES if peak else None, peak or 0.0,
-                   step_s=0.4 * (1 + float(fraction)), status="ok" if peak else "oom")  # fmt: skip
+        overrides = [
+            "optimizer.optimizer_cpu_offload=true",
+            f"optimizer.optimizer_offload_fraction={fraction}",
+        ]
+        record_run(
+            root / str(job),
+            overrides,
+            LOSSES if peak else None,
+            peak or 0.0,
+            step_s=0.4 * (1 + float(fraction)),
+            status="ok" if peak else "oom",
+        )
     return root
 
 

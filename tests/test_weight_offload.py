@@ -52,8 +52,9 @@ class Model(nn.Module):
         h = self.embed(x)
         for layer in self.decoder.layers:
             if self.recompute:
-                h = checkpoint(lambda h, layer=layer: layer(hidden_states=h)[0], h,
-                               use_reentrant=True)  # fmt: skip
+                h = checkpoint(
+                    lambda h, layer=layer: layer(hidden_states=h)[0], h, use_reentrant=True
+                )
             else:
                 h, _ = layer(hidden_states=h)
         return h.pow(2).mean()
@@ -67,14 +68,16 @@ def _bf16_model(layers: int = 4, recompute: bool = False) -> Model:
 H = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
-def _reference_step(model: Model, batches, state: dict, step: int, clip: float,
-                    grad_dtype=torch.float32) -> float:  # fmt: skip
+def _reference_step(
+    model: Model, batches, state: dict, step: int, clip: float, grad_dtype=torch.float32
+) -> float:
     """The resident model: gradients summed over micro-batches in DDP's gradient dtype, clipped
     by the global norm, AdamW (torch's fused kernel) on fp32 masters; returns the norm."""
     params = dict(model.named_parameters())
     grads = _summed_grads(model, params, batches, grad_dtype)
-    norm, factor = weight.clip_factor([float(torch.linalg.vector_norm(
-        g, dtype=torch.float64) ** 2) for g in grads.values()], clip)  # fmt: skip
+    norm, factor = weight.clip_factor(
+        [float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads.values()], clip
+    )
     _adam(params, grads, state, step, factor)
     return norm
 
@@ -96,19 +99,24 @@ def _adam(params: dict, grads: dict, state: dict, step: int, factor: float) -> N
     """AdamW (torch's fused kernel) on resident fp32 masters, Megatron-Core's weight-decay rule."""
     steps = torch.tensor(float(step))
     for n, p in params.items():
-        master, m, v = state.setdefault(n, (p.detach().float().clone(), torch.zeros_like(
-            grads[n]), torch.zeros_like(grads[n])))  # fmt: skip
+        master, m, v = state.setdefault(
+            n, (p.detach().float().clone(), torch.zeros_like(grads[n]), torch.zeros_like(grads[n]))
+        )
         h = H if not (n.endswith(".bias") or p.dim() == 1) else {**H, "weight_decay": 0.0}
         torch_adamw(steps, h)([master], [grads[n] * factor], [m], [v])
         p.data.copy_(master)
 
 
-def _offloaded_step(model: Model, offload: weight.WeightOffload, batches, state: dict,
-                    clip: float) -> float:  # fmt: skip
+def _offloaded_step(
+    model: Model, offload: weight.WeightOffload, batches, state: dict, clip: float
+) -> float:
     """The same with the first layers offloaded: the rest resident as in the reference."""
     offload.begin_step(len(batches))
-    rest = {n: p for n, p in model.named_parameters() if not n.startswith("decoder.layers.0")
-            and not n.startswith("decoder.layers.1")}  # fmt: skip
+    rest = {
+        n: p
+        for n, p in model.named_parameters()
+        if not n.startswith("decoder.layers.0") and not n.startswith("decoder.layers.1")
+    }
     grads = _summed_grads(model, rest, batches, offload.grads.dtype)
     sq = [float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2) for g in grads.values()]
     norm, factor = weight.clip_factor([sum(sq), offload.grads_ready()], clip)
@@ -130,8 +138,9 @@ def _offload(model: Model, layers: int = 2, grad_dtype=torch.float32) -> weight.
 @pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
 @pytest.mark.parametrize("clip", [0.0, 1.0, 1e-3])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_dtype,
-                                                             recompute: bool) -> None:  # fmt: skip
+def test_offloaded_layers_train_as_resident_ones_bit_for_bit(
+    clip: float, grad_dtype, recompute: bool
+) -> None:
     """fp32 gradients: one gradient slot (each unit waits for the last one's to go down);
     bf16: two, and the host sums micro-batches in bf16 as DDP's bf16 buffer does. With full
     recompute each layer's units run forward again inside backward, replacing each other in
@@ -155,8 +164,9 @@ def test_offloaded_layers_train_as_resident_ones_bit_for_bit(clip: float, grad_d
             assert first.params[0] is offloaded.decoder.layers[0].norm.weight
             got = offload.exp_avg[first.start : first.start + m.numel()].view_as(m)
             torch.testing.assert_close(got, m, rtol=1e-5, atol=1e-12)
-        for (name, a), (_, b) in zip(reference.named_parameters(), offloaded.named_parameters(),
-                                     strict=True):  # fmt: skip
+        for (name, a), (_, b) in zip(
+            reference.named_parameters(), offloaded.named_parameters(), strict=True
+        ):
             if clip == 0.0:  # no clip factor whose last bit the two norms' order moves
                 assert torch.equal(a.detach(), b.detach()), name
             else:
@@ -226,8 +236,10 @@ def test_bf16_gradient_slots_wait_for_an_overlapping_neighbours_copy_down() -> N
     that unit's gradients overlap its own."""
     with _after_one_step(torch.bfloat16) as (model, offload):
         ring = offload.ring
-        up = [next(u for u in offload.order if u.module is layer.up)
-              for layer in model.decoder.layers[:2]]  # fmt: skip
+        up = [
+            next(u for u in offload.order if u.module is layer.up)
+            for layer in model.decoder.layers[:2]
+        ]
         out = next(u for u in offload.order if u.module is model.decoder.layers[0].out)
         assert ring.grads.numel() == ring.weights.numel()
         ring.draining = [None] * 2
@@ -245,10 +257,12 @@ def test_between_steps_the_offloaded_parameters_are_their_host_copy() -> None:
         params = list(model.decoder.layers[0].parameters())
         host = offload.weights.untyped_storage().data_ptr()
         assert all(p.untyped_storage().data_ptr() == host for p in params)
-        assert not any(p.untyped_storage().data_ptr() == host
-                       for p in model.decoder.layers[2].parameters())  # fmt: skip
-        assert offload.offloaded_params == sum(p.numel() for p in model.decoder.layers[:2]
-                                               .parameters())  # fmt: skip
+        assert not any(
+            p.untyped_storage().data_ptr() == host for p in model.decoder.layers[2].parameters()
+        )
+        assert offload.offloaded_params == sum(
+            p.numel() for p in model.decoder.layers[:2].parameters()
+        )
     finally:
         offload.close()
 
@@ -315,10 +329,17 @@ WEIGHTS_ONLY = ("model.cpu_offloading_weights=True", "model.cpu_offloading_activ
         # weights alone keep their optimizer state on the GPU: refused, the fix says which engine
         pytest.param(WEIGHTS_ONLY, 2, id="weights-without-a-host-engine"),
         pytest.param((*WEIGHTS_ONLY, "offload/optimizer=states"), 0, id="weights"),
-        pytest.param(("model.cpu_offloading_weights=True", "model.cpu_offloading_activations=True",
-                      "offload/optimizer=states"), 0, id="both"),
+        pytest.param(
+            (
+                "model.cpu_offloading_weights=True",
+                "model.cpu_offloading_activations=True",
+                "offload/optimizer=states",
+            ),
+            0,
+            id="both",
+        ),
     ],
-)  # fmt: skip
+)
 def test_megatron_bridge_offload_lines_dry_run(lines, code: int, tmp_path, capsys) -> None:
     """Megatron-Bridge's three cpu_offloading_* configs (activations, weights, both), pasted."""
     from offload_runner.cli import main
@@ -363,8 +384,9 @@ class _Optimizer:
     """Megatron-Core's optimizer as the loop sees it: param groups, step() -> (ok, norm, zeros)."""
 
     def __init__(self) -> None:
-        self.param_groups = [{"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8,
-                              "weight_decay": 0.1, "wd_mult": 1.0}]  # fmt: skip
+        self.param_groups = [
+            {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "wd_mult": 1.0}
+        ]
         self.steps = 0
 
     def step(self):
@@ -386,10 +408,13 @@ def test_the_training_loop_calls_the_engines_through_one_object() -> None:
         for p in module.parameters():
             p.requires_grad_(False)
     offload = weight.WeightOffload(modules, torch.device("cpu"))
-    run = SimpleNamespace(optimizer=SimpleNamespace(clip_grad=0.0), planner=None,
-                          model=SimpleNamespace(tensor_model_parallel_size=1,
-                                                pipeline_model_parallel_size=1,
-                                                context_parallel_size=1))  # fmt: skip
+    run = SimpleNamespace(
+        optimizer=SimpleNamespace(clip_grad=0.0),
+        planner=None,
+        model=SimpleNamespace(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1
+        ),
+    )
     optimizer = _Optimizer()
     engines = Engines(run, [_Chunk(offload)], optimizer)
     try:

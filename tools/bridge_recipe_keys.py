@@ -31,8 +31,15 @@ FAMILY_FILES = ("qwen2.py", "qwen3.py", "qwen3_moe.py")  # of qwen: the text mod
 COMMON = "megatron/bridge/recipes/common.py"
 OPTIMIZER_HELPERS = "megatron/bridge/recipes/utils/optimizer_utils.py"
 # Not training keys: deployment, environment, the HF model a recipe converts from.
-SKIPPED_SECTIONS = ("comm_overlap", "env_vars", "dist", "ft", "peft", "inprocess_restart",
-                    "nvrx_straggler")  # fmt: skip
+SKIPPED_SECTIONS = (
+    "comm_overlap",
+    "env_vars",
+    "dist",
+    "ft",
+    "peft",
+    "inprocess_restart",
+    "nvrx_straggler",
+)
 TORCH_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "bridge_recipe_keys.json"
 
@@ -85,8 +92,9 @@ def call_keywords(call: ast.Call, section: str) -> Iterator[tuple[str, object, b
 def common_assignments(common: ast.Module, helpers: ast.Module) -> Iterator[tuple]:
     """The ConfigContainer of ``_pretrain_common``, and the optimizer/scheduler its helper makes
     (``max_lr`` is the helper's name for ``optimizer.lr``)."""
-    base = next(f for f in common.body if isinstance(f, ast.FunctionDef)
-                and f.name == "_pretrain_common")  # fmt: skip
+    base = next(
+        f for f in common.body if isinstance(f, ast.FunctionDef) and f.name == "_pretrain_common"
+    )
     helper_args: dict[str, ast.expr] = {}
     helper_name = ""
     for node in ast.walk(base):
@@ -100,10 +108,16 @@ def common_assignments(common: ast.Module, helpers: ast.Module) -> Iterator[tupl
             elif node.func.id.endswith("_with_cosine_annealing"):
                 helper_name = node.func.id
                 helper_args = {kw.arg: kw.value for kw in node.keywords if kw.arg}
-    helper = next(f for f in helpers.body if isinstance(f, ast.FunctionDef)
-                  and f.name == helper_name)  # fmt: skip
-    defaults = dict(zip([a.arg for a in helper.args.args][-len(helper.args.defaults):],
-                        helper.args.defaults, strict=True))  # fmt: skip
+    helper = next(
+        f for f in helpers.body if isinstance(f, ast.FunctionDef) and f.name == helper_name
+    )
+    defaults = dict(
+        zip(
+            [a.arg for a in helper.args.args][-len(helper.args.defaults) :],
+            helper.args.defaults,
+            strict=True,
+        )
+    )
     arguments = {**defaults, **helper_args}
     for node in ast.walk(helper):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -148,11 +162,17 @@ def main(wheel: str) -> None:
         for (key, value, literal), n in sorted(counts.items())
     ]
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"source": Path(wheel).name, "recipe_files": files,
-                               "assignments": entries}, indent=1) + "\n")  # fmt: skip
+    OUT.write_text(
+        json.dumps(
+            {"source": Path(wheel).name, "recipe_files": files, "assignments": entries}, indent=1
+        )
+        + "\n"
+    )
     keys = {e["key"] for e in entries}
-    print(f"{len(entries)} distinct (key, value) pairs, {len(keys)} keys, from {len(files)} files"
-          f" -> {OUT}")  # fmt: skip
+    print(
+        f"{len(entries)} distinct (key, value) pairs, {len(keys)} keys, from {len(files)} files"
+        f" -> {OUT}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ from offload_runner.step_cost import step_cost, weight_offload_note
 AUTO_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 
 
-def optimizer_ladder(engine: CpuOffloadEngine,
-                     delayed: bool = False) -> tuple[tuple[str, dict], ...]:  # fmt: skip
+def optimizer_ladder(
+    engine: CpuOffloadEngine, delayed: bool = False
+) -> tuple[tuple[str, dict], ...]:
     """What offload/optimizer=auto tries, least first: nothing, then 25 ... 100% of Adam on the
     CPU with ``engine`` (planner.auto_engine: the CPU-Adam engine by default, in delayed mode
     with planner.auto_delayed)."""
@@ -56,7 +57,7 @@ def optimizer_ladder(engine: CpuOffloadEngine,
                     {**common, "optimizer.overlap_cpu_optimizer_d2h_h2d": f == 1.0},
                 )
             )
-    return tuple(steps)  # fmt: skip
+    return tuple(steps)
 
 
 def with_overrides(run: RunConfig, overrides: dict) -> RunConfig:
@@ -75,13 +76,20 @@ class AutoChoice:
     plan: Plan
 
 
-STATES_STEP = ("states", {"optimizer.optimizer_cpu_offload": False,
-                          "optimizer.optimizer_offload_fraction": 0.0,
-                          "optimizer.offload_optimizer_states": True})  # fmt: skip
+STATES_STEP = (
+    "states",
+    {
+        "optimizer.optimizer_cpu_offload": False,
+        "optimizer.optimizer_offload_fraction": 0.0,
+        "optimizer.offload_optimizer_states": True,
+    },
+)
 # State offload's fractions auto tries (the rest of the states stays on the GPU).
 STATE_FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
-BF16_MOMENTS = {"optimizer.exp_avg_dtype": OptimizerDtype.bf16,
-                "optimizer.exp_avg_sq_dtype": OptimizerDtype.bf16}  # fmt: skip
+BF16_MOMENTS = {
+    "optimizer.exp_avg_dtype": OptimizerDtype.bf16,
+    "optimizer.exp_avg_sq_dtype": OptimizerDtype.bf16,
+}
 # What auto gives up, in this order, when nothing in the configured precision fits: Adam's
 # moments in bf16 (fp32 math), then the gradient buffer in bf16 too; the host engines only.
 PRECISION_TIERS = (
@@ -94,9 +102,13 @@ PRECISION_TIERS = (
 def states_ladder() -> list[tuple[str, dict]]:
     """State offload at each of STATE_FRACTIONS."""
     name, overrides = STATES_STEP
-    return [(name + ("" if f == 1.0 else f" optimizer.optimizer_state_offload_fraction={f}"),
-             {**overrides, "optimizer.optimizer_state_offload_fraction": f})
-            for f in STATE_FRACTIONS]  # fmt: skip
+    return [
+        (
+            name + ("" if f == 1.0 else f" optimizer.optimizer_state_offload_fraction={f}"),
+            {**overrides, "optimizer.optimizer_state_offload_fraction": f},
+        )
+        for f in STATE_FRACTIONS
+    ]
 
 
 def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
@@ -286,9 +298,11 @@ def _why(best: Fit, cost, offload_s) -> str:
     tier it took where the configured one fits nowhere, and its offload's predicted cost."""
     plan = best.plan
     peak = plan.worst.gpu_peak / GiB
-    why = (f"peak {peak:.1f} GB + {plan.gpu_kept_free_gb:.1f} GB kept free fits "
-           f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
-           f" of {plan.host_capacity_gb:.0f} GB per node")  # fmt: skip
+    why = (
+        f"peak {peak:.1f} GB + {plan.gpu_kept_free_gb:.1f} GB kept free fits "
+        f"{plan.gpu_capacity_gb:.1f} GB; host {plan.max_node_host_gb:.1f}"
+        f" of {plan.host_capacity_gb:.0f} GB per node"
+    )
     if best.tier:
         why += f"; {PRECISION_TIERS[best.tier][0]}: nothing in the configured precision fits"
     if cost:
@@ -307,10 +321,15 @@ def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
     for tier, (_, precision) in enumerate(PRECISION_TIERS):
         name, states = STATES_STEP
         for layers in range(1, run.model.num_layers + 1):
-            overrides = {**states, **precision, "optimizer.optimizer_state_offload_fraction": 1.0,
-                         "model.cpu_offloading": True, "model.cpu_offloading_weights": True,
-                         "model.cpu_offloading_activations": False,
-                         "model.cpu_offloading_num_layers": layers}  # fmt: skip
+            overrides = {
+                **states,
+                **precision,
+                "optimizer.optimizer_state_offload_fraction": 1.0,
+                "model.cpu_offloading": True,
+                "model.cpu_offloading_weights": True,
+                "model.cpu_offloading_activations": False,
+                "model.cpu_offloading_num_layers": layers,
+            }
             candidate = with_overrides(run, overrides)
             last = make_plan(candidate, world)
             if last.limiting is None:
@@ -335,8 +354,9 @@ def largest_slice(run: RunConfig, world: int | None = None) -> Largest:
     """The most layers of ``run``'s model (up to its own num_layers, in steps of the pipeline
     size) that fit here: as configured, or with auto's choice at each size. Fitting only gets
     harder with more layers, so a bisection finds it."""
-    step = run.model.pipeline_model_parallel_size * (run.model.virtual_pipeline_model_parallel_size
-                                                     or 1)  # fmt: skip
+    step = run.model.pipeline_model_parallel_size * (
+        run.model.virtual_pipeline_model_parallel_size or 1
+    )
     auto = run.planner.auto
 
     def at(layers: int) -> tuple[Plan | None, AutoChoice | None]:

@@ -8,8 +8,10 @@ from pathlib import Path
 LATEST = "latest_checkpointed_iteration.txt"
 # Megatron-LM's default layout for the distributed optimizer's state (reshardable over DP); the
 # older default, fully_sharded_model_space, is refused by megatron-core 0.19's dist_checkpointing.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
-                      "chained_optim_avoid_prefix": True}  # fmt: skip
+OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -21,9 +23,11 @@ def has_checkpoint(path: str | Path | None) -> bool:
     if not path:
         return False
     path = Path(path)
-    return (path / LATEST).is_file() or (path / "metadata.json").is_file() or (
-        path.is_dir() and any(path.iterdir())
-    )  # fmt: skip
+    return (
+        (path / LATEST).is_file()
+        or (path / "metadata.json").is_file()
+        or (path.is_dir() and any(path.iterdir()))
+    )
 
 
 def resolve_load_dir(path: str | Path) -> Path:
@@ -78,8 +82,14 @@ def _save_strategy(fully_parallel: bool):
     )
 
 
-def save_checkpoint(root: str | Path, iteration: int, model: list, optimizer, scheduler,
-                    fully_parallel: bool = False) -> Path:  # fmt: skip
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    model: list,
+    optimizer,
+    scheduler,
+    fully_parallel: bool = False,
+) -> Path:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 

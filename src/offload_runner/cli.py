@@ -84,9 +84,21 @@ class CliOptions:
 
 MODE_FLAGS = {"--dry-run": Mode.dry_run, "--plan": Mode.plan, "--verify": Mode.verify}
 # Hydra's flags that take the next argument as their value (``--info`` takes one optionally).
-HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
-                     "-cn", "--config-dir", "-cd", "--experimental-rerun", "--shell-completion",
-                     "-sc")  # fmt: skip
+HYDRA_VALUE_FLAGS = (
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--shell-completion",
+    "-sc",
+)
 HYDRA_INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
@@ -161,14 +173,16 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
     hydra_args = hydra_flags + hydra_args
     if full:
         if options.mode != Mode.dry_run:
-            raise UsageError("--full goes with --dry-run",
-                             "python run_recipe.py ... --dry-run --full")  # fmt: skip
+            raise UsageError(
+                "--full goes with --dry-run", "python run_recipe.py ... --dry-run --full"
+            )
         options.mode = Mode.dry_run_full
     if json_output or largest:
         flag = "--json" if json_output else "--largest"
         if options.mode != Mode.plan or (json_output and largest):
-            raise UsageError(f"{flag} goes with --plan (alone)",
-                             f"python run_recipe.py ... --plan {flag}")  # fmt: skip
+            raise UsageError(
+                f"{flag} goes with --plan (alone)", f"python run_recipe.py ... --plan {flag}"
+            )
         options.mode = Mode.plan_json if json_output else Mode.plan_largest
     return options, hydra_args
 
@@ -238,24 +252,31 @@ def _recipe_file(value: str) -> Path:
     """A recipe file that exists, parses, and sets something; else a UsageError saying which."""
     path = Path(value)
     if path.is_dir():
-        raise UsageError(f"--recipe {value} is a folder",
-                         f"name one recipe file in it (--recipe {value.rstrip('/')}/NAME.yaml) "
-                         "or a built-in recipe (--list-recipes)")  # fmt: skip
+        raise UsageError(
+            f"--recipe {value} is a folder",
+            f"name one recipe file in it (--recipe {value.rstrip('/')}/NAME.yaml) "
+            "or a built-in recipe (--list-recipes)",
+        )
     if not path.is_file():
-        raise UsageError(f"recipe file {value} does not exist",
-                         "check the path, or name a built-in recipe (--list-recipes)")  # fmt: skip
+        raise UsageError(
+            f"recipe file {value} does not exist",
+            "check the path, or name a built-in recipe (--list-recipes)",
+        )
     if path.suffix not in RECIPE_SUFFIXES:
         raise UsageError(f"recipe file {value} is not a .yaml/.yml file", "rename it NAME.yaml")
     try:
         node = OmegaConf.load(path)
     except Exception as err:  # noqa: BLE001 - yaml's and OmegaConf's parse errors alike
         where = " ".join(str(err).split())[:200]
-        raise UsageError(f"recipe file {value} is not valid YAML: {where}",
-                         "fix the YAML at the line it names") from None  # fmt: skip
+        raise UsageError(
+            f"recipe file {value} is not valid YAML: {where}", "fix the YAML at the line it names"
+        ) from None
     if not isinstance(node, DictConfig) or not len(node):
-        raise UsageError(f"recipe file {value} is empty (it would run the built-in defaults)",
-                         "a recipe sets keys, e.g. 'defaults: [tiny]' and 'model: {num_layers: 8}'"
-                         "; recipes/tiny.yaml is an example")  # fmt: skip
+        raise UsageError(
+            f"recipe file {value} is empty (it would run the built-in defaults)",
+            "a recipe sets keys, e.g. 'defaults: [tiny]' and 'model: {num_layers: 8}'"
+            "; recipes/tiny.yaml is an example",
+        )
     unknown = unknown_keys(node)
     if unknown:
         message, fix = _unknown_key_message(unknown[0])
@@ -414,13 +435,15 @@ def _launch(job: _Job) -> int:
     if job.mode == Mode.verify:
         from offload_runner.verify import verify
 
-        run_dir = create_run_dir(_run_dir(run.output_dir), _resolved(job), _task_overrides(),
-                                 unique=_time_stamped(cfg))  # fmt: skip
+        run_dir = create_run_dir(
+            _run_dir(run.output_dir), _resolved(job), _task_overrides(), unique=_time_stamped(cfg)
+        )
         return verify(run, cfg, run_dir, _task_overrides())
     from offload_runner.launch import launch
 
-    return launch(run, _resolved(job), _task_overrides(), _run_dir(run.output_dir),
-                  _time_stamped(cfg))  # fmt: skip
+    return launch(
+        run, _resolved(job), _task_overrides(), _run_dir(run.output_dir), _time_stamped(cfg)
+    )
 
 
 def _pin_cpu_adam_rate(job: _Job) -> None:
@@ -434,8 +457,13 @@ def _pin_cpu_adam_rate(job: _Job) -> None:
 def _dry_run(job: _Job) -> int:
     """--dry-run: what is offloaded, what the command line changed, whether it fits, the checks;
     the whole resolved config with --full. Saves the config in the run directory."""
-    run, cfg, resolved, violations, world = (job.run, job.cfg, _resolved(job), job.violations,
-                                             job.world)  # fmt: skip
+    run, cfg, resolved, violations, world = (
+        job.run,
+        job.cfg,
+        _resolved(job),
+        job.violations,
+        job.world,
+    )
     full = job.mode == Mode.dry_run_full
     if full:
         console.print_config_tree(resolved, title=f"recipe {run.name}")
@@ -454,8 +482,9 @@ def _dry_run(job: _Job) -> int:
         highlight=False,
     )
     console.print_checks(violations)
-    run_dir = create_run_dir(_run_dir(run.output_dir), resolved, _task_overrides(),
-                             unique=_time_stamped(cfg))  # fmt: skip
+    run_dir = create_run_dir(
+        _run_dir(run.output_dir), resolved, _task_overrides(), unique=_time_stamped(cfg)
+    )
     console.console.print(
         f"resolved config saved to [bold]{escape(str(run_dir / 'config.yaml'))}[/]"
         + ("" if full else " (the whole of it: add --full)")
@@ -464,8 +493,14 @@ def _dry_run(job: _Job) -> int:
 
 
 # What each mode does once the config is composed, auto applied and validated.
-ACTIONS = {Mode.plan: _plan, Mode.plan_json: _plan, Mode.dry_run: _dry_run,
-           Mode.dry_run_full: _dry_run, Mode.train: _launch, Mode.verify: _launch}  # fmt: skip
+ACTIONS = {
+    Mode.plan: _plan,
+    Mode.plan_json: _plan,
+    Mode.dry_run: _dry_run,
+    Mode.dry_run_full: _dry_run,
+    Mode.train: _launch,
+    Mode.verify: _launch,
+}
 
 
 def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
@@ -475,12 +510,14 @@ def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
     need, have = plan.host_needed_gb, plan.host_capacity_gb
     if need <= have:
         return None
-    return (f"this run needs {need:.1f} GB of host RAM per node ({plan.margin_gb:g} GB of it "
-            f"margin), the node has {have:.0f} GB: its page-locked allocations would fail",
-            "offload less or store less (offload/optimizer=auto picks what fits; bf16 moments: "
-            "optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16; a smaller "
-            "optimizer.optimizer_state_offload_fraction), or set planner.host_memory_gb to the "
-            "RAM of the nodes it runs on")  # fmt: skip
+    return (
+        f"this run needs {need:.1f} GB of host RAM per node ({plan.margin_gb:g} GB of it "
+        f"margin), the node has {have:.0f} GB: its page-locked allocations would fail",
+        "offload less or store less (offload/optimizer=auto picks what fits; bf16 moments: "
+        "optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16; a smaller "
+        "optimizer.optimizer_state_offload_fraction), or set planner.host_memory_gb to the "
+        "RAM of the nodes it runs on",
+    )
 
 
 def _missing_checkpoint(run: RunConfig) -> tuple[str, str] | None:
@@ -501,14 +538,18 @@ def _print_largest(run: RunConfig, world: int | None) -> int:
     """--plan --largest: the most layers of the recipe's model that fit here, and how."""
     found = largest_slice(run, world)
     if not found.layers:
-        console.fail(f"not even {run.model.pipeline_model_parallel_size} layer(s) of "
-                     f"{run.name} fit here", "add GPUs, offload more (offload/optimizer=auto), "
-                     "or set planner.gpu_memory_gb / planner.host_memory_gb")  # fmt: skip
+        console.fail(
+            f"not even {run.model.pipeline_model_parallel_size} layer(s) of {run.name} fit here",
+            "add GPUs, offload more (offload/optimizer=auto), "
+            "or set planner.gpu_memory_gb / planner.host_memory_gb",
+        )
         return EXIT_FAILED
     whole = " (the whole model)" if found.layers == run.model.num_layers else ""
     how = found.choice.description if found.choice else "as configured"
-    console.console.print(f"[bold]largest:[/] model.num_layers={found.layers}{whole}, "
-                          f"{param_count(found.params)} params: {escape(how)}")  # fmt: skip
+    console.console.print(
+        f"[bold]largest:[/] model.num_layers={found.layers}{whole}, "
+        f"{param_count(found.params)} params: {escape(how)}"
+    )
     console.print_plan(found.plan, run.name)
     return EXIT_OK
 
@@ -585,9 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--prepare"]:  # text -> indexed data: its own arguments, no config
-        from offload_runner.prepare import main as prepare_main
-
-        return prepare_main(argv[1:])
+        return _prepare(argv[1:])
     try:
         options, hydra_args = split_argv(argv)
     except UsageError as err:
@@ -616,15 +655,45 @@ def _main(argv: Sequence[str] | None = None) -> int:
     return _run_hydra(options, hydra_args)
 
 
+def _prepare(argv: list[str]) -> int:
+    """``run_recipe.py --prepare ...`` (prepare.py), with a progress bar: 0 written, 2 refused."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from offload_runner.prepare import Parser, PrepareError, collect, prepare
+
+    try:
+        args = Parser.parse(argv)
+        total = sum(p.stat().st_size for p in collect(args.inputs))
+        columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=console.console, transient=True) as bar:
+            task = bar.add_task("tokenizing", total=total)
+            meta = prepare(args, lambda n: bar.advance(task, n))
+    except PrepareError as err:
+        console.fail(str(err), err.fix)
+        return EXIT_USAGE
+    what = "trained on the input" if meta["tokenizer_trained"] else f"from {args.tokenizer}"
+    console.console.print(
+        f"wrote {args.output}.bin/.idx: {meta['documents']} documents, {meta['tokens']:,} tokens; "
+        f"tokenizer {what} ({meta['vocab_size']} ids, EOD {meta['eod_id']}); train with: "
+        f"data=indexed dataset.data_path=[{args.output}] model.vocab_size={meta['vocab_size']}",
+        soft_wrap=True,
+        markup=False,
+    )
+    return EXIT_OK
+
+
 def help_text() -> str:
     """Hydra's --help page from conf/config.yaml's hydra.help template, its groups listed from
     conf/ as Hydra lists them, without composing (the schema imports Megatron-Core: seconds)."""
     help_cfg = OmegaConf.load(CONF_DIR / "config.yaml").hydra.help
-    groups = "\n".join(f"{group}: {', '.join(options)}"
-                       for group, options in sorted(config_groups().items()))  # fmt: skip
-    return (help_cfg.template.replace("${hydra.help.header}", help_cfg.header)
-            .replace("${hydra.help.footer}", help_cfg.footer)
-            .replace("$APP_CONFIG_GROUPS", groups + "\n"))  # fmt: skip
+    groups = "\n".join(
+        f"{group}: {', '.join(options)}" for group, options in sorted(config_groups().items())
+    )
+    return (
+        help_cfg.template.replace("${hydra.help.header}", help_cfg.header)
+        .replace("${hydra.help.footer}", help_cfg.footer)
+        .replace("$APP_CONFIG_GROUPS", groups + "\n")
+    )
 
 
 def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:

@@ -46,8 +46,11 @@ def print_offload_summary(rows: Iterable[OffloadSummary]) -> None:
     console.print("[bold]offloaded[/]")
     for row in (r for r in rows if r.enabled):
         note = f" {row.note}." if row.note else ""
-        console.print(f"  [green]{escape(row.mechanism)}[/] ({escape(row.group)}): "
-                      f"{escape(row.moves)}.{escape(note)}", highlight=False)  # fmt: skip
+        console.print(
+            f"  [green]{escape(row.mechanism)}[/] ({escape(row.group)}): "
+            f"{escape(row.moves)}.{escape(note)}",
+            highlight=False,
+        )
     off = [r.mechanism for r in rows if not r.enabled]
     if len(off) == len(rows):
         console.print("  nothing")
@@ -108,8 +111,10 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
     for r in plan.ranks:
         stages.setdefault(r.stage, []).append(r)
     worst = {stage: max(ranks, key=lambda x: x.gpu_peak) for stage, ranks in stages.items()}
-    table = Table(title=f"memory plan: {recipe} on {len(plan.ranks)} rank(s), GB per rank",
-                  title_justify="left")  # fmt: skip
+    table = Table(
+        title=f"memory plan: {recipe} on {len(plan.ranks)} rank(s), GB per rank",
+        title_justify="left",
+    )
     table.add_column("")
     for stage, ranks in stages.items():
         table.add_column(f"stage {stage}\nranks {_span([x.rank for x in ranks])}", justify="right")

@@ -53,8 +53,9 @@ def planned_world_size(launcher: LauncherConfig, visible: int) -> int | None:
 SUBMITIT_PORT = 29500  # the rendezvous port on a submitit job's first node
 
 
-def submitit_rendezvous(launcher: LauncherConfig,
-                        environ: Mapping[str, str] = os.environ) -> dict[str, Any]:  # fmt: skip
+def submitit_rendezvous(
+    launcher: LauncherConfig, environ: Mapping[str, str] = os.environ
+) -> dict[str, Any]:
     """Inside a job that Hydra's submitit launcher started (``hydra/launcher=submitit_slurm``,
     one task per node): the launcher keys that make this node's torchrun agent join the others,
     from submitit's job environment (Slurm's node list, node id, job id). Keys the user set
@@ -81,12 +82,17 @@ def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) 
         args.append("--standalone")
     else:
         args += [
-            "--nnodes", launcher.nnodes,
-            "--node-rank", str(launcher.node_rank),
-            "--rdzv-backend", launcher.rdzv_backend,
-            "--rdzv-endpoint", str(launcher.rdzv_endpoint),
-            "--rdzv-id", launcher.rdzv_id,
-        ]  # fmt: skip
+            "--nnodes",
+            launcher.nnodes,
+            "--node-rank",
+            str(launcher.node_rank),
+            "--rdzv-backend",
+            launcher.rdzv_backend,
+            "--rdzv-endpoint",
+            str(launcher.rdzv_endpoint),
+            "--rdzv-id",
+            launcher.rdzv_id,
+        ]
     return [*args, "--module", WORKER_MODULE, "--run-dir", str(run_dir)]
 
 

@@ -114,9 +114,14 @@ class Startup:
         """Every rank's GPU peak and every node's RAM (collective: all ranks call it)."""
         import torch.distributed as dist
 
-        mine = {"gpu_peak": gpu_peak_gb, "node": int(os.environ.get("GROUP_RANK", 0)),
-                "host_before": self.host_before, "host_max": self.host_max,
-                "first_step": self.first_step_s, **gpu_beside_allocated()}  # fmt: skip
+        mine = {
+            "gpu_peak": gpu_peak_gb,
+            "node": int(os.environ.get("GROUP_RANK", 0)),
+            "host_before": self.host_before,
+            "host_max": self.host_max,
+            "first_step": self.first_step_s,
+            **gpu_beside_allocated(),
+        }
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, mine)
         nodes = {r["node"]: r for r in everyone if r["host_max"] is not None}
@@ -167,15 +172,20 @@ def gpu_memory() -> tuple[float, float]:
 
 # TensorBoard tags: grouped as Megatron-LM groups them (a name without a group stays as it is).
 TENSORBOARD_TAGS = {
-    "loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
-    "step_time_s": "time/step_s", "fwd_bwd_time_s": "time/fwd_bwd_s",
-    "optimizer_time_s": "time/optimizer_s", "tokens_per_s": "throughput/tokens_per_s",
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "step_time_s": "time/step_s",
+    "fwd_bwd_time_s": "time/fwd_bwd_s",
+    "optimizer_time_s": "time/optimizer_s",
+    "tokens_per_s": "throughput/tokens_per_s",
     "tflops_per_gpu": "throughput/tflops_per_gpu",
     "gpu_peak_allocated_gb": "memory/gpu_peak_allocated_gb",
     "gpu_peak_fwd_bwd_gb": "memory/gpu_peak_fwd_bwd_gb",
     "gpu_peak_step_gb": "memory/gpu_peak_step_gb",
-    "gpu_allocated_gb": "memory/gpu_allocated_gb", "host_pinned_gb": "memory/host_pinned_gb",
-}  # fmt: skip
+    "gpu_allocated_gb": "memory/gpu_allocated_gb",
+    "host_pinned_gb": "memory/host_pinned_gb",
+}
 
 
 class ScalarSinks:
@@ -195,10 +205,12 @@ class ScalarSinks:
             save_dir = Path(logger.wandb_save_dir or run_dir)
             save_dir.mkdir(parents=True, exist_ok=True)
             self.wandb = wandb.init(
-                project=logger.wandb_project, entity=logger.wandb_entity,
-                name=logger.wandb_exp_name or Path(run_dir).name, dir=str(save_dir),
+                project=logger.wandb_project,
+                entity=logger.wandb_entity,
+                name=logger.wandb_exp_name or Path(run_dir).name,
+                dir=str(save_dir),
                 config=config or {},
-            )  # fmt: skip
+            )
 
     def add(self, scalars: dict[str, float], iteration: int) -> None:
         tagged = {TENSORBOARD_TAGS.get(k, k): v for k, v in scalars.items()}
@@ -226,16 +238,26 @@ class MetricsReporter:
     """Collects StepMetrics; rank 0 prints them, writes metrics.jsonl / summary.json, and sends
     the scalars to TensorBoard and W&B when the logger section asks for them."""
 
-    def __init__(self, run_dir: Path, total_iters: int, first_iter: int, is_writer: bool,
-                 logger: LoggerConfig, config: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        total_iters: int,
+        first_iter: int,
+        is_writer: bool,
+        logger: LoggerConfig,
+        config: dict | None = None,
+    ) -> None:
         self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, logger.log_interval
         self.sinks = ScalarSinks(logger, run_dir, config) if is_writer else None
         self.history: list[StepMetrics] = []
         self.progress = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-            TimeRemainingColumn(), console=console.console,
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=console.console,
             disable=not (is_writer and console.console.is_terminal),
-        )  # fmt: skip
+        )
         self.task = self.progress.add_task("train", total=total_iters, completed=first_iter)
         self.file = open(metrics_file(run_dir), "a") if is_writer else None  # noqa: SIM115
 
@@ -295,11 +317,20 @@ class MetricsReporter:
             table = Table(title="run summary", title_justify="left")
             table.add_column("metric")
             table.add_column("value", justify="right")
-            for key in ("iterations", "step_time_s_median", "fwd_bwd_time_s_median",
-                        "optimizer_time_s_median", "tokens_per_s_median",
-                        "tflops_per_gpu_median", "gpu_peak_allocated_gb", "gpu_peak_fwd_bwd_gb",
-                        "gpu_peak_step_gb", "host_pinned_gb_max",
-                        "first_loss", "final_loss"):  # fmt: skip
+            for key in (
+                "iterations",
+                "step_time_s_median",
+                "fwd_bwd_time_s_median",
+                "optimizer_time_s_median",
+                "tokens_per_s_median",
+                "tflops_per_gpu_median",
+                "gpu_peak_allocated_gb",
+                "gpu_peak_fwd_bwd_gb",
+                "gpu_peak_step_gb",
+                "host_pinned_gb_max",
+                "first_loss",
+                "final_loss",
+            ):
                 value = summary.get(key)
                 table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))
             table.add_row("run directory", str(self.run_dir))

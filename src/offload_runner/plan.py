@@ -112,8 +112,16 @@ class Layout:
         )
         ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel
         world = world or minimal_world_size(run)
-        return cls(tp, pp, cp, ep, etp, dp=world // m.model_parallel_size,
-                   edp=world // m.expert_layout_size, world=world)  # fmt: skip
+        return cls(
+            tp,
+            pp,
+            cp,
+            ep,
+            etp,
+            dp=world // m.model_parallel_size,
+            edp=world // m.expert_layout_size,
+            world=world,
+        )
 
 
 def minimal_world_size(run: RunConfig) -> int:
@@ -200,8 +208,9 @@ def layer_activations(run: RunConfig) -> LayerActivations:
 MODEL_ACTIVATION_HIDDEN_COPIES = 4
 
 
-def recompute_stored_and_rebuilt(run: RunConfig, layers: int, per_layer: float,
-                                 layer_input: float) -> tuple[float, float]:  # fmt: skip
+def recompute_stored_and_rebuilt(
+    run: RunConfig, layers: int, per_layer: float, layer_input: float
+) -> tuple[float, float]:
     """Full recompute: what a stage keeps per micro-batch in flight (checkpointed layers keep
     only their input), and what backward rebuilds at once (one checkpointed group). Selective
     recompute of core attention saves nothing with flash attention, which keeps no score matrix;
@@ -277,17 +286,26 @@ class RankPlan:
         return self.host_pinned + self.host_pageable + self.host_process
 
     def as_dict(self) -> dict:
-        counts = ("rank", "node", "stage", "cpu_adam_params", "delayed_params", "boundary_params",
-                  "states_moved")  # fmt: skip
+        counts = (
+            "rank",
+            "node",
+            "stage",
+            "cpu_adam_params",
+            "delayed_params",
+            "boundary_params",
+            "states_moved",
+        )
         gb = {k: round(v / GiB, 3) for k, v in asdict(self).items() if k not in counts}
         return {
-            "rank": self.rank, "node": self.node, "stage": self.stage,
+            "rank": self.rank,
+            "node": self.node,
+            "stage": self.stage,
             "gpu_peak_gb": round(self.gpu_peak / GiB, 3),
             "gpu_fwd_bwd_peak_gb": round(self.fwd_bwd_peak / GiB, 3),
             "gpu_step_peak_gb": round(self.step_peak / GiB, 3),
             "host_gb": round(self.host / GiB, 3),
             "breakdown_gb": gb,
-        }  # fmt: skip
+        }
 
 
 def adam_bytes_per_param(run: RunConfig) -> int:
@@ -362,8 +380,9 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
         window = states_window_mb(run) * 1024**2
         whole = int(shard * share * window_bytes_per_param(run))  # a window as large as it
         resident, step_only = int(adam * (1 - share)), min(whole, window)
-    return OptimizerMemory(shard, adam, hdo, delayed, resident, step_only, int(pinned), on_cpu,
-                           states)  # fmt: skip
+    return OptimizerMemory(
+        shard, adam, hdo, delayed, resident, step_only, int(pinned), on_cpu, states
+    )
 
 
 def grad_bytes(run: RunConfig) -> int:
@@ -448,16 +467,19 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     logits = int(logit_bytes(m) * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 
     return RankPlan(
-        rank=rank, node=rank // gpus_per_node, stage=stage, weights=int(weights) + ring.ring,
-        grads=int(grads), optimizer_gpu=opt.resident,
+        rank=rank,
+        node=rank // gpus_per_node,
+        stage=stage,
+        weights=int(weights) + ring.ring,
+        grads=int(grads),
+        optimizer_gpu=opt.resident,
         optimizer_step_only=opt.step_only + ring.step_only,
-        activations=activations, activations_offloaded=offloaded, logits=logits,
+        activations=activations,
+        activations_offloaded=offloaded,
+        logits=logits,
         recomputed=int(rebuilt),
         workspace=WORKSPACE_BYTES,
-        host_pinned=opt.pinned
-        + opt.states
-        + ring.pinned
-        + int(offloaded_layers * per_layer),
+        host_pinned=opt.pinned + opt.states + ring.pinned + int(offloaded_layers * per_layer),
         host_pageable=opt.on_cpu,
         host_process=HOST_PROCESS_BYTES,
         cpu_adam_params=int(opt.shard * opt.hdo),
@@ -465,11 +487,12 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         boundary_params=int(sum(opt.delayed)) if copies_at_boundary else 0,
         states_moved=opt.states,
         weight_offload_params=int(ring.params),
-    )  # fmt: skip
+    )
 
 
-def part_fractions(sizes: list[float], experts: list[bool], fraction: float,
-                   experts_first: bool) -> list[float]:  # fmt: skip
+def part_fractions(
+    sizes: list[float], experts: list[bool], fraction: float, experts_first: bool
+) -> list[float]:
     """The fraction of each optimizer part that the CPU-Adam engine keeps on the host:
     ``fraction`` of each, or, with ``experts_first`` (delayed mode), the expert parts filled
     before the dense ones."""
@@ -497,8 +520,9 @@ def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
     return [cpu_adam_delays_dense(run) or e for e in experts]
 
 
-def offloaded_parts(run: RunConfig, parts: list[float],
-                    fraction: float) -> tuple[list[float], list[float]]:  # fmt: skip
+def offloaded_parts(
+    run: RunConfig, parts: list[float], fraction: float
+) -> tuple[list[float], list[float]]:
     """Per optimizer part (dense, then experts'): the params the CPU-Adam engine keeps on the
     host, and of them those it updates one step late, as the engine decides them
     (``part_fractions``, ``part_delays``)."""
@@ -515,13 +539,13 @@ def cpu_adam_ring_bytes(parts: list[float], fraction: float) -> int:
     return sum(2 * 4 * piece for _, piece in _pieces(parts, fraction))
 
 
-def cpu_adam_window_bytes(parts: list[float], fraction: float,
-                          per_param: int = ADAM_BYTES) -> int:  # fmt: skip
+def cpu_adam_window_bytes(parts: list[float], fraction: float, per_param: int = ADAM_BYTES) -> int:
     """The CPU-Adam engine's GPU share: per optimizer part with params on the host, a window of
     up to WINDOW_SLOTS pieces of masters and moments (``per_param`` bytes; LATE_BYTES with the
     gradients of delayed mode's late passes), at most: the share is balanced at run time."""
-    return sum(min(WINDOW_SLOTS, count) * per_param * piece
-               for count, piece in _pieces(parts, fraction))  # fmt: skip
+    return sum(
+        min(WINDOW_SLOTS, count) * per_param * piece for count, piece in _pieces(parts, fraction)
+    )
 
 
 def _pieces(parts: list[float], fraction: float):

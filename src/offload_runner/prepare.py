@@ -249,7 +249,7 @@ def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None)
     return meta
 
 
-class _Parser:
+class Parser:
     """--prepare's arguments (argparse), its mistakes raised as PrepareError."""
 
     @staticmethod
@@ -285,30 +285,3 @@ USAGE = (
     "python run_recipe.py --prepare TEXT... --output PREFIX "
     "[--tokenizer PATH | --vocab-size N] [--chunk-kb KB]"
 )
-
-
-def main(argv: list[str]) -> int:
-    """``run_recipe.py --prepare ...``: 0 written, 2 refused (one line and a fix)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    from offload_runner import console
-
-    try:
-        args = _Parser.parse(argv)
-        total = sum(p.stat().st_size for p in collect(args.inputs))
-        columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
-        with Progress(*columns, console=console.console, transient=True) as bar:
-            task = bar.add_task("tokenizing", total=total)
-            meta = prepare(args, lambda n: bar.advance(task, n))
-    except PrepareError as err:
-        console.fail(str(err), err.fix)
-        return 2
-    what = "trained on the input" if meta["tokenizer_trained"] else f"from {args.tokenizer}"
-    console.console.print(
-        f"wrote {args.output}.bin/.idx: {meta['documents']} documents, {meta['tokens']:,} tokens; "
-        f"tokenizer {what} ({meta['vocab_size']} ids, EOD {meta['eod_id']}); train with: "
-        f"data=indexed dataset.data_path=[{args.output}] model.vocab_size={meta['vocab_size']}",
-        soft_wrap=True,
-        markup=False,
-    )
-    return 0

@@ -38,8 +38,9 @@ from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_w
 # --- step time: what an optimizer offload adds to each step ---------------------------------
 
 
-def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
-                       bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
+def balanced_gpu_share(
+    cpu_params_per_s: float, host_link_gb_per_s: float, bytes_moved: tuple[int, int, int] = EXACT
+) -> float:
     """The GPU share x of the offloaded Adam at which the CPU and the link finish together: the
     CPU's share at its rate beside the streams (a = 1 / (rate k)), the link at its rate beside
     CPU Adam (l = 1 / (link LINK_BESIDE_CPU_ADAM)) carrying ``bytes_moved`` = (W, C, E), EXACT
@@ -52,9 +53,13 @@ def balanced_gpu_share(cpu_params_per_s: float, host_link_gb_per_s: float,
     return min(max(share, 0.0), 1.0)
 
 
-def exact_update_seconds(params: float, cpu_params_per_s: float, host_link_gb_per_s: float,
-                         gpu_share: float,
-                         bytes_moved: tuple[int, int, int] = EXACT) -> float:  # fmt: skip
+def exact_update_seconds(
+    params: float,
+    cpu_params_per_s: float,
+    host_link_gb_per_s: float,
+    gpu_share: float,
+    bytes_moved: tuple[int, int, int] = EXACT,
+) -> float:
     """The update of ``params`` offloaded params with ``gpu_share`` of them on the GPU (exact,
     or with LATE ``bytes_moved`` a delayed one): the CPU's share at its rate (beside the
     streams where there are any) or the link (beside CPU Adam), whichever takes longer."""
@@ -74,9 +79,15 @@ def param_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def hidden_fraction(forward_backward_s: float, params_per_s: float, shard_params: float,
-                    copy_s_per_param: float = 0.0, max_overhead: float = 1.0,
-                    copy_window_s: float = 0.0, launch_slowdown: float = 0.0) -> float:  # fmt: skip
+def hidden_fraction(
+    forward_backward_s: float,
+    params_per_s: float,
+    shard_params: float,
+    copy_s_per_param: float = 0.0,
+    max_overhead: float = 1.0,
+    copy_window_s: float = 0.0,
+    launch_slowdown: float = 0.0,
+) -> float:
     """The largest optimizer_offload_fraction of a rank's Adam shard (``shard_params``) that
     delayed mode hides: CPU Adam at ``params_per_s`` finishes within one forward+backward
     (``forward_backward_s``, without offload), and what the step gains beside it stays within
@@ -153,8 +164,9 @@ class StepCost:
         share = self.gpu_share(run) if cpu_adam_late_share(run) else 0.0
         if not share:
             return self.cpu_rate(run)
-        return 1.0 / exact_update_seconds(1.0, self.cpu_rate(run), self.host_link_gb_per_s,
-                                          share, self.moved(run))  # fmt: skip
+        return 1.0 / exact_update_seconds(
+            1.0, self.cpu_rate(run), self.host_link_gb_per_s, share, self.moved(run)
+        )
 
     def gpu_share(self, run: RunConfig) -> float:
         """The GPU share (0: none; null in the config: the balanced one), of the exact updates,
@@ -163,8 +175,9 @@ class StepCost:
             return 0.0
         share = run.optimizer.cpu_adam_gpu_share
         if share is None:
-            return balanced_gpu_share(self.exact_rate(run), self.host_link_gb_per_s,
-                                      self.moved(run))  # fmt: skip
+            return balanced_gpu_share(
+                self.exact_rate(run), self.host_link_gb_per_s, self.moved(run)
+            )
         return share
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
@@ -175,8 +188,13 @@ class StepCost:
         """The step's wait for the exact updates (with their GPU share, where it streams)."""
         exact = rank.cpu_adam_params - rank.delayed_params
         if cpu_adam_streams(run) and exact:
-            return exact_update_seconds(exact, self.exact_rate(run), self.host_link_gb_per_s,
-                                        self.gpu_share(run), self.moved(run))  # fmt: skip
+            return exact_update_seconds(
+                exact,
+                self.exact_rate(run),
+                self.host_link_gb_per_s,
+                self.gpu_share(run),
+                self.moved(run),
+            )
         return exact / self.exact_rate(run)
 
     def delayed_seconds(self, run: RunConfig, rank: RankPlan) -> float:
@@ -205,11 +223,15 @@ class StepCost:
         fraction = run.optimizer.optimizer_offload_fraction
         if not (self.forward_backward_s and rank.cpu_adam_params and fraction):
             return None
-        return hidden_fraction(self.forward_backward_s, self.delayed_rate(run),
-                               rank.cpu_adam_params / fraction,
-                               copy_seconds_per_param(self.host_link_gb_per_s),
-                               self.delayed_max_overhead, self._copy_window(run, rank),
-                               self.launch_slowdown)  # fmt: skip
+        return hidden_fraction(
+            self.forward_backward_s,
+            self.delayed_rate(run),
+            rank.cpu_adam_params / fraction,
+            copy_seconds_per_param(self.host_link_gb_per_s),
+            self.delayed_max_overhead,
+            self._copy_window(run, rank),
+            self.launch_slowdown,
+        )
 
     def explain(self, run: RunConfig, rank: RankPlan) -> str:
         parts = []
@@ -218,36 +240,45 @@ class StepCost:
         dense = " (the dense part, exact)" if exact and delayed else ""
         if exact and share:
             how = "balanced, then fixed" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
-            parts.append(f"the states of {param_count(exact)} params{dense} on the host, "
-                         f"Adam on {1 - share:.0%} of them on the CPU at "
-                         f"{self.exact_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
-                         f"beside the streams) and on {share:.0%} on the GPU, their states "
-                         f"streamed at {self.host_link_gb_per_s:.0f} GB/s each way "
-                         f"({self.exact_seconds(run, rank):.2f} s; the share {how})")  # fmt: skip
+            parts.append(
+                f"the states of {param_count(exact)} params{dense} on the host, "
+                f"Adam on {1 - share:.0%} of them on the CPU at "
+                f"{self.exact_rate(run) / 1e9:.2f} G/s ({CPU_ADAM_RATE_BESIDE_STREAMS:g}x "
+                f"beside the streams) and on {share:.0%} on the GPU, their states "
+                f"streamed at {self.host_link_gb_per_s:.0f} GB/s each way "
+                f"({self.exact_seconds(run, rank):.2f} s; the share {how})"
+            )
         elif exact:
-            parts.append(f"{param_count(exact)} params{dense} of Adam on the CPU at "
-                         f"{self.exact_rate(run) / 1e9:.2f} G/s "
-                         f"({self.exact_seconds(run, rank):.2f} s)")  # fmt: skip
+            parts.append(
+                f"{param_count(exact)} params{dense} of Adam on the CPU at "
+                f"{self.exact_rate(run) / 1e9:.2f} G/s "
+                f"({self.exact_seconds(run, rank):.2f} s)"
+            )
         if delayed and cpu_adam_late_share(run):
             how = "balanced, then fixed" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
-            parts.append(f"{param_count(delayed)} params of Adam a step late, {1 - share:.0%} of "
-                         f"them on the CPU at {self.cpu_rate(run) / 1e9:.2f} G/s "
-                         f"({CPU_ADAM_RATE_BESIDE_STREAMS:g}x beside the streams) and {share:.0%} "
-                         f"on the GPU, their states and gradients streamed at "
-                         f"{self.host_link_gb_per_s:.0f} GB/s under the next forward+backward "
-                         f"({delayed / self.delayed_rate(run):.2f} s; the share {how})"
-                         )  # fmt: skip
+            parts.append(
+                f"{param_count(delayed)} params of Adam a step late, {1 - share:.0%} of "
+                f"them on the CPU at {self.cpu_rate(run) / 1e9:.2f} G/s "
+                f"({CPU_ADAM_RATE_BESIDE_STREAMS:g}x beside the streams) and {share:.0%} "
+                f"on the GPU, their states and gradients streamed at "
+                f"{self.host_link_gb_per_s:.0f} GB/s under the next forward+backward "
+                f"({delayed / self.delayed_rate(run):.2f} s; the share {how})"
+            )
         elif delayed:
             experts = " (the routed experts)" if exact else ""
-            parts.append(f"{param_count(delayed)} params{experts} of Adam on the CPU at "
-                         f"{self.cpu_rate(run) / 1e9:.2f} G/s "
-                         f"({delayed / self.cpu_rate(run):.2f} s)")  # fmt: skip
+            parts.append(
+                f"{param_count(delayed)} params{experts} of Adam on the CPU at "
+                f"{self.cpu_rate(run) / 1e9:.2f} G/s "
+                f"({delayed / self.cpu_rate(run):.2f} s)"
+            )
             hidden = self.hidden_fraction(run, rank)
             at_boundary = bool(rank.boundary_params)
             limited = "boundary copies" if at_boundary else "copies beyond the last backward"
-            where = "at the step boundary" if at_boundary else (
-                "during the last micro-batch's backward"
-            )  # fmt: skip
+            where = (
+                "at the step boundary"
+                if at_boundary
+                else ("during the last micro-batch's backward")
+            )
             if self.launch_slowdown:
                 limited += " and the training thread's slowdown beside CPU Adam"
             parts.append(
@@ -259,8 +290,10 @@ class StepCost:
             )
             parts[-1] += f"{CPU_ADAM_COPY_BYTES} B/param each way {where}"
         if rank.states_moved:
-            parts.append(f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
-                         f"{self.host_link_gb_per_s:.0f} GB/s")  # fmt: skip
+            parts.append(
+                f"{rank.states_moved / 1e9:.1f} GB of states each way at once over "
+                f"{self.host_link_gb_per_s:.0f} GB/s"
+            )
         return ", ".join(parts) or "nothing offloaded from the optimizer"
 
 
@@ -271,9 +304,11 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     p = run.planner
     rate = p.cpu_adam_params_per_s
     if not rate:
-        rate = REFERENCE_CPU_ADAM_PARAMS_PER_S if run.model.deterministic_mode else measured_rate(
-            len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node))))
-        )  # fmt: skip
+        rate = (
+            REFERENCE_CPU_ADAM_PARAMS_PER_S
+            if run.model.deterministic_mode
+            else measured_rate(len(worker_cpus(run, rank_cpus(0, max(1, gpus_per_node)))))
+        )
     return StepCost(
         rate,
         rank_link_gb_per_s(p.host_link_gb_per_s, gpus_per_node),

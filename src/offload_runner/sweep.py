@@ -67,24 +67,28 @@ def collect(sweep_dir: Path) -> list[SweepRow]:
     results = [RunResult.load(j) for j in jobs]
     offloading = [any_enabled(load_resolved(j)) for j in jobs]
     keys = swept_keys(results)
-    reference = next((r for r, off in zip(results, offloading, strict=True) if not off and r.ok),
-                     next((r for r in results if r.ok), None))  # fmt: skip
+    reference = next(
+        (r for r, off in zip(results, offloading, strict=True) if not off and r.ok),
+        next((r for r in results if r.ok), None),
+    )
     rows = []
     for job, result, off in zip(jobs, results, offloading, strict=True):
         chosen = dict(o.partition("=")[::2] for o in result.overrides)
         base = reference if reference is not result else None
-        rows.append(SweepRow(
-            job=job.name,
-            label=" ".join(f"{k}={chosen[k]}" for k in keys if k in chosen) or job.name,
-            value=chosen.get(keys[0], job.name) if keys else job.name,
-            status=result.status,
-            step_ms=result.step_s * 1000 if result.step_s else None,
-            slowdown=ratio(result.step_s, reference.step_s) if reference else None,
-            peak_gb=result.peak_gb,
-            saved_gb=saved(result.peak_gb, base.peak_gb) if base else None,
-            host_pinned_gb=result.host_pinned_gb,
-            offload=off,
-        ))  # fmt: skip
+        rows.append(
+            SweepRow(
+                job=job.name,
+                label=" ".join(f"{k}={chosen[k]}" for k in keys if k in chosen) or job.name,
+                value=chosen.get(keys[0], job.name) if keys else job.name,
+                status=result.status,
+                step_ms=result.step_s * 1000 if result.step_s else None,
+                slowdown=ratio(result.step_s, reference.step_s) if reference else None,
+                peak_gb=result.peak_gb,
+                saved_gb=saved(result.peak_gb, base.peak_gb) if base else None,
+                host_pinned_gb=result.host_pinned_gb,
+                offload=off,
+            )
+        )
     return rows
 
 
@@ -92,14 +96,21 @@ HEADERS = ("config", "status", "step ms", "slowdown", "peak GPU GB", "saved GB",
 
 
 def _cells(row: SweepRow) -> list[str]:
-    return [row.label, row.status.upper() if row.status == "oom" else row.status,
-            fmt(row.step_ms, ".1f"), fmt(row.slowdown, ".2f", "x"), fmt(row.peak_gb),
-            fmt(row.saved_gb, "+.2f"), fmt(row.host_pinned_gb)]  # fmt: skip
+    return [
+        row.label,
+        row.status.upper() if row.status == "oom" else row.status,
+        fmt(row.step_ms, ".1f"),
+        fmt(row.slowdown, ".2f", "x"),
+        fmt(row.peak_gb),
+        fmt(row.saved_gb, "+.2f"),
+        fmt(row.host_pinned_gb),
+    ]
 
 
 def render_markdown(rows: list[SweepRow], sweep_dir: Path) -> str:
-    return "\n".join([f"# sweep `{sweep_dir}`", "",
-                      *markdown_table(HEADERS, [_cells(r) for r in rows]), ""])  # fmt: skip
+    return "\n".join(
+        [f"# sweep `{sweep_dir}`", "", *markdown_table(HEADERS, [_cells(r) for r in rows]), ""]
+    )
 
 
 def plot(rows: list[SweepRow], path: Path, title: str) -> bool:

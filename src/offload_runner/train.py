@@ -208,8 +208,9 @@ def build(run: RunConfig) -> Rank:
         config.grad_scale_func = optimizer.scale_loss
         start = _resume(run, model, optimizer, scheduler, startup)
         engines.attach(config, per_chunk([chunk.no_sync for chunk in model]))
-        return Rank(run, model, optimizer, scheduler, engines, *_data(run, model, start), start,
-                    startup)  # fmt: skip
+        return Rank(
+            run, model, optimizer, scheduler, engines, *_data(run, model, start), start, startup
+        )
     except BaseException:
         engines.close()
         raise
@@ -241,8 +242,10 @@ def _data(run: RunConfig, model: list, start: int) -> tuple[list, int, int]:
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     dataset = build_train_dataset(run)
-    data = [build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
-            for _ in model]  # fmt: skip
+    data = [
+        build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
+        for _ in model
+    ]
     return data, t.global_batch_size // (t.micro_batch_size * dp_size), dp_size
 
 
@@ -256,12 +259,22 @@ def loop(rank: Rank, run_dir: Path) -> dict:
     is_writer = dist.get_rank() == 0
     log.info(
         "world %d (DP %d, CP %d), %d micro-batch(es) of %d per step, %s; ready after %s",
-        dist.get_world_size(), rank.dp_size, run.model.context_parallel_size, rank.micro_batches,
-        t.micro_batch_size, type(rank.optimizer).__name__,
+        dist.get_world_size(),
+        rank.dp_size,
+        run.model.context_parallel_size,
+        rank.micro_batches,
+        t.micro_batch_size,
+        type(rank.optimizer).__name__,
         ", ".join(f"{name} {s:.1f} s" for name, s in rank.startup.phases.items()),
-    )  # fmt: skip
-    reporter = MetricsReporter(run_dir, t.train_iters, rank.start, is_writer, run.logger,
-                               resolved_config(run_dir) if is_writer else None)  # fmt: skip
+    )
+    reporter = MetricsReporter(
+        run_dir,
+        t.train_iters,
+        rank.start,
+        is_writer,
+        run.logger,
+        resolved_config(run_dir) if is_writer else None,
+    )
     step = Step(rank)
     saved_at = None
     profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
@@ -286,8 +299,14 @@ def _save(rank: Rank, iteration: int) -> None:
     from offload_runner import checkpoint
 
     rank.engines.before_save()
-    checkpoint.save_checkpoint(rank.run.checkpoint.save, iteration, rank.model, rank.optimizer,
-                               rank.scheduler, rank.run.checkpoint.fully_parallel_save)  # fmt: skip
+    checkpoint.save_checkpoint(
+        rank.run.checkpoint.save,
+        iteration,
+        rank.model,
+        rank.optimizer,
+        rank.scheduler,
+        rank.run.checkpoint.fully_parallel_save,
+    )
 
 
 class Step:
@@ -317,10 +336,14 @@ class Step:
         r.engines.zero_grad_buffers()
         r.optimizer.zero_grad()
         losses = self.forward_backward(
-            forward_step_func=forward_step, data_iterator=per_chunk(r.data), model=r.model,
-            num_microbatches=r.micro_batches, seq_length=m.seq_length,
-            micro_batch_size=t.micro_batch_size, forward_only=False,
-        )  # fmt: skip
+            forward_step_func=forward_step,
+            data_iterator=per_chunk(r.data),
+            model=r.model,
+            num_microbatches=r.micro_batches,
+            seq_length=m.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
         phase[1].record()
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / GB
         torch.cuda.reset_peak_memory_stats()
@@ -339,14 +362,21 @@ class Step:
         if pinned is not None:  # registered with cudaHostRegister, not torch's
             pinned += r.engines.pinned_bytes
         return StepMetrics(
-            iteration=iteration, loss=loss, lr=r.optimizer.param_groups[0]["lr"],
-            grad_norm=None if grad_norm is None else float(grad_norm), step_time_s=elapsed,
-            fwd_bwd_time_s=fwd_bwd_s, optimizer_time_s=max(elapsed - fwd_bwd_s, 0.0),
-            tokens_per_s=self.tokens / elapsed, tflops_per_gpu=self.flops / elapsed / 1e12,
-            gpu_peak_allocated_gb=self.peak, gpu_peak_fwd_bwd_gb=fwd_bwd_peak,
-            gpu_peak_step_gb=step_peak, gpu_allocated_gb=allocated,
+            iteration=iteration,
+            loss=loss,
+            lr=r.optimizer.param_groups[0]["lr"],
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            step_time_s=elapsed,
+            fwd_bwd_time_s=fwd_bwd_s,
+            optimizer_time_s=max(elapsed - fwd_bwd_s, 0.0),
+            tokens_per_s=self.tokens / elapsed,
+            tflops_per_gpu=self.flops / elapsed / 1e12,
+            gpu_peak_allocated_gb=self.peak,
+            gpu_peak_fwd_bwd_gb=fwd_bwd_peak,
+            gpu_peak_step_gb=step_peak,
+            gpu_allocated_gb=allocated,
             host_pinned_gb=None if pinned is None else pinned / 1024**3,
-        )  # fmt: skip
+        )
 
 
 def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer: bool) -> dict:
@@ -355,6 +385,7 @@ def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer
     extra = {"world_size": dist.get_world_size(), "optimizer": type(rank.optimizer).__name__}
     extra.update(rank.startup.gathered(peak))
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
-    extra.update(rank.engines.metrics(forward_backward_s, rank.micro_batches, rank.dp_size,
-                                      is_writer))  # fmt: skip
+    extra.update(
+        rank.engines.metrics(forward_backward_s, rank.micro_batches, rank.dp_size, is_writer)
+    )
     return extra

@@ -135,12 +135,15 @@ def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
     own state offload allows the same)."""
     o = c.optimizer
     return o.main_params_dtype.value != "fp32" or "fp16" in (
-        o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value,
-    )  # fmt: skip
+        o.exp_avg_dtype.value,
+        o.exp_avg_sq_dtype.value,
+    )
 
 
-DEPRECATED_CUDA_GRAPH_FLAGS = {"enable_cuda_graph": "local",
-                               "external_cuda_graph": "transformer_engine"}  # fmt: skip
+DEPRECATED_CUDA_GRAPH_FLAGS = {
+    "enable_cuda_graph": "local",
+    "external_cuda_graph": "transformer_engine",
+}
 
 
 def _deprecated_cuda_graph_flag(c: RunConfig) -> str | None:
@@ -276,7 +279,7 @@ RULES: tuple[Rule, ...] = (
                 or (c.launcher.nproc_per_node or 1) > 1
                 or c.launcher.nnodes not in ("1", "1:1")
             )
-        ),  # fmt: skip
+        ),
         "weight offload runs on one GPU for now: the offloaded layers' gradients live outside "
         "Megatron-Core's DDP buffers, and no data-, tensor-, pipeline-, expert- or "
         "context-parallel reduction of them is built yet",
@@ -355,7 +358,7 @@ RULES: tuple[Rule, ...] = (
             and bool(
                 {OffloadModule.expert_fc1, OffloadModule.moe_act}
                 & set(c.model.offload_modules or [])
-            )  # fmt: skip
+            )
             and not (c.model.num_moe_experts and c.model.moe_grouped_gemm)
         ),
         "model.offload_modules names expert_fc1 / moe_act, which only a MoE model's grouped-GEMM "
@@ -616,7 +619,7 @@ RULES: tuple[Rule, ...] = (
             c.optimizer.optimizer_cpu_offload
             and not _cpu_adam_selected(c)
             and _low_precision_adam(c)
-        ),  # fmt: skip
+        ),
         "optimizer_cpu_offload keeps Adam's states and masters in fp32 on the host; "
         "main_params_dtype / exp_avg_dtype / exp_avg_sq_dtype other than fp32 are not supported",
         "use offload/optimizer=cpu_adam (bf16 moments on the host), or drop the optimizer.*_dtype "
@@ -675,7 +678,7 @@ RULES: tuple[Rule, ...] = (
         "states_fraction_needs_state_offload",
         lambda c, e: (
             c.optimizer.optimizer_state_offload_fraction != 1.0 and not states_offloaded(c)
-        ),  # fmt: skip
+        ),
         "optimizer.optimizer_state_offload_fraction acts on optimizer state offload, which is off",
         "add offload/optimizer=states (or optimizer.chunked_optimizer_state_offload=true)",
     ),
@@ -1064,7 +1067,7 @@ RULES: tuple[Rule, ...] = (
         "without FP8",
         "drop them",
         Level.warning,
-    ),  # fmt: skip
+    ),
 )
 
 
@@ -1263,11 +1266,14 @@ def range_violations(run: RunConfig) -> list[Violation]:
             span = f"between {low} and {high}"
         else:
             span = f">= {low}" if low is not None else f"<= {high}"
-        found.append(Violation(
-            f"range_{section}_{key}", Level.error,
-            f"{section}.{key}={value} is out of range: it must be {span}",
-            f"set {section}.{key} to a value {span}",
-        ))  # fmt: skip
+        found.append(
+            Violation(
+                f"range_{section}_{key}",
+                Level.error,
+                f"{section}.{key}={value} is out of range: it must be {span}",
+                f"set {section}.{key} to a value {span}",
+            )
+        )
     return found
 
 
@@ -1283,9 +1289,14 @@ def choice_violations(run: RunConfig) -> list[Violation]:
         if value is None or value in choices:
             continue
         shown = ", ".join(map(str, choices))
-        found.append(Violation(f"choice_{section}_{name}", Level.error,
-                               f"{key}={value} is not one of Megatron-Core's choices: {shown}",
-                               f"set {key} to one of: {shown}"))  # fmt: skip
+        found.append(
+            Violation(
+                f"choice_{section}_{name}",
+                Level.error,
+                f"{key}={value} is not one of Megatron-Core's choices: {shown}",
+                f"set {key} to one of: {shown}",
+            )
+        )
     return found
 
 
@@ -1304,8 +1315,11 @@ def validate(run: RunConfig, env: Environment) -> list[Violation]:
     found = check_rules(run, env)
     seen = {v.message for v in found}
     ours = bool(errors(found))  # a bare assert of Megatron-Core's adds nothing to our own error
-    found += [v for v in megatron_checks(run, env)
-              if v.message not in seen and not (ours and v.message.startswith(BARE))]  # fmt: skip
+    found += [
+        v
+        for v in megatron_checks(run, env)
+        if v.message not in seen and not (ours and v.message.startswith(BARE))
+    ]
     return found
 
 

@@ -90,35 +90,63 @@ def compare(
     |Δloss| below the tolerance, and peak GPU memory lower with offload."""
     iters = run.verify.iters
     b, o = baseline.losses, offload.losses
-    losses = [(i + 1, b[i] if i < len(b) else None, o[i] if i < len(o) else None)
-              for i in range(max(len(b), len(o)))]  # fmt: skip
+    losses = [
+        (i + 1, b[i] if i < len(b) else None, o[i] if i < len(o) else None)
+        for i in range(max(len(b), len(o)))
+    ]
     delta = max_abs_delta(b, o)
     noise = max_abs_delta(b, repeat.losses) if repeat and repeat.ok else None
     memory_saved = saved(offload.peak_gb, baseline.peak_gb)
     tol = run.verify.loss_tolerance
     criteria = [
-        Criterion("baseline completed", baseline.ok and len(b) == iters,
-                  f"{baseline.status}, {len(b)}/{iters} iterations"),
-        Criterion("offload completed", offload.ok and len(o) == iters,
-                  f"{offload.status}, {len(o)}/{iters} iterations"),
-        Criterion("loss matches", delta is not None and delta < tol,
-                  f"max |Δloss| {fmt(delta, '.2e')} (tolerance {tol:.0e})"
-                  + (f"; baseline vs its repeat: {noise:.2e}" if noise is not None else "")),
-        Criterion("memory reduced", memory_saved is not None and memory_saved > 0,
-                  f"peak GPU {fmt(baseline.peak_gb)} → {fmt(offload.peak_gb)} GB "
-                  f"(saved {fmt(memory_saved)} GB, planner expects {expected_saved_gb:.2f} GB)"),
-    ]  # fmt: skip
+        Criterion(
+            "baseline completed",
+            baseline.ok and len(b) == iters,
+            f"{baseline.status}, {len(b)}/{iters} iterations",
+        ),
+        Criterion(
+            "offload completed",
+            offload.ok and len(o) == iters,
+            f"{offload.status}, {len(o)}/{iters} iterations",
+        ),
+        Criterion(
+            "loss matches",
+            delta is not None and delta < tol,
+            f"max |Δloss| {fmt(delta, '.2e')} (tolerance {tol:.0e})"
+            + (f"; baseline vs its repeat: {noise:.2e}" if noise is not None else ""),
+        ),
+        Criterion(
+            "memory reduced",
+            memory_saved is not None and memory_saved > 0,
+            f"peak GPU {fmt(baseline.peak_gb)} → {fmt(offload.peak_gb)} GB "
+            f"(saved {fmt(memory_saved)} GB, planner expects {expected_saved_gb:.2f} GB)",
+        ),
+    ]
     return VerifyReport(
-        recipe=run.name, overrides=list(overrides), iters=iters, loss_tolerance=tol,
-        baseline=_brief(baseline), offload=_brief(offload), losses=losses, max_delta=delta,
-        noise_floor=noise, saved_gb=memory_saved, expected_saved_gb=expected_saved_gb,
-        step_ratio=ratio(offload.step_s, baseline.step_s), criteria=criteria,
-    )  # fmt: skip
+        recipe=run.name,
+        overrides=list(overrides),
+        iters=iters,
+        loss_tolerance=tol,
+        baseline=_brief(baseline),
+        offload=_brief(offload),
+        losses=losses,
+        max_delta=delta,
+        noise_floor=noise,
+        saved_gb=memory_saved,
+        expected_saved_gb=expected_saved_gb,
+        step_ratio=ratio(offload.step_s, baseline.step_s),
+        criteria=criteria,
+    )
 
 
 def _brief(result: RunResult) -> dict:
-    return {"path": str(result.path), "status": result.status, "step_s": result.step_s,
-            "peak_gb": result.peak_gb, "host_pinned_gb": result.host_pinned_gb}  # fmt: skip
+    return {
+        "path": str(result.path),
+        "status": result.status,
+        "step_s": result.step_s,
+        "peak_gb": result.peak_gb,
+        "host_pinned_gb": result.host_pinned_gb,
+    }
 
 
 def expected_saving_gb(baseline: RunConfig, offload: RunConfig) -> float:
@@ -153,7 +181,7 @@ def render_markdown(report: VerifyReport) -> str:
                     fmt(report.baseline["host_pinned_gb"]),
                     fmt(report.offload["host_pinned_gb"]),
                 ],
-            ],  # fmt: skip
+            ],
         ),
         "",
         f"Step-time ratio {fmt(report.step_ratio, '.2f', 'x')}; memory saved "
@@ -169,7 +197,7 @@ def render_markdown(report: VerifyReport) -> str:
                     fmt(abs(b - o) if b is not None and o is not None else None, ".2e"),
                 ]
                 for i, b, o in report.losses
-            ],  # fmt: skip
+            ],
         ),
         "",
     ]
@@ -202,8 +230,9 @@ def print_report(report: VerifyReport) -> None:
 
 def write_report(report: VerifyReport, run_dir: Path) -> None:
     (run_dir / REPORT_MD).write_text(render_markdown(report))
-    (run_dir / REPORT_JSON).write_text(json.dumps(asdict(report) | {"passed": report.passed},
-                                                  indent=1))  # fmt: skip
+    (run_dir / REPORT_JSON).write_text(
+        json.dumps(asdict(report) | {"passed": report.passed}, indent=1)
+    )
 
 
 def verify(run: RunConfig, cfg: DictConfig, run_dir: Path, overrides: Sequence[str]) -> int:
@@ -221,10 +250,13 @@ def verify(run: RunConfig, cfg: DictConfig, run_dir: Path, overrides: Sequence[s
         launch(sub_run, resolved, overrides, run_dir / name)
         results[name] = RunResult.load(run_dir / name)
     report = compare(
-        run, overrides, results["baseline"], results["offload"],
+        run,
+        overrides,
+        results["baseline"],
+        results["offload"],
         expected_saving_gb(to_run_config(configs["baseline"]), to_run_config(configs["offload"])),
         results.get("baseline-repeat"),
-    )  # fmt: skip
+    )
     print_report(report)
     write_report(report, run_dir)
     console.console.print(f"report: [bold]{run_dir / REPORT_MD}[/] and {REPORT_JSON}")

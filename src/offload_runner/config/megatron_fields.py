@@ -51,13 +51,19 @@ class Section:
 
 
 SECTIONS = (
-    Section("model", ModelConfig, "megatron.core.transformer.transformer_config",
-            "TransformerConfig"),
-    Section("optimizer", OptimizerConfig, "megatron.core.optimizer.optimizer_config",
-            "OptimizerConfig"),
-    Section("ddp", DDPConfig, "megatron.core.distributed.distributed_data_parallel_config",
-            "DistributedDataParallelConfig"),
-)  # fmt: skip
+    Section(
+        "model", ModelConfig, "megatron.core.transformer.transformer_config", "TransformerConfig"
+    ),
+    Section(
+        "optimizer", OptimizerConfig, "megatron.core.optimizer.optimizer_config", "OptimizerConfig"
+    ),
+    Section(
+        "ddp",
+        DDPConfig,
+        "megatron.core.distributed.distributed_data_parallel_config",
+        "DistributedDataParallelConfig",
+    ),
+)
 
 
 def cli_type(annotation: Any) -> Any:

@@ -38,15 +38,18 @@ def check_overrides(overrides: Sequence[str], extra_recipe_dirs: Sequence = ()) 
             parsed += parser.parse_overrides([line])
         except OverrideParseException as err:
             reason = str(err).splitlines()[1] if len(str(err).splitlines()) > 1 else str(err)
-            raise OverrideError(f"can not read the override {line!r}: {reason}",
-                                GRAMMAR_FIX) from None  # fmt: skip
+            raise OverrideError(
+                f"can not read the override {line!r}: {reason}", GRAMMAR_FIX
+            ) from None
     _refuse_group_twice(parsed)
-    values = [list(p.sweep_string_iterator()) if p.is_sweep_override() else [p.input_line]
-              for p in parsed]  # fmt: skip
+    values = [
+        list(p.sweep_string_iterator()) if p.is_sweep_override() else [p.input_line] for p in parsed
+    ]
     values = [[_as_line(p, v) for v in vs] for p, vs in zip(parsed, values, strict=True)]
     first = [vs[0] for vs in values]
-    trials = [first] + [first[:i] + [v] + first[i + 1 :]
-                        for i, vs in enumerate(values) for v in vs[1:]]  # fmt: skip
+    trials = [first] + [
+        first[:i] + [v] + first[i + 1 :] for i, vs in enumerate(values) for v in vs[1:]
+    ]
     for trial in trials:
         _compose(trial, extra_recipe_dirs)
 
@@ -67,8 +70,10 @@ def _refuse_group_twice(parsed) -> None:
             continue
         value = p.value()
         if key in seen and seen[key] != value:
-            raise OverrideError(f"{key} is given twice: {key}={seen[key]} and {key}={value}",
-                                "keep one of them (the last would silently win)")  # fmt: skip
+            raise OverrideError(
+                f"{key} is given twice: {key}={seen[key]} and {key}={value}",
+                "keep one of them (the last would silently win)",
+            )
         seen[key] = value
 
 
@@ -89,8 +94,9 @@ def _missing_option(err, lines: list[str]) -> OverrideError:
     for line in lines:
         group, _, option = line.lstrip("+~").partition("=")
         if group in groups and option not in groups[group]:
-            return OverrideError(f"{group} has no option {option!r}",
-                                 f"pick one of: {', '.join(groups[group])}")  # fmt: skip
+            return OverrideError(
+                f"{group} has no option {option!r}", f"pick one of: {', '.join(groups[group])}"
+            )
     first = str(err).splitlines()[0]
     return OverrideError(first, "python run_recipe.py --help lists the groups and their options")
 
@@ -99,13 +105,18 @@ def _merge_error(err) -> OverrideError:
     """Hydra's 'Error merging override K=V' / OmegaConf's type error, in one line."""
     chained = f"{err}\n{err.__cause__}" if err.__cause__ is not None else str(err)
     text = [line.strip() for line in chained.splitlines() if line.strip()]
-    key = next((line.partition(":")[2].strip() for line in text if line.startswith("full_key")),
-               None)  # fmt: skip
+    key = next(
+        (line.partition(":")[2].strip() for line in text if line.startswith("full_key")), None
+    )
     what = text[0].removeprefix("Error merging override ")
     reason = text[1] if len(text) > 1 and not text[1].startswith("full_key") else ""
     message = f"{what}: {reason}" if reason else what
-    fix = (f"give {key} a value of its type (python run_recipe.py --recipe NAME --cfg job shows "
-           f"the resolved config)" if key else "check the override it names")  # fmt: skip
+    fix = (
+        f"give {key} a value of its type (python run_recipe.py --recipe NAME --cfg job shows "
+        f"the resolved config)"
+        if key
+        else "check the override it names"
+    )
     if "expected one of" in reason:
         fix = f"use {reason.partition('expected ')[2]}"
     return OverrideError(message, fix)

@@ -472,12 +472,18 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, object]] = {
     "bf16_mixed": {"bf16": True, "fp16": False, "fp8": None},
     "fp16_mixed": {"bf16": False, "fp16": True, "fp8": None},
     "bf16_with_fp8_delayed_scaling_mixed": {"bf16": True, "fp8": "hybrid", "fp8_recipe": "delayed"},
-    "bf16_with_fp8_current_scaling_mixed": {"bf16": True, "fp8": "hybrid",
-                                            "fp8_recipe": "tensorwise"},
-    "bf16_with_fp8_subchannel_scaling_mixed": {"bf16": True, "fp8": "e4m3",
-                                               "fp8_recipe": "blockwise"},
+    "bf16_with_fp8_current_scaling_mixed": {
+        "bf16": True,
+        "fp8": "hybrid",
+        "fp8_recipe": "tensorwise",
+    },
+    "bf16_with_fp8_subchannel_scaling_mixed": {
+        "bf16": True,
+        "fp8": "e4m3",
+        "fp8_recipe": "blockwise",
+    },
     "bf16_with_mxfp8_mixed": {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8"},
-}  # fmt: skip
+}
 
 
 @dataclass

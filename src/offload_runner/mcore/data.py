@@ -106,8 +106,9 @@ def micro_batch_indices(consumed: int, micro_batch_size: int, dp_rank: int) -> l
 class MicroBatchSampler:
     """Batch sampler yielding this rank's micro-batches from ``consumed`` samples on."""
 
-    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int) -> None:  # fmt: skip
+    def __init__(
+        self, total: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int
+    ) -> None:
         self.total, self.consumed = total, consumed
         self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
 
@@ -120,8 +121,9 @@ class MicroBatchSampler:
         return (self.total - self.consumed) // (self.mbs * self.dp_size)
 
 
-def build_data_iterator(run: RunConfig, dataset, consumed_samples: int, dp_rank: int,
-                        dp_size: int) -> Iterator[dict]:  # fmt: skip
+def build_data_iterator(
+    run: RunConfig, dataset, consumed_samples: int, dp_rank: int, dp_size: int
+) -> Iterator[dict]:
     import torch
 
     sampler = MicroBatchSampler(

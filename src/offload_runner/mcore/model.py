@@ -30,9 +30,10 @@ def layer_spec(run: RunConfig):
 
     m = run.model
     kwargs = dict(
-        num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
+        num_experts=m.num_moe_experts,
+        moe_grouped_gemm=m.moe_grouped_gemm,
         qk_layernorm=m.qk_layernorm,
-    )  # fmt: skip
+    )
     if use_transformer_engine(run):
         return get_gpt_layer_with_transformer_engine_spec(**kwargs)
     return get_gpt_layer_local_spec(**kwargs, normalization=m.normalization.value)

@@ -31,8 +31,10 @@ def build_scheduler(run: RunConfig, optimizer):
     o, s, t = run.optimizer, run.scheduler, run.train
     batch = t.global_batch_size
     decay_steps = max(s.lr_decay_iters or t.train_iters, s.lr_warmup_iters + 1) * batch
-    wd = (o.weight_decay if s.start_weight_decay is None else s.start_weight_decay,
-          o.weight_decay if s.end_weight_decay is None else s.end_weight_decay)  # fmt: skip
+    wd = (
+        o.weight_decay if s.start_weight_decay is None else s.start_weight_decay,
+        o.weight_decay if s.end_weight_decay is None else s.end_weight_decay,
+    )
     return OptimizerParamScheduler(
         optimizer,
         init_lr=s.lr_warmup_init if s.lr_warmup_iters else o.lr,

@@ -40,8 +40,13 @@ def disabled_overrides() -> dict[str, object]:
     """Dotted keys that switch every offload mechanism off: the --verify baseline."""
     from offload_runner.offload import activation, cpu_adam, optimizer, optimizer_states, weight
 
-    return {**activation.DISABLED, **weight.DISABLED, **optimizer.DISABLED, **cpu_adam.DISABLED,
-            **optimizer_states.DISABLED}  # fmt: skip
+    return {
+        **activation.DISABLED,
+        **weight.DISABLED,
+        **optimizer.DISABLED,
+        **cpu_adam.DISABLED,
+        **optimizer_states.DISABLED,
+    }
 
 
 def te_offload_environment(run: RunConfig) -> dict[str, str]:

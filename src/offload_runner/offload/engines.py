@@ -85,8 +85,9 @@ class Engines:
     def pinned_bytes(self) -> int:
         return sum(engine.pinned_bytes for engine in self.all)
 
-    def metrics(self, forward_backward_s: float | None, micro_batches: int, dp_size: int,
-                is_writer: bool) -> dict:  # fmt: skip
+    def metrics(
+        self, forward_backward_s: float | None, micro_batches: int, dp_size: int, is_writer: bool
+    ) -> dict:
         """summary.json's fields of every engine (the writer rank also says delayed mode's
         hidden fraction: its copies run during the last backward where that is allowed)."""
         from offload_runner.offload import cpu_adam, optimizer_states

@@ -134,8 +134,9 @@ class HostAdam(HybridDeviceOptimizer):
         first, second = self.moment_dtypes
         self.host_exp_avg = self._host_array(first, pin_moments, what)  # arenas come zeroed
         self.host_exp_avg_sq = self._host_array(second, pin_moments, what)
-        self._flat = self._lay_out(self.offloaded, self.host_master, self.host_exp_avg,
-                                   self.host_exp_avg_sq)  # fmt: skip
+        self._flat = self._lay_out(
+            self.offloaded, self.host_master, self.host_exp_avg, self.host_exp_avg_sq
+        )
         m, on = sum(p.numel() for _, p in self.kept), self.device
         self.gpu_master = torch.empty(m, dtype=torch.float32, device=on)
         self.gpu_exp_avg = torch.zeros(m, dtype=first, device=on)
@@ -152,8 +153,11 @@ class HostAdam(HybridDeviceOptimizer):
             view = slice(start, start + p.numel())
             if master.dtype != torch.int16:  # remainders come zeroed: the master is the param
                 _upcast_into(master[view], p.detach().view(-1))
-            self._own[id(p)] = {"master_param": master[view], "exp_avg": exp_avg[view],
-                                "exp_avg_sq": exp_avg_sq[view]}  # fmt: skip
+            self._own[id(p)] = {
+                "master_param": master[view],
+                "exp_avg": exp_avg[view],
+                "exp_avg_sq": exp_avg_sq[view],
+            }
             self.state[p] = self._views(p)
             starts[id(p)] = start
             start += p.numel()
@@ -204,10 +208,18 @@ class HostAdam(HybridDeviceOptimizer):
             grad0, param0 = self._grad(first), first
             for a in range(base, base + numel, self.chunk_numel):
                 b = min(a + self.chunk_numel, base + numel)
-                groups = _merge([(max(s, a), min(e, b), gi) for s, e, gi in bounds
-                                 if s < b and e > a])  # fmt: skip
-                pieces.append(Piece(a, b, _window(grad0, a - base, b - a),
-                                    _window(param0, a - base, b - a), groups))  # fmt: skip
+                groups = _merge(
+                    [(max(s, a), min(e, b), gi) for s, e, gi in bounds if s < b and e > a]
+                )
+                pieces.append(
+                    Piece(
+                        a,
+                        b,
+                        _window(grad0, a - base, b - a),
+                        _window(param0, a - base, b - a),
+                        groups,
+                    )
+                )
         return pieces
 
     def _piece_spans(self) -> PieceSpans:
@@ -383,8 +395,9 @@ class HostAdam(HybridDeviceOptimizer):
         for _, p in self.offloaded:
             a = self._flat[id(p)]
             view = full[a : a + p.numel()]
-            remainders.rebuild(p.detach().view(-1).cpu(), self.host_master[a : a + p.numel()],
-                               out=view)  # fmt: skip
+            remainders.rebuild(
+                p.detach().view(-1).cpu(), self.host_master[a : a + p.numel()], out=view
+            )
             self.state[p] = {**self._views(p), "master_param": view}
         try:
             yield
@@ -406,10 +419,22 @@ def torch_adamw(steps, h: dict, grad_scale=None):
     import torch
 
     def run(masters, grads, exp_avgs, exp_avg_sqs) -> None:
-        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [steps] * len(masters),
-                            lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
-                            weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False,
-                            maximize=False, grad_scale=grad_scale)  # fmt: skip
+        torch._fused_adamw_(
+            masters,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [steps] * len(masters),
+            lr=h["lr"],
+            beta1=h["beta1"],
+            beta2=h["beta2"],
+            weight_decay=h["weight_decay"],
+            eps=h["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+        )
 
     return run
 
@@ -434,8 +459,9 @@ def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_ad
         block = UPCAST_BLOCK if on_cpu else max(master.numel(), 1)
         for a in range(0, master.numel(), block):
             b = min(a + block, master.numel())
-            g32, m32, v32 = (_fp32(t[a:b], i if on_cpu else None)
-                             for i, t in enumerate((grad, m, v)))  # fmt: skip
+            g32, m32, v32 = (
+                _fp32(t[a:b], i if on_cpu else None) for i, t in enumerate((grad, m, v))
+            )
             fp32_adam([master[a:b]], [g32], [m32], [v32])
             if m.dtype != fp32:
                 m[a:b].copy_(m32)
@@ -586,8 +612,13 @@ def grad_dtype(run):
 
 def hyper(group: dict) -> dict:
     beta1, beta2 = group["betas"]
-    return {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"]),
-            "beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"])}  # fmt: skip
+    return {
+        "lr": float(group["lr"]),
+        "weight_decay": float(group["weight_decay"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+    }
 
 
 def inner_parts(optimizer) -> list:
@@ -673,8 +704,10 @@ class PieceSpans:
     """Which pieces hold a parameter's elements, by their bytes in the parameter buffer."""
 
     def __init__(self, pieces: list[Piece]) -> None:
-        self.spans = sorted((q.param.data_ptr(), q.param.data_ptr() + q.numel *
-                             q.param.element_size(), i) for i, q in enumerate(pieces))  # fmt: skip
+        self.spans = sorted(
+            (q.param.data_ptr(), q.param.data_ptr() + q.numel * q.param.element_size(), i)
+            for i, q in enumerate(pieces)
+        )
         self.starts = [a for a, _, _ in self.spans]
 
     def holding(self, params: list) -> list[int]:

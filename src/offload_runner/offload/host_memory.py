@@ -89,8 +89,10 @@ def _private_pages(nbytes: int):
     import mmap
 
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (getattr(mmap, "MADV_DONTFORK", MADV_DONTFORK),
-                   getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE)):  # fmt: skip
+    for advice in (
+        getattr(mmap, "MADV_DONTFORK", MADV_DONTFORK),
+        getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE),
+    ):
         with contextlib.suppress(OSError, AttributeError, ValueError):  # not Linux, or no THP
             region.madvise(advice)
     return region

@@ -143,8 +143,7 @@ class StatesWindow:
     two side streams (module doc, steps 1-3). ``WindowedStates`` passes its whole shard through
     one; the CPU-Adam engine passes its GPU share (``cpu_adam.CpuAdam``, exact mode)."""
 
-    def __init__(self, host: tuple, device, piece_numel: int, adam=None,
-                 host_grad=None) -> None:  # fmt: skip
+    def __init__(self, host: tuple, device, piece_numel: int, adam=None, host_grad=None) -> None:
         import torch
 
         self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays; the masters
@@ -156,8 +155,9 @@ class StatesWindow:
         self.piece_numel = piece_numel
         on_cuda = device.type == "cuda"
         # h2d, d2h; high priority: their only kernels are the gaps between copies (_copy_all)
-        self.streams = ((torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1))
-                        if on_cuda else None)  # fmt: skip
+        self.streams = (
+            (torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)) if on_cuda else None
+        )
         self._gaps = [torch.zeros(1, device=device) for _ in range(2)] if on_cuda else None
         self._adam = adam  # Transformer Engine's multi-tensor Adam (_te_adam), else torch's
         self._remainders = host[0].dtype == torch.int16
@@ -240,8 +240,9 @@ class StatesWindow:
         stats = torch.cuda.memory_stats(self.device)
         allocated = stats["allocated_bytes.all.current"]
         free_on_device, _ = torch.cuda.mem_get_info(self.device)
-        room = min(stats["allocated_bytes.all.peak"],
-                   stats["reserved_bytes.all.current"] + free_on_device)  # fmt: skip
+        room = min(
+            stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.current"] + free_on_device
+        )
         return room - allocated - 2 * self.nbytes
 
     def prefetch(self, pieces: list[Piece], late: bool = False) -> None:
@@ -268,10 +269,16 @@ class StatesWindow:
         shape, streams = (self._arrays, self.piece_numel), self.streams
         with torch.cuda.stream(streams[0]) if streams and on_h2d else contextlib.nullcontext():
             slot = torch.empty(shape, dtype=torch.float32, device=self.device)
-            low = torch.empty((len(self._low), shape[1]), dtype=self._low_dtype,
-                              device=self.device) if self._low else None  # fmt: skip
-            rem = torch.empty(shape[1], dtype=torch.int16,
-                              device=self.device) if self._remainders else None  # fmt: skip
+            low = (
+                torch.empty((len(self._low), shape[1]), dtype=self._low_dtype, device=self.device)
+                if self._low
+                else None
+            )
+            rem = (
+                torch.empty(shape[1], dtype=torch.int16, device=self.device)
+                if self._remainders
+                else None
+            )
         if streams is not None and not on_h2d:
             streams[0].wait_stream(torch.cuda.current_stream())  # the memory's last readers
         self._pass.slots.append(slot)
@@ -312,8 +319,9 @@ class StatesWindow:
             for mark in marks:
                 mark.ready.set()
 
-    def run_late(self, pieces: list[Piece], step: int, hypers: list[dict], stream, before_load,
-                 scale_of) -> list:  # fmt: skip
+    def run_late(
+        self, pieces: list[Piece], step: int, hypers: list[dict], stream, before_load, scale_of
+    ) -> list:
         """A step-late pass (CPU-Adam's delayed mode) of ``pieces`` on ``stream`` (a side
         stream beside the next forward+backward; None without CUDA): their gradients come up
         from ``host_grad`` with the states, each piece's once ``before_load(index)`` returned
@@ -499,8 +507,9 @@ class StatesWindow:
         freed = self._pass.freed[self._at(index)] = _record(d2h)
         return freed
 
-    def _update(self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict],
-                index: int) -> None:  # fmt: skip
+    def _update(
+        self, piece: Piece, slot: tuple, step: int, steps, hypers: list[dict], index: int
+    ) -> None:
         """Adam on one piece in the window; its masters rounded into the bf16 parameters (a late
         pass: its gradients from the window, scaled, and the parameters left alone)."""
         master, exp_avg, exp_avg_sq = slot
@@ -515,8 +524,9 @@ class StatesWindow:
             grad = (grads[span] if late else piece.grad[span]).float()  # a bf16 buffer's: fp32
             moments = [exp_avg[span]], [exp_avg_sq[span]]
             if self._remainders:  # the master is its bf16 parameter and remainder (updated)
-                _remainder_adam(self._adam, steps, step, h, grad, piece.param[span],
-                                staged[0][span], moments)  # fmt: skip
+                _remainder_adam(
+                    self._adam, steps, step, h, grad, piece.param[span], staged[0][span], moments
+                )
             elif self._adam is not None:
                 self._adam([[grad], [master[span]], *moments], step, h)
             else:
@@ -593,16 +603,26 @@ class WindowedStates(HostAdam):
         # the master as a remainder), 2 n more per moment stored in bf16 (it travels as such):
         # chunk_bytes counts 4 B per param
         per_param = 12 - 2 * remainders + 2 * sum(d != torch.float32 for d in moment_dtypes)
-        super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay, betas=betas,
-                         eps=eps, chunk_bytes=window_bytes * 4 // (SLOTS * per_param),
-                         order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
-        self._allocate_states(pin_moments=True, what="offload/optimizer=states",
-                              remainders=remainders)  # fmt: skip
+        super().__init__(
+            params,
+            fraction=fraction,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            chunk_bytes=window_bytes * 4 // (SLOTS * per_param),
+            order_key=order_key,
+            moment_dtypes=moment_dtypes,
+        )
+        self._allocate_states(
+            pin_moments=True, what="offload/optimizer=states", remainders=remainders
+        )
         self._window = StatesWindow(
-            (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
+            (self.host_master, self.host_exp_avg, self.host_exp_avg_sq),
+            self.device,
             min(self.chunk_numel, self.offloaded_numel),
             _te_adam(self.device, remainders) if self.on_cuda else None,
-        )  # fmt: skip
+        )
         # beside the next forward (``watch``): the side stream of the passes, the modules that
         # hold parameters (in the order the forward calls them), their forward pre-hooks
         self.beside_forward = beside_forward  # nothing reads the parameters before the forward
@@ -740,16 +760,17 @@ class WindowedStates(HostAdam):
         seconds = statistics.median(s for s, _ in steady)
         moved = self.state_bytes_per_param * self.offloaded_numel
         grown = self._window.grown[skip:] or self._window.grown
-        return {"states_offloaded_params": self.offloaded_numel,
-                "states_moved_gb": moved / 1e9,
-                "states_master_bytes": self.host_master.element_size(),
-                "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param
-                / 1e9,
-                "states_stream_s_median": seconds,
-                "states_beside_forward_s": self._beside_forward_s(skip),
-                "states_forward_wait_s_median": self._forward_wait_s(skip),
-                "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
-                "states_window_gb": self.window_bytes / 1024**3}  # fmt: skip
+        return {
+            "states_offloaded_params": self.offloaded_numel,
+            "states_moved_gb": moved / 1e9,
+            "states_master_bytes": self.host_master.element_size(),
+            "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param / 1e9,
+            "states_stream_s_median": seconds,
+            "states_beside_forward_s": self._beside_forward_s(skip),
+            "states_forward_wait_s_median": self._forward_wait_s(skip),
+            "states_link_gb_per_s": moved / seconds / 1e9 if seconds else None,
+            "states_window_gb": self.window_bytes / 1024**3,
+        }
 
 
 def _copy_all(pairs, gap) -> None:
@@ -793,21 +814,34 @@ def _te_adam(device, remainders: bool = False):
         from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
     except ImportError:
         return None
-    kernel = getattr(tex, "multi_tensor_adam_param_remainder" if remainders else
-                     "multi_tensor_adam", None)  # fmt: skip
+    kernel = getattr(
+        tex, "multi_tensor_adam_param_remainder" if remainders else "multi_tensor_adam", None
+    )
     if kernel is None:  # a TE before 2.1: no remainder kernel
         return None
     noop = torch.zeros(1, dtype=torch.int, device=device)
 
     def adam(lists: list, step: int, h: dict) -> None:
-        multi_tensor_applier(kernel, noop, lists, h["lr"], h["beta1"], h["beta2"], h["eps"],
-                             step, 1, 1, h["weight_decay"])  # fmt: skip
+        multi_tensor_applier(
+            kernel,
+            noop,
+            lists,
+            h["lr"],
+            h["beta1"],
+            h["beta2"],
+            h["eps"],
+            step,
+            1,
+            1,
+            h["weight_decay"],
+        )
 
     return adam
 
 
-def _remainder_adam(adam, steps, step: int, h: dict, grad, param, remainder,
-                    moments: tuple) -> None:  # fmt: skip
+def _remainder_adam(
+    adam, steps, step: int, h: dict, grad, param, remainder, moments: tuple
+) -> None:
     """Adam on masters held as bf16 ``param`` + int16 ``remainder``, both updated in place:
     Transformer Engine's remainder kernel (``adam``), else torch's fused AdamW on the rebuilt
     fp32 masters, split again as that kernel splits them (remainders.py)."""
@@ -824,8 +858,9 @@ def moment_dtypes(run: RunConfig) -> tuple:
     import torch
 
     o = run.optimizer
-    return tuple(getattr(torch, TORCH_DTYPES[d.value]) for d in (o.exp_avg_dtype,
-                                                                 o.exp_avg_sq_dtype))  # fmt: skip
+    return tuple(
+        getattr(torch, TORCH_DTYPES[d.value]) for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype)
+    )
 
 
 def windowed_engines(optimizer) -> list[WindowedStates]:
@@ -880,22 +915,34 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     """Make a WindowedStates the inner optimizer of every DistributedOptimizer of ``optimizer``
     (built on Megatron-Core's precision-aware path: no fp32 masters on the GPU)."""
     o = run.optimizer
-    built = host_adam.install(optimizer, lambda part, _: WindowedStates(
-        part.optimizer.param_groups, lr=o.lr, weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-        window_bytes=states_window_mb(run) * 1024**2,
-        fraction=o.optimizer_state_offload_fraction, moment_dtypes=moment_dtypes(run),
-        remainders=keeps_remainders(run), beside_forward=not host_adam.gathers_params(part),
-    ))  # fmt: skip
+    built = host_adam.install(
+        optimizer,
+        lambda part, _: WindowedStates(
+            part.optimizer.param_groups,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            window_bytes=states_window_mb(run) * 1024**2,
+            fraction=o.optimizer_state_offload_fraction,
+            moment_dtypes=moment_dtypes(run),
+            remainders=keeps_remainders(run),
+            beside_forward=not host_adam.gathers_params(part),
+        ),
+    )
     numel = sum(e.offloaded_numel for e in built)
     shard = sum(e.shard_numel for e in built)
-    log.info("optimizer states: %.3fB of %.3fB params of this rank's shard on the host (%.1f GB "
-             "page-locked, masters %s, moments in %s), streamed through a %.0f MiB GPU window; "
-             "the rest stays on the GPU", numel / 1e9, shard / 1e9,
-             sum(e.host_bytes for e in built) / 1e9,
-             "as remainders of the bf16 params" if keeps_remainders(run) else "in fp32",
-             run.optimizer.exp_avg_dtype.value, max((e.window_bytes for e in built), default=0)
-             / 1024**2)  # fmt: skip
+    log.info(
+        "optimizer states: %.3fB of %.3fB params of this rank's shard on the host (%.1f GB "
+        "page-locked, masters %s, moments in %s), streamed through a %.0f MiB GPU window; "
+        "the rest stays on the GPU",
+        numel / 1e9,
+        shard / 1e9,
+        sum(e.host_bytes for e in built) / 1e9,
+        "as remainders of the bf16 params" if keeps_remainders(run) else "in fp32",
+        run.optimizer.exp_avg_dtype.value,
+        max((e.window_bytes for e in built), default=0) / 1024**2,
+    )
     return built
 
 
@@ -917,9 +964,13 @@ def attach(optimizer, transformer_config, chunks) -> Attached:
     windowed = windowed_engines(optimizer)
     beside = [e for e in windowed if e.beside_forward and e.on_cuda]
     if beside:
-        log.info("optimizer states: %d of %d shard(s) are this rank's alone: their pass runs "
-                 "beside the next forward, which waits module by module for the pieces it "
-                 "needs", len(beside), len(windowed))  # fmt: skip
+        log.info(
+            "optimizer states: %d of %d shard(s) are this rank's alone: their pass runs "
+            "beside the next forward, which waits module by module for the pieces it "
+            "needs",
+            len(beside),
+            len(windowed),
+        )
     return Attached(hooks, BesideForward(beside, chunks) if beside else None)
 
 
@@ -952,9 +1003,11 @@ class BesideForward:
         self.stream = torch.cuda.Stream()
         self.chunks = chunks
         self._thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="states-pass", initializer=torch.cuda.set_device,
+            1,
+            thread_name_prefix="states-pass",
+            initializer=torch.cuda.set_device,
             initargs=(torch.cuda.current_device(),),
-        )  # fmt: skip
+        )
         self._zeroed: concurrent.futures.Future | None = None
         self.waits: list[float] = []  # per step: seconds the forward's thread waited for passes
         for engine in engines:

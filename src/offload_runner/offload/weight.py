@@ -251,8 +251,9 @@ class WeightOffload:
                 p.grad_added_to_main_grad = False  # TE's fused wgrad says it wrote main_grad
                 self._hooks.append(p.register_post_accumulate_grad_hook(_add_to_main_grad))
             module = unit.module
-            self._hooks.append(module.register_forward_pre_hook(
-                self._pre_forward(unit), with_kwargs=True))  # fmt: skip
+            self._hooks.append(
+                module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
+            )
             self._hooks.append(module.register_forward_hook(self._post_forward(unit)))
 
     def _place(self, unit: _Unit) -> None:
@@ -531,8 +532,13 @@ class WeightOffload:
     def state_dict(self) -> dict:
         self.finish()
         layout = [unit.numel for unit in self.units]
-        return {"steps": self.steps, "master": self.master, "exp_avg": self.exp_avg,
-                "exp_avg_sq": self.exp_avg_sq, "layout": layout}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "master": self.master,
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "layout": layout,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         layout = [unit.numel for unit in self.units]
@@ -701,8 +707,11 @@ def gpu_grad_sq_norm(model: list) -> float:
     """The squared L2 norm of the gradients in DDP's buffers (one rank: nothing duplicated)."""
     import torch
 
-    total = torch.zeros((), dtype=torch.float64, device=torch.cuda.current_device()
-                        if torch.cuda.is_available() else "cpu")  # fmt: skip
+    total = torch.zeros(
+        (),
+        dtype=torch.float64,
+        device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
+    )
     for grads in _ddp_grads(model):
         total += torch.linalg.vector_norm(grads, dtype=torch.float32).double() ** 2
     return float(total)
@@ -717,5 +726,6 @@ def scale_gpu_grads(model: list, factor: float) -> None:
 
 def _ddp_grads(model: list) -> list:
     """The gradient arrays of DDP's buffers (dense and expert) of a rank's model chunks."""
-    return [b.grad_data for chunk in model
-            for b in [*chunk.buffers, *chunk.expert_parallel_buffers]]  # fmt: skip
+    return [
+        b.grad_data for chunk in model for b in [*chunk.buffers, *chunk.expert_parallel_buffers]
+    ]

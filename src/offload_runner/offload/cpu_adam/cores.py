@@ -24,9 +24,11 @@ def cpu_worker(cpus: list[int] | None, threads: int | None, device=None):
     per rank, shared by its engines (a MoE model's dense and expert shards): their updates take
     the cores in turn instead of splitting them."""
     return concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="cpu-adam", initializer=init_thread,
+        1,
+        thread_name_prefix="cpu-adam",
+        initializer=init_thread,
         initargs=(cpus, threads, device),
-    )  # fmt: skip
+    )
 
 
 def init_thread(cpus: list[int] | None, threads: int | None, device) -> None:

@@ -42,8 +42,9 @@ class DelayedUpdates:
         whose gradients nothing edits after the backward (``cpu_adam_copies_during_backward``);
         the CPU applies the clip factor (``grads_clipped``)."""
         self._grad_hooks += after_each_grad(chunks, self._after_grad)
-        self._hooked.update((id(p), p) for chunk in chunks for p in chunk.parameters()
-                            if p.requires_grad)  # fmt: skip
+        self._hooked.update(
+            (id(p), p) for chunk in chunks for p in chunk.parameters() if p.requires_grad
+        )
 
     def arm(self) -> None:
         """The last micro-batch's backward follows: the GPU share's states may come in during
@@ -115,8 +116,11 @@ class DelayedUpdates:
         update = self._pending
         if update is None or update.scaled.is_set():
             return
-        coeff = (self.clip_grad / (float(grad_norm) + 1.0e-6)
-                 if self.clip_grad > 0 and grad_norm is not None else 1.0)  # fmt: skip
+        coeff = (
+            self.clip_grad / (float(grad_norm) + 1.0e-6)
+            if self.clip_grad > 0 and grad_norm is not None
+            else 1.0
+        )
         if coeff < 1.0:
             import torch
 

@@ -65,9 +65,17 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
 
         # the DDP buffer's: bf16 with ddp.grad_reduce_in_fp32=false (2 B/param down, upcast here)
         self.grad_dtype = grad_dtype or torch.float32
-        super().__init__(params, fraction=fraction, lr=lr, weight_decay=weight_decay,
-                         betas=betas, eps=eps, chunk_bytes=chunk_bytes,
-                         order_key=order_key, moment_dtypes=moment_dtypes)  # fmt: skip
+        super().__init__(
+            params,
+            fraction=fraction,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            chunk_bytes=chunk_bytes,
+            order_key=order_key,
+            moment_dtypes=moment_dtypes,
+        )
         self.mode = mode
         self._guessed = False  # host_guess holds the next weights' extrapolation
         self.threads = threads
@@ -104,13 +112,18 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self._land_lock = threading.Lock()  # the GPU ring: the worker and step() both land
         self._worker = worker or cpu_worker(cpus, threads, self.device)
         self._worker.submit(self._allocate).result()
-        # Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
-        # (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
-        # enqueues them while the worker runs Adam on the next piece.
-        self._lander = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="cpu-adam-land", initializer=init_thread,
+        self._lander = self._new_lander()
+
+    def _new_lander(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
+        (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
+        enqueues them while the worker runs Adam on the next piece."""
+        return concurrent.futures.ThreadPoolExecutor(
+            1,
+            thread_name_prefix="cpu-adam-land",
+            initializer=init_thread,
             initargs=(None, None, self.device),
-        )  # fmt: skip
+        )
 
     def _allocate(self) -> None:
         """In the worker, so its own threads touch the host pages first (NUMA placement): the
@@ -126,15 +139,18 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         self.host_grad = self._host_array(self.grad_dtype, self.on_cuda, "cpu_adam")
         if streams:  # the copy engines read and write the moments of the GPU share
             self._window = StatesWindow(
-                (self.host_master, self.host_exp_avg, self.host_exp_avg_sq), self.device,
+                (self.host_master, self.host_exp_avg, self.host_exp_avg_sq),
+                self.device,
                 min(self.chunk_numel, self.offloaded_numel),
                 host_grad=self.host_grad if self.delayed else None,
-            )  # fmt: skip
+            )
             if self.delayed:  # late passes: issued from a thread of their own, on a side stream
                 self._late = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="cpu-adam-late", initializer=init_thread,
+                    1,
+                    thread_name_prefix="cpu-adam-late",
+                    initializer=init_thread,
                     initargs=(None, None, self.device),
-                )  # fmt: skip
+                )
                 self._late_stream = torch.cuda.Stream() if self.on_cuda else None
         if self.mode.predict:  # delayed mode lands the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
@@ -193,25 +209,34 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             self._unwatch()
         if not self._announced_delay:
             self._announced_delay = True
-            log.info("cpu_adam: delayed parameter updates from step %d on (the first %d steps "
-                     "were exact): the CPU update of step t lands before step t+2%s", step,
-                     step - 1, ", extrapolated by its own change (weight prediction)"
-                     if self.mode.predict else "")  # fmt: skip
+            log.info(
+                "cpu_adam: delayed parameter updates from step %d on (the first %d steps "
+                "were exact): the CPU update of step t lands before step t+2%s",
+                step,
+                step - 1,
+                ", extrapolated by its own change (weight prediction)" if self.mode.predict else "",
+            )
 
-    def _new_update(self, step: int, hypers: list[dict], order: list[int],
-                    delayed: bool) -> Update:  # fmt: skip
+    def _new_update(self, step: int, hypers: list[dict], order: list[int], delayed: bool) -> Update:
         """This step's update for the worker. The worker extrapolates in delayed mode, and at
         the last exact step for the first delayed one; it is handed the update first and takes
         each piece as soon as its copy is enqueued (enqueueing hundreds of copies takes the
         training thread a while)."""
         guess_next = self.mode.predict and self.mode.delayed_at(step + 1)
-        return Update(step, hypers, land_in_worker=not delayed, guess=guess_next,
-                      on_cpu=self._on_cpu, params=sum(self._pieces[i].numel for i in order),
-                      order=order, late_share=delayed and self._window is not None,
-                      ready=[threading.Event() for _ in self._pieces],
-                      done=[threading.Event() for _ in self._pieces],
-                      landed=[threading.Event() for _ in self._pieces],
-                      unclipped=[False] * len(self._pieces))  # fmt: skip
+        return Update(
+            step,
+            hypers,
+            land_in_worker=not delayed,
+            guess=guess_next,
+            on_cpu=self._on_cpu,
+            params=sum(self._pieces[i].numel for i in order),
+            order=order,
+            late_share=delayed and self._window is not None,
+            ready=[threading.Event() for _ in self._pieces],
+            done=[threading.Event() for _ in self._pieces],
+            landed=[threading.Event() for _ in self._pieces],
+            unclipped=[False] * len(self._pieces),
+        )
 
     def _checkpointed(self, hypers: list[dict]) -> None:
         """What a checkpoint keeps in the param groups: each group's last learning rate (for
@@ -240,13 +265,15 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         grad = grad_of(p)
         if grad is None and self._hooked:
             if self._unbound is None:
-                self._unbound = main_grad_views([q for _, q in self.offloaded],
-                                                self._hooked.values())  # fmt: skip
+                self._unbound = main_grad_views(
+                    [q for _, q in self.offloaded], self._hooked.values()
+                )
             grad = self._unbound.get(id(p))
         return grad
 
-    def _hand_over(self, update: Update, early: dict, previous: Update | None, guess: bool,
-                   began: float) -> None:  # fmt: skip
+    def _hand_over(
+        self, update: Update, early: dict, previous: Update | None, guess: bool, began: float
+    ) -> None:
         """Each piece of this step's update to the worker, in its order: its gradients down
         (unless they went during the backward: ``early``), the last delayed update's masters
         up as the worker finishes them (``previous``, whose errors raise here), or loaded

@@ -61,8 +61,11 @@ class GpuShare:
 
     def _exact_share_comes(self) -> bool:
         """The coming step is exact and has a GPU share (its pieces planned)."""
-        return (self._window is not None and self._pieces is not None
-                and not self.mode.delayed_at(self.steps_taken + 1))  # fmt: skip
+        return (
+            self._window is not None
+            and self._pieces is not None
+            and not self.mode.delayed_at(self.steps_taken + 1)
+        )
 
     def _split(self) -> None:
         """Where the split between the CPU and the GPU falls this step (``_rebalance``)."""
@@ -108,8 +111,11 @@ class GpuShare:
             self._share = share + 0.5 * (target - share)
         if last.step >= BALANCE_STEPS:  # from here on the split depends on nothing timed
             self._fixed = True
-            log.info("cpu_adam: the GPU share is fixed at %.3f from step %d on (checkpointed)",
-                     self._share, last.step + 1)  # fmt: skip
+            log.info(
+                "cpu_adam: the GPU share is fixed at %.3f from step %d on (checkpointed)",
+                self._share,
+                last.step + 1,
+            )
 
     def _late_pieces(self, order: list[int]) -> list[int]:
         """Delayed mode's GPU share: the pieces at the end of ``order`` (the update's, the order
@@ -143,8 +149,9 @@ class GpuShare:
                 on_device.append(update.grad_scale.to(self.device, non_blocking=True))
             return on_device[0]
 
-        freed = self._window.run_late(pieces, update.step, update.hyper, self._late_stream,
-                                      before_load, scale_of)  # fmt: skip
+        freed = self._window.run_late(
+            pieces, update.step, update.hyper, self._late_stream, before_load, scale_of
+        )
         for i, event in zip(update.on_gpu, freed, strict=True):
             if event is not None:
                 event.synchronize()

@@ -42,9 +42,11 @@ Mode = Exact | Delayed
 
 def exact_steps(run: RunConfig) -> int:
     o = run.optimizer
-    return o.cpu_adam_exact_steps if o.cpu_adam_exact_steps is not None else (
-        run.scheduler.lr_warmup_iters
-    )  # fmt: skip
+    return (
+        o.cpu_adam_exact_steps
+        if o.cpu_adam_exact_steps is not None
+        else (run.scheduler.lr_warmup_iters)
+    )
 
 
 def mode_of(run: RunConfig, delayed: bool, copy_during_backward: bool) -> Mode:
@@ -52,8 +54,7 @@ def mode_of(run: RunConfig, delayed: bool, copy_during_backward: bool) -> Mode:
     where nothing edits its gradients after it (``cpu_adam_copies_during_backward``)."""
     if not delayed:
         return Exact()
-    return Delayed(exact_steps(run), run.optimizer.cpu_adam_weight_prediction,
-                   copy_during_backward)  # fmt: skip
+    return Delayed(exact_steps(run), run.optimizer.cpu_adam_weight_prediction, copy_during_backward)
 
 
 def mode_name(built: list) -> str:
@@ -64,8 +65,9 @@ def mode_name(built: list) -> str:
     return "delayed" if all(delayed) else "delayed experts"
 
 
-def delayed_dense_warning(sizes: list[int], experts: list[bool], fraction: float,
-                          delayed: bool) -> str | None:  # fmt: skip
+def delayed_dense_warning(
+    sizes: list[int], experts: list[bool], fraction: float, delayed: bool
+) -> str | None:
     """Delayed mode reaching past a MoE rank's routed experts into its dense part and router:
     what that cost on the proxy, and the fraction that keeps them exact (None: nothing to say)."""
     total = sum(sizes)

@@ -13,8 +13,12 @@ from offload_runner.step_cost import copy_seconds_per_param, copy_window, hidden
 log = logging.getLogger("offload_runner")
 
 
-def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
-            copy_micro_batches: int | None = None) -> dict:  # fmt: skip
+def metrics(
+    optimizer,
+    forward_backward_s: float | None = None,
+    planner=None,
+    copy_micro_batches: int | None = None,
+) -> dict:
     """summary.json fields: offloaded params, the CPU Adam rate and host memory over all engines
     of a rank, the mode, and (given the run's median forward+backward) the largest offload
     fraction delayed mode hides at this run's rate (``step_cost.hidden_fraction``): its CPU Adam
@@ -83,8 +87,9 @@ def metrics(optimizer, forward_backward_s: float | None = None, planner=None,
     }
 
 
-def launch_slowdown(forward_backward_s: float | None, busy_s: float, delayed: bool,
-                    planner) -> tuple[float | None, float | None, bool]:  # fmt: skip
+def launch_slowdown(
+    forward_backward_s: float | None, busy_s: float, delayed: bool, planner
+) -> tuple[float | None, float | None, bool]:
     """(seconds of forward+backward lost per second of CPU Adam beside it, forward+backward
     without offload, whether the first was measured) for a run whose forward+backward was
     ``forward_backward_s`` and CPU Adam ``busy_s``: measured where the planner knows
@@ -109,17 +114,26 @@ def report_hidden_fraction(found: dict, planner) -> None:
         return
     slowdown = found.get("cpu_adam_launch_slowdown") or 0.0
     measured = found.get("cpu_adam_launch_slowdown_measured")
-    log.info("cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s "
-             "without offload; the training thread loses %.2f s per second of CPU Adam beside "
-             "it (%s): delayed mode hides the CPU update, with that slowdown and its copies "
-             "(beyond the last backward where they run during it) within %.0f%% of "
-             "forward+backward (planner.delayed_max_overhead), up to "
-             "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f "
-             "planner.cpu_adam_launch_slowdown=%.2f let --plan and offload/optimizer=auto use "
-             "this)",
-             found["cpu_offloaded_params"] / 1e9, found["cpu_adam_params_per_s"] / 1e9,
-             found["cpu_adam_busy_s_median"], without, slowdown,
-             "measured against planner.forward_backward_s" if measured
-             else "planner.cpu_adam_launch_slowdown; give planner.forward_backward_s from a run "
-             "without offload to measure it",
-             100 * planner.delayed_max_overhead, fraction, without, slowdown)  # fmt: skip
+    log.info(
+        "cpu_adam: %.2fB params at %.2f G/s take %.2f s on the CPU, forward+backward %.2f s "
+        "without offload; the training thread loses %.2f s per second of CPU Adam beside "
+        "it (%s): delayed mode hides the CPU update, with that slowdown and its copies "
+        "(beyond the last backward where they run during it) within %.0f%% of "
+        "forward+backward (planner.delayed_max_overhead), up to "
+        "optimizer.optimizer_offload_fraction=%.2f (planner.forward_backward_s=%.2f "
+        "planner.cpu_adam_launch_slowdown=%.2f let --plan and offload/optimizer=auto use "
+        "this)",
+        found["cpu_offloaded_params"] / 1e9,
+        found["cpu_adam_params_per_s"] / 1e9,
+        found["cpu_adam_busy_s_median"],
+        without,
+        slowdown,
+        "measured against planner.forward_backward_s"
+        if measured
+        else "planner.cpu_adam_launch_slowdown; give planner.forward_backward_s from a run "
+        "without offload to measure it",
+        100 * planner.delayed_max_overhead,
+        fraction,
+        without,
+        slowdown,
+    )

@@ -75,11 +75,13 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     parts = host_adam.inner_parts(optimizer)
     sizes = [sum(q.numel() for g in p.optimizer.param_groups for q in g["params"]) for p in parts]
     experts = [_is_expert_part(p) for p in parts]
-    fractions = part_fractions(sizes, experts, o.optimizer_offload_fraction,
-                               o.cpu_adam_delayed_update)  # fmt: skip
+    fractions = part_fractions(
+        sizes, experts, o.optimizer_offload_fraction, o.cpu_adam_delayed_update
+    )
     delayed = part_delays(run, experts)
-    warning = delayed_dense_warning(sizes, experts, o.optimizer_offload_fraction,
-                                    cpu_adam_delays_dense(run))  # fmt: skip
+    warning = delayed_dense_warning(
+        sizes, experts, o.optimizer_offload_fraction, cpu_adam_delays_dense(run)
+    )
     if warning:
         log.warning(warning)
     cpus = worker_cpus(run, rank_cpus(local_rank, local_world))
@@ -97,17 +99,28 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     # the exact updates' share, and delayed mode's for every parameter (delayed experts beside
     # an exact dense part run on the CPU alone)
     shared = [not d or cpu_adam_delays_dense(run) for d in delayed]
-    built = host_adam.install(optimizer, lambda part, i: CpuAdam(
-        part.optimizer.param_groups, fraction=fractions[i], lr=o.lr,
-        weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-        mode=mode_of(run, delayed[i], in_backward[i]), threads=threads,
-        cpus=cpus, chunk_bytes=cpu_adam_piece_bytes(sizes[i] * fractions[i]),
-        land_during_forward=in_forward[i],
-        clip_grad=o.clip_grad, gpu_share=share if shared[i] else 0.0,
-        balance=shared[i] and balanced_share(run),
-        worker=worker, moment_dtypes=optimizer_states.moment_dtypes(run),
-        grad_dtype=host_adam.grad_dtype(run),
-    ))  # fmt: skip
+    built = host_adam.install(
+        optimizer,
+        lambda part, i: CpuAdam(
+            part.optimizer.param_groups,
+            fraction=fractions[i],
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            mode=mode_of(run, delayed[i], in_backward[i]),
+            threads=threads,
+            cpus=cpus,
+            chunk_bytes=cpu_adam_piece_bytes(sizes[i] * fractions[i]),
+            land_during_forward=in_forward[i],
+            clip_grad=o.clip_grad,
+            gpu_share=share if shared[i] else 0.0,
+            balance=shared[i] and balanced_share(run),
+            worker=worker,
+            moment_dtypes=optimizer_states.moment_dtypes(run),
+            grad_dtype=host_adam.grad_dtype(run),
+        ),
+    )
     for part, engine in zip(parts, built, strict=True):
         if engine.land_during_forward:
             engine.watch(part.model_chunks)
@@ -117,34 +130,60 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     return built
 
 
-def _announce(run: RunConfig, built: list[CpuAdam], shard: int, cpus: list[int], share: float,
-              in_forward: list[bool], in_backward: list[bool]) -> None:  # fmt: skip
+def _announce(
+    run: RunConfig,
+    built: list[CpuAdam],
+    shard: int,
+    cpus: list[int],
+    share: float,
+    in_forward: list[bool],
+    in_backward: list[bool],
+) -> None:
     """The log lines that say what ``attach`` built: where the params went, the GPU share,
     where exact updates land and when delayed steps copy."""
     o, threads = run.optimizer, len(cpus)
     numel = sum(e.offloaded_numel for e in built)
-    log.info("cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
-             "%s), %s", numel / 1e9, shard / 1e9, threads, cpu_ranges(cpus),
-             mode_name(built))  # fmt: skip
+    log.info(
+        "cpu_adam: %.3fB of %.3fB params of this rank's shard on the CPU (%d threads on cores "
+        "%s), %s",
+        numel / 1e9,
+        shard / 1e9,
+        threads,
+        cpu_ranges(cpus),
+        mode_name(built),
+    )
     if share:
-        log.info("cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
-                 "through a %.0f MiB window %s while the CPU updates the rest (%s)",
-                 100 * share, max(e.window_bytes for e in built) / 1024**2,
-                 "with their gradients under the next forward+backward (delayed steps) or during "
-                 "the step (exact steps)" if cpu_adam_late_share(run) else "during the step",
-                 f"the share starts at the planner's balance and follows the measured one "
-                 f"up to step {BALANCE_STEPS}, then stays" if balanced_share(run)
-                 else "the planner's balance, fixed: model.deterministic_mode"
-                 if o.cpu_adam_gpu_share is None else "optimizer.cpu_adam_gpu_share")  # fmt: skip
+        log.info(
+            "cpu_adam: Adam on %.0f%% of them on the GPU instead, their states streamed "
+            "through a %.0f MiB window %s while the CPU updates the rest (%s)",
+            100 * share,
+            max(e.window_bytes for e in built) / 1024**2,
+            "with their gradients under the next forward+backward (delayed steps) or during "
+            "the step (exact steps)"
+            if cpu_adam_late_share(run)
+            else "during the step",
+            f"the share starts at the planner's balance and follows the measured one "
+            f"up to step {BALANCE_STEPS}, then stays"
+            if balanced_share(run)
+            else "the planner's balance, fixed: model.deterministic_mode"
+            if o.cpu_adam_gpu_share is None
+            else "optimizer.cpu_adam_gpu_share",
+        )
     if not all(in_forward):
-        log.info("cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
-                 "after the step land within step() (the all-gather needs them whole); "
-                 "the others land during the next forward")  # fmt: skip
+        log.info(
+            "cpu_adam: the exact updates of a shard that data-parallel ranks all-gather "
+            "after the step land within step() (the all-gather needs them whole); "
+            "the others land during the next forward"
+        )
     if o.cpu_adam_delayed_update:
-        log.info("cpu_adam: delayed steps copy %s", "during the last micro-batch's backward "
-                 "(the CPU applies the clip factor)" if all(in_backward) else "at the step "
-                 "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
-                 "pipeline or context parallelism)")  # fmt: skip
+        log.info(
+            "cpu_adam: delayed steps copy %s",
+            "during the last micro-batch's backward (the CPU applies the clip factor)"
+            if all(in_backward)
+            else "at the step "
+            "boundary: Megatron-Core edits gradients after the backward here (data, tensor, "
+            "pipeline or context parallelism)",
+        )
 
 
 def _data_parallel_size() -> int:
