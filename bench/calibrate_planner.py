@@ -68,10 +68,10 @@ def _retired(arg: str) -> str | None:
     """A recorded override in today's keys (None: nothing the planner reads): the keys removed
     since the run, with the suites that showed their default as good."""
     key, _, value = arg.partition("=")
-    if key == "optimizer.cpu_adam_land_during_forward" or key in REMOVED_KEYS:  # cpu-adam-landing
-        return None
     if key == "optimizer.offload_states_window_mb":  # states: 4 pieces of a chunk
         return f"optimizer.optimizer_state_offload_chunk_size_mb={int(value) // 4}"
+    if key == "optimizer.cpu_adam_land_during_forward" or key in REMOVED_KEYS:  # cpu-adam-landing
+        return None
     return arg
 
 

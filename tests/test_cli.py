@@ -536,3 +536,44 @@ def test_training_is_refused_before_it_starts_when_host_ram_is_short() -> None:
         "planner.host_memory_gb=30",
     )
     assert host_ram_short(bf16, 1) is None
+
+
+def _junk_tracker(tmp: Path) -> list[str]:
+    (tmp / "ckpt").mkdir()
+    (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("junk\n")
+    return [f"checkpoint.load={tmp / 'ckpt'}"]
+
+
+NEW_USER = {
+    "group typo": (lambda tmp: ["offload/optimiser=states"], "no config group offload/optimiser"),
+    "flag typo": (lambda tmp: ["--dry_run"], "unknown flag --dry_run (did you mean --dry-run?)"),
+    "host RAM 0": (lambda tmp: ["planner.host_memory_gb=0"], "planner.host_memory_gb=0.0 is out"),
+    "heads and groups": (
+        lambda tmp: ["model.num_attention_heads=8", "model.num_query_groups=3"],
+        "model.num_attention_heads=8 is not a multiple of model.num_query_groups=3",
+    ),
+    "removed key": (
+        lambda tmp: ["optimizer.offload_states_window_mb=64"],
+        "optimizer.offload_states_window_mb was removed",
+    ),
+    "junk tracker": (_junk_tracker, "holds 'junk', not an iteration number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEW_USER))
+def test_what_a_new_user_trips_on_is_one_line_and_a_fix(case, tmp_path: Path, capsys) -> None:
+    """Each was accepted and failed later, or answered in another tool's words (issue: a house
+    a successor can carry on, 'what a new user still trips on')."""
+    make, said = NEW_USER[case]
+    out = tmp_path / "run"
+    assert main(["--recipe", "tiny", *make(tmp_path), f"output_dir={out}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "fix:" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_bracketed_data_path_prints_as_typed(tmp_path: Path, capsys) -> None:
+    """The form the data=indexed fix line asks for, echoed without rich reading it as markup."""
+    args = ["--recipe", "tiny", "data=indexed", "dataset.data_path=[/data/x]"]
+    assert main([*args, f"output_dir={tmp_path}/run", "--dry-run"]) == EXIT_OK
+    assert "dataset.data_path=[/data/x]" in capsys.readouterr().out.replace("\n", "")

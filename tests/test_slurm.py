@@ -93,3 +93,27 @@ def test_more_than_one_task_per_node_is_refused(tmp_path: Path) -> None:
     logs = " ".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.err"))
     assert "hydra.launcher.tasks_per_node must be 1" in " ".join(logs.split())
     assert not (sweep / "0" / "config.yaml").exists()
+
+
+def test_a_slurm_sweep_dry_runs_away_from_slurm(tmp_path: Path) -> None:
+    """README's Slurm line with --dry-run on a machine without srun: the jobs are checked here
+    (submitit's executor would raise 'Could not detect srun')."""
+    import shutil
+
+    from tests.conftest import run_cli
+
+    if shutil.which("srun"):
+        pytest.skip("Slurm is here: the sweep is submitted")
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m",
+        "--recipe",
+        "tiny",
+        "--dry-run",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.nodes=4",
+        "hydra.launcher.partition=gpu",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "no Slurm here" in result.stdout and (sweep / "0" / "config.yaml").is_file()

@@ -36,6 +36,7 @@ from rich.markup import escape
 
 from offload_runner import console
 from offload_runner.auto import choose_offload, largest_slice
+from offload_runner.checkpoint import LATEST
 from offload_runner.config.compose import (
     CONF_DIR,
     RECIPE_SUFFIXES,
@@ -156,6 +157,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         elif arg.startswith("recipe="):
             hydra_args.append(f"recipe={_recipe_choice(arg.partition('=')[2], options)}")
         elif arg.startswith("-"):
+            _check_flag(arg)
             hydra_flags.append(arg)
             takes_value = arg in HYDRA_VALUE_FLAGS or (
                 arg in ("--info", "-i") and bool(args) and args[0] in HYDRA_INFO_CHOICES
@@ -200,13 +202,62 @@ def _mixed_precision_recipe(name: str) -> list[str]:
     return [f"mixed_precision.{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
+# Hydra's own flags (those without a value; HYDRA_VALUE_FLAGS take one).
+HYDRA_FLAGS = (
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--resolve",
+    "--run",
+    "-r",
+    "--multirun",
+    "-m",
+    "--info",
+    "-i",
+)
+OUR_FLAGS = (
+    *MODE_FLAGS,
+    "--json",
+    "--largest",
+    "--full",
+    "--list-recipes",
+    "--version",
+    "--collect",
+    "--recipe",
+    "--prepare",
+)
+
+
+def _check_flag(arg: str) -> None:
+    """A flag that is neither ours nor Hydra's: one line naming the closest, not argparse's
+    usage block."""
+    import difflib
+
+    flag = arg.partition("=")[0]
+    known = (*OUR_FLAGS, *HYDRA_FLAGS, *HYDRA_VALUE_FLAGS)
+    if flag in known:
+        return
+    close = difflib.get_close_matches(flag, known, n=1)
+    raise UsageError(
+        f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""),
+        f"write {close[0]}" if close else "python run_recipe.py --help lists the flags",
+    )
+
+
 def _check_override_key(arg: str) -> None:
     """``[+|++|~]section.key=value`` must name a schema key (Hydra's ``+`` would add an unknown
     one, saved and then ignored); config groups (``offload/optimizer=...``) and ``hydra.*`` pass."""
     if arg.startswith("-") or "=" not in arg:
         return
     key = arg.partition("=")[0].lstrip("+~")
-    if "/" in key or key.split(".")[0] in ("hydra", *config_groups()):
+    groups = config_groups()
+    if "/" in key and key not in groups and not key.startswith("hydra/"):
+        close = closest_key(key, frozenset(groups))
+        raise UsageError(
+            f"no config group {key}" + (f" (did you mean {close}?)" if close else ""),
+            f"spell it {close}=..." if close else "python run_recipe.py --help lists the groups",
+        )
+    if "/" in key or key.split(".")[0] in ("hydra", *groups):
         return
     if key not in schema_keys():
         raise UsageError(*_unknown_key_message(key))
@@ -521,10 +572,18 @@ def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
 
 
 def _missing_checkpoint(run: RunConfig) -> tuple[str, str] | None:
-    """checkpoint.load names a folder that is not there: a resume that would silently start from
-    scratch. Allowed where it is checkpoint.save too (resume if there, else start: a job that
-    restarts itself)."""
+    """checkpoint.load's tracker file holds no iteration; or it names a folder that is not
+    there: a resume that would silently start from scratch. Allowed where it is checkpoint.save
+    too (resume if there, else start: a job that restarts itself)."""
     load = run.checkpoint.load
+    tracker = Path(load or ".") / LATEST
+    if load and tracker.is_file() and not tracker.read_text().strip().isdigit():
+        return (
+            f"checkpoint.load={load}: {LATEST} holds {tracker.read_text().strip()[:40]!r}, "
+            "not an iteration number",
+            f"write the iteration of a saved iter_NNNNNNN folder into {tracker}, or point "
+            "checkpoint.load at an iteration folder",
+        )
     if not load or Path(load).exists() or load == run.checkpoint.save:
         return None
     return (
@@ -696,8 +755,22 @@ def help_text() -> str:
     )
 
 
+def _local_launcher(options: CliOptions, hydra_args: list[str]) -> list[str]:
+    """--dry-run / --plan of a Slurm sweep away from Slurm (no srun here): its jobs only compose
+    and check, so they run here instead of failing in submitit's traceback."""
+    import shutil
+
+    slurm = "hydra/launcher=submitit_slurm" in hydra_args
+    if options.mode in (Mode.train, Mode.verify) or not slurm or shutil.which("srun"):
+        return hydra_args
+    launcher = ("hydra/launcher=", "hydra.launcher.")
+    console.console.print("no Slurm here: the sweep's jobs are checked in this process")
+    return [a for a in hydra_args if not a.lstrip("+~").startswith(launcher)]
+
+
 def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
     outcome = _Outcome()
+    hydra_args = _local_launcher(options, hydra_args)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> int:

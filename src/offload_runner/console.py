@@ -141,7 +141,8 @@ def print_plan(plan, recipe: str) -> None:  # plan: offload_runner.plan.Plan
     nodes = plan.node_host_gb()
     console.print(
         f"host per node: {', '.join(f'node {n} {gb:.1f} GB' for n, gb in nodes.items())} "
-        f"of {plan.host_capacity_gb:.0f} GB; GPU {plan.gpu_capacity_gb:.1f} GB "
+        f"of {plan.host_capacity_gb:.0f} GB ({plan.host_capacity_source}); "
+        f"GPU {plan.gpu_capacity_gb:.1f} GB "
         f"({plan.gpu_capacity_source}), kept free {plan.gpu_kept_free_gb:.1f} GB"
         + (" (margin + NCCL)" if plan.gpu_kept_free_gb > plan.margin_gb else ""),
         highlight=False,

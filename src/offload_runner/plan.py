@@ -569,6 +569,7 @@ class Plan:
     gpus_per_node: int
     margin_gb: float
     notes: list[str] = field(default_factory=list)
+    host_capacity_source: str = "planner.host_memory_gb"
 
     @property
     def worst(self) -> RankPlan:
@@ -612,6 +613,7 @@ class Plan:
             "gpu_margin_gb": self.margin_gb,
             "gpu_kept_free_gb": self.gpu_kept_free_gb,
             "host_capacity_gb": self.host_capacity_gb,
+            "host_capacity_source": self.host_capacity_source,
             "fits": self.limiting is None,
             "limiting": self.limiting,
             "ranks": [r.as_dict() for r in self.ranks],
@@ -657,9 +659,17 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
             f"no GPU visible: assuming {ASSUMED_GPU_GB:.0f} GB per GPU (set planner.gpu_memory_gb)"
         )
     host = run.planner.host_memory_gb or detect_host_gb()
+    host_source = "planner.host_memory_gb" if run.planner.host_memory_gb else "this machine's RAM"
     ranks = [plan_rank(run, layout, r, per_node) for r in range(layout.world)]
     return Plan(
-        ranks, round(capacity, 2), source, round(host, 1), per_node, run.planner.margin_gb, notes
+        ranks,
+        round(capacity, 2),
+        source,
+        round(host, 1),
+        per_node,
+        run.planner.margin_gb,
+        notes,
+        host_source,
     )
 
 

@@ -471,6 +471,17 @@ RULES: tuple[Rule, ...] = (
         environment=True,
     ),
     Rule(
+        "query_groups_divide_heads",
+        lambda c, e: (
+            bool(c.model.num_query_groups)
+            and c.model.num_attention_heads % c.model.num_query_groups != 0
+        ),
+        "model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+        "model.num_query_groups={m.num_query_groups}: each query group shares its key and value "
+        "among the same number of heads",
+        "set model.num_query_groups to a divisor of {m.num_attention_heads} (1 for one group)",
+    ),
+    Rule(
         "te_cuda_graphs_not_captured",
         lambda c, e: (
             c.model.cuda_graph_impl == CudaGraphImpl.transformer_engine
@@ -1241,9 +1252,9 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("launcher", "node_rank"): (0, None),
     ("launcher", "master_port"): (1, 65535),
     ("launcher", "max_restarts"): (0, None),
-    ("planner", "gpu_memory_gb"): (0, None),
-    ("train", "gpu_memory_cap_gb"): (0, None),
-    ("planner", "host_memory_gb"): (0, None),
+    ("planner", "gpu_memory_gb"): (0.001, None),  # 0 would read as unset
+    ("train", "gpu_memory_cap_gb"): (0.001, None),
+    ("planner", "host_memory_gb"): (0.001, None),
     ("planner", "margin_gb"): (0, None),
     ("planner", "host_link_gb_per_s"): (0.001, None),
     ("planner", "cpu_adam_params_per_s"): (1, None),

@@ -659,6 +659,11 @@ REMOVED_KEYS = {
         "rates in bench/results), and no suite set it",
         "drop it (launcher.nproc_per_node and the cores the job is given set the team)",
     ),
+    "optimizer.offload_states_window_mb": (
+        "the state window is 4 pieces of optimizer.optimizer_state_offload_chunk_size_mb; "
+        "windows of 128, 512 and 2048 MiB took the same optimizer phase (suite states)",
+        "set optimizer.optimizer_state_offload_chunk_size_mb to a quarter of it, or drop it",
+    ),
     "optimizer.cpu_adam_chunk_mb": (
         "the engine's pieces are 64 MiB, smaller only for a part too small to make 16 of them "
         "(hardware.cpu_adam_piece_bytes): 256 MiB pieces were no faster (1.205 against 1.178 s "
