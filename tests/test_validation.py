@@ -850,6 +850,12 @@ CASES = [
         "dataset.data_path blends prefixes prepared with different end-of-document ids",
     ),
     Case(
+        "query_groups_divide_heads",
+        ("recipe=tiny", "model.num_attention_heads=8", "model.num_query_groups=3"),
+        ("recipe=tiny", "model.num_attention_heads=8", "model.num_query_groups=4"),
+        "model.num_attention_heads=8 is not a multiple of model.num_query_groups=3",
+    ),
+    Case(
         "mxfp8_buffer_reuse_unused",
         ("recipe=tiny", "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true"),
         RECIPE_TINY,
