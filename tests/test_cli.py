@@ -11,7 +11,7 @@ from conftest import PROJECT_ROOT as ROOT
 from conftest import run_cli
 
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Mode, main, split_argv
-from offload_runner.validation import te_available as validation_te_available
+from offload_runner.hardware import te_available as validation_te_available
 
 BRIDGE_COMMAND = (
     "--recipe",

@@ -57,7 +57,7 @@ from offload_runner.offload import any_enabled, apply_runtime_environment, summa
 from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
-from offload_runner.validation import Environment, errors, validate, value_violations
+from offload_runner.validation import RULES, Environment, errors, validate, value_violations
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -532,7 +532,7 @@ def _dry_run(job: _Job) -> int:
         f"{plan.host_capacity_gb:.0f} GB per node (--plan for the table)",
         highlight=False,
     )
-    console.print_checks(violations)
+    console.print_checks(violations, len(RULES))
     run_dir = create_run_dir(
         _run_dir(run.output_dir), resolved, _task_overrides(), unique=_time_stamped(cfg)
     )

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from offload_runner.config.checks import Level, Violation
 from offload_runner.offload import OffloadSummary
-from offload_runner.validation import RULES, Level, Violation
 
 console = Console()
 err_console = Console(stderr=True)
@@ -58,11 +58,11 @@ def print_offload_summary(rows: Iterable[OffloadSummary]) -> None:
         console.print(f"  off: {', '.join(off)}", highlight=False)
 
 
-def print_checks(violations: list[Violation]) -> None:
-    """Which constraints ran, and the warnings among them."""
+def print_checks(violations: list[Violation], rules: int) -> None:
+    """Which constraints ran (``rules`` rows of the table), and the warnings among them."""
     warned = [v for v in violations if v.level == Level.warning]
     console.print(
-        f"[green]checked[/] {len(RULES)} offload-runner rules and Megatron-Core's "
+        f"[green]checked[/] {rules} offload-runner rules and Megatron-Core's "
         "TransformerConfig / OptimizerConfig / DDP config checks: no errors"
         + (f", {len(warned)} warning(s)" if warned else "")
     )

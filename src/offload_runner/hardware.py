@@ -203,6 +203,13 @@ GPU_RATES = {
 GPU_ADAM_S_PER_PARAM = 2.56e-11
 
 
+def te_available() -> bool:
+    """Whether Transformer Engine is installed here (found, not imported: that takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 # --- host cores ---------------------------------------------------------------------------------
 
 RESERVED_CORES_DELAYED = 2  # the training thread and data loading, while the worker runs

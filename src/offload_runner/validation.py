@@ -16,9 +16,9 @@ import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from enum import Enum
 from pathlib import Path
 
+from offload_runner.config.checks import Level, Violation
 from offload_runner.config.schema import (
     TE_FUSIONS,
     CpuOffloadEngine,
@@ -36,11 +36,7 @@ from offload_runner.config.schema import (
     te_fusions,
     weights_offloaded,
 )
-
-
-class Level(str, Enum):
-    error = "error"
-    warning = "warning"
+from offload_runner.hardware import te_available
 
 
 @dataclass(frozen=True)
@@ -80,22 +76,6 @@ class Rule:
     fix: str  # likewise
     level: Level = Level.error
     environment: bool = False
-
-
-@dataclass(frozen=True)
-class Violation:
-    rule: str
-    level: Level
-    message: str
-    fix: str
-    environment: bool = False  # about this machine (e.g. Transformer Engine missing), not the input
-
-    def __str__(self) -> str:
-        return f"{self.message}\n    fix: {self.fix}"
-
-
-def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _cpu_adam_selected(c: RunConfig) -> bool:

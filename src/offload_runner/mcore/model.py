@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 from offload_runner.config.schema import RunConfig, TransformerImpl
+from offload_runner.hardware import te_available
 from offload_runner.model_size import padded_vocab_size
-from offload_runner.validation import te_available
 
 
 def use_transformer_engine(run: RunConfig) -> bool:
