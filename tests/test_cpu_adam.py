@@ -953,7 +953,7 @@ def test_a_gpu_share_through_the_window_is_bit_identical_too(fraction: float, sh
     """Exact mode with a GPU share: the last pieces in forward order pass through the state
     window (on the CPU here, with the same fused kernel), the first run on the CPU; each
     module's forward still sees its exact update, and the masters follow torch's AdamW."""
-    from offload_runner.offload.optimizer_states import SLOTS
+    from offload_runner.offload.window import SLOTS
 
     buffers = Buffers()
     eng = engine(buffers, fraction, land_during_forward=True, gpu_share=share)

@@ -21,12 +21,8 @@ import torch
 
 from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.cpu_adam import CpuAdam
-from offload_runner.offload.optimizer_states import (
-    BYTES_PER_PARAM,
-    SLOTS,
-    BesideForward,
-    WindowedStates,
-)
+from offload_runner.offload.optimizer_states import BesideForward, WindowedStates
+from offload_runner.offload.window import BYTES_PER_PARAM, SLOTS
 from tests.test_cpu_adam import (
     BETAS,
     EPS,
@@ -495,7 +491,7 @@ def test_each_window_copy_is_followed_by_a_gap_kernel() -> None:
     """``_copy_all`` copies every pair and puts the one-element gap op (a sign flip) after each
     copy, where a copy engine yields to other streams: two copies leave the gap's sign as it
     was, three flip it."""
-    from offload_runner.offload.optimizer_states import _copy_all
+    from offload_runner.offload.window import _copy_all
 
     for count, sign in ((2, 1.0), (3, -1.0)):
         sources = [torch.arange(5, dtype=torch.float32) + i for i in range(count)]

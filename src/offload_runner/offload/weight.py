@@ -637,9 +637,9 @@ def _gpu_adam(device):
     import torch
 
     from offload_runner.offload.host_adam import torch_adamw
-    from offload_runner.offload.optimizer_states import _te_adam
+    from offload_runner.offload.window import te_adam
 
-    te = _te_adam(device) if device.type == "cuda" else None
+    te = te_adam(device) if device.type == "cuda" else None
     if te is not None:
         return te
 

@@ -26,7 +26,7 @@ from offload_runner.offload.host_adam import (
     main_grad_views,
     torch_adamw,
 )
-from offload_runner.offload.optimizer_states import StatesWindow
+from offload_runner.offload.window import StatesWindow
 
 log = logging.getLogger("offload_runner")
 
