@@ -121,3 +121,8 @@ def test_prepare_refuses_bad_input_with_one_line_and_writes_nothing(case, tmp_pa
     err = capsys.readouterr().err
     assert said in err and "fix:" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_help_says_what_it_takes(capsys) -> None:
+    assert main(["--prepare", "--help"]) == EXIT_OK
+    assert "--output PREFIX" in capsys.readouterr().out

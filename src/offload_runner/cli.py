@@ -718,8 +718,12 @@ def _prepare(argv: list[str]) -> int:
     """``run_recipe.py --prepare ...`` (prepare.py), with a progress bar: 0 written, 2 refused."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+    from offload_runner import prepare as module
     from offload_runner.prepare import Parser, PrepareError, collect, prepare
 
+    if {"--help", "-h"} & set(argv):
+        print(module.__doc__)
+        return EXIT_OK
     try:
         args = Parser.parse(argv)
         total = sum(p.stat().st_size for p in collect(args.inputs))
