@@ -12,6 +12,7 @@ from offload_runner.config.schema import (
     RecomputeGranularity,
     RecomputeMethod,
     RunConfig,
+    states_offloaded,
 )
 from offload_runner.gpu_time import Predicted, predict
 from offload_runner.model_size import count_parameters
@@ -193,10 +194,12 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             f"{last.gpu_kept_free_gb:.1f} GB kept free of a {last.gpu_capacity_gb:.1f} GB GPU and "
             f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
         )
-    cost = step_cost(run, fitting[0].plan.gpus_per_node)
+    o = run.optimizer
+    offloading = p.auto_optimizer or o.optimizer_cpu_offload or states_offloaded(run)
+    cost = step_cost(run, fitting[0].plan.gpus_per_node) if offloading else None  # times CPU Adam
 
     def offload_s(fit: Fit) -> float:
-        return max(cost.seconds(fit.run, r) for r in fit.plan.ranks) if p.auto_optimizer else 0.0
+        return max(cost.seconds(fit.run, r) for r in fit.plan.ranks) if cost else 0.0
 
     def predicted(fit: Fit) -> Predicted:
         return predict(fit.run, offload_s(fit), world)
@@ -219,7 +222,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         parts.append(
             f"weight offload of {best.overrides['model.cpu_offloading_num_layers']} layer(s)"
         )
-    why = _why(best, cost if p.auto_optimizer else None, offload_s)
+    why = _why(best, cost, offload_s)
     if not best.run.model.deterministic_mode:
         why += f"; {_speed(predicted(best))}"
     if predicted(best).step_s > fastest:
