@@ -37,6 +37,7 @@ from offload_runner.config.schema import (
     weights_offloaded,
 )
 from offload_runner.hardware import te_available
+from offload_runner.mcore.data import prepared_eods, prepared_metadata
 
 
 @dataclass(frozen=True)
@@ -90,18 +91,7 @@ def _precision_aware(c: RunConfig) -> bool:
 def prepared_vocab(c: RunConfig) -> int:
     """The largest vocabulary among dataset.data_path's prefixes that --prepare wrote (0: none
     of them, or mock data)."""
-    from offload_runner.mcore.data import prepared_metadata
-
-    found = prepared_metadata(c) if c.dataset.kind.value == "indexed" else []
-    return max((m["vocab_size"] for m in found), default=0)
-
-
-def prepared_eods(c: RunConfig) -> list[int]:
-    """The end-of-document ids --prepare recorded for dataset.data_path's prefixes."""
-    from offload_runner.mcore.data import prepared_metadata
-
-    found = prepared_metadata(c) if c.dataset.kind.value == "indexed" else []
-    return sorted({m["eod_id"] for m in found})
+    return max((m["vocab_size"] for m in prepared_metadata(c)), default=0)
 
 
 def _low_precision_adam(c: RunConfig) -> bool:

@@ -26,14 +26,22 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
 
 def prepared_metadata(run: RunConfig) -> list[dict]:
     """What --prepare wrote beside each of dataset.data_path's prefixes (prefixes made
-    elsewhere have none)."""
+    elsewhere have none; mock data has no prefixes)."""
     from offload_runner.prepare import read_metadata
 
+    if run.dataset.kind != DatasetKind.indexed:
+        return []
     try:
         prefixes, _ = parse_blend(run.dataset.data_path)
     except ValueError:
         return []
     return [m for m in map(read_metadata, prefixes) if m is not None]
+
+
+def prepared_eods(run: RunConfig) -> list[int]:
+    """The end-of-document ids --prepare recorded for the prefixes (more than one: a blend
+    validation refuses)."""
+    return sorted({m["eod_id"] for m in prepared_metadata(run)})
 
 
 def data_tokenizer(run: RunConfig):
@@ -50,15 +58,10 @@ def data_tokenizer(run: RunConfig):
         def eod(self) -> int:
             return self._eod
 
-    eods = (
-        {m["eod_id"] for m in prepared_metadata(run)}
-        if run.dataset.kind.value == "indexed"
-        else set()
-    )
+    eods = prepared_eods(run)
     if len(eods) > 1:
-        raise ValueError(f"dataset.data_path's prefixes have different EOD ids: {sorted(eods)}")
-    eod = eods.pop() if eods else run.model.vocab_size - 1
-    return DataTokenizer(run.model.vocab_size, eod)
+        raise ValueError(f"dataset.data_path's prefixes have different EOD ids: {eods}")
+    return DataTokenizer(run.model.vocab_size, eods[0] if eods else run.model.vocab_size - 1)
 
 
 def dataset_config(run: RunConfig, cache_dir: Path | None = None):
