@@ -28,10 +28,10 @@ from calibrate_planner import as_it_ran  # noqa: E402
 from offload_runner.auto import choose_offload, with_overrides  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
 from offload_runner.config.schema import RunConfig, te_fusions  # noqa: E402
-from offload_runner.gpu_time import Predicted, micro_batches, predict  # noqa: E402
+from offload_runner.gpu_time import Predicted, predict  # noqa: E402
 from offload_runner.hardware import GPU_RATES  # noqa: E402
 from offload_runner.model_size import count_parameters, training_flops_per_token  # noqa: E402
-from offload_runner.plan import Layout, make_plan  # noqa: E402
+from offload_runner.plan import Layout, make_plan, rank_micro_batches  # noqa: E402
 from offload_runner.report import markdown_table  # noqa: E402
 from offload_runner.step_cost import step_cost  # noqa: E402
 
@@ -110,7 +110,7 @@ def fit(rows: list[Row]) -> dict:
         run = run_of(row.runs[0])
         if not row.held_out:
             layout = Layout.of(run)
-            n, m = micro_batches(run, layout), run.model
+            n, m = rank_micro_batches(run, layout), run.model
             dense = n * m.num_layers * GPU_RATES["plain"].dense_layer_s
             experts = n * m.num_layers * (m.num_moe_experts or 0) / layout.ep
             flops = training_flops_per_token(m) * run.train.global_batch_size * m.seq_length

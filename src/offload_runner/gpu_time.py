@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload_runner.config.schema import RunConfig, te_fusions
+from offload_runner.config.schema import RunConfig, states_offloaded, te_fusions
 from offload_runner.hardware import GPU_ADAM_S_PER_PARAM, GPU_RATES, GpuRates
 from offload_runner.model_size import count_parameters, training_flops_per_token
-from offload_runner.plan import Layout
+from offload_runner.plan import Layout, rank_micro_batches
 
 RECOMPUTE_FACTOR = 4 / 3  # full recompute: the layer's forward (a third of its work) again
 
@@ -38,17 +38,11 @@ def layer_fixed_seconds(run: RunConfig, layout: Layout) -> float:
     return r.dense_layer_s + r.expert_s * m.num_moe_experts / layout.ep
 
 
-def micro_batches(run: RunConfig, layout: Layout) -> int:
-    """Micro-batches one rank runs per step."""
-    t = run.train
-    return max(1, t.global_batch_size // (t.micro_batch_size * layout.dp))
-
-
 def forward_backward_seconds(run: RunConfig, world: int | None = None) -> float:
     """One step's forward+backward on the busiest rank."""
     m, t = run.model, run.train
     layout = Layout.of(run, world)
-    n = micro_batches(run, layout)
+    n = rank_micro_batches(run, layout)
     layers = m.num_layers // layout.pp
     tokens = t.micro_batch_size * m.seq_length
     flops = training_flops_per_token(m) * tokens / (layout.tp * layout.pp * layout.cp)
@@ -74,7 +68,7 @@ def gpu_adam_seconds(run: RunConfig, world: int | None = None) -> float:
     on_gpu = 1.0
     if o.optimizer_cpu_offload:
         on_gpu -= o.optimizer_offload_fraction
-    elif o.offload_optimizer_states:
+    elif states_offloaded(run):
         on_gpu -= o.optimizer_state_offload_fraction
     return max(on_gpu, 0.0) * params * GPU_ADAM_S_PER_PARAM
 

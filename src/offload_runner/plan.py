@@ -124,6 +124,12 @@ class Layout:
         )
 
 
+def rank_micro_batches(run: RunConfig, layout: Layout) -> int:
+    """Micro-batches one rank runs per step."""
+    t = run.train
+    return max(1, t.global_batch_size // (t.micro_batch_size * layout.dp))
+
+
 def minimal_world_size(run: RunConfig) -> int:
     """The fewest ranks the parallel layout needs (data-parallel size 1)."""
     return math.lcm(run.model.model_parallel_size, run.model.expert_layout_size)
@@ -443,7 +449,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
 
     tokens = t.micro_batch_size * m.seq_length / layout.cp
     layers = m.num_layers // layout.pp
-    micro_batches = max(1, t.global_batch_size // (t.micro_batch_size * layout.dp))
+    micro_batches = rank_micro_batches(run, layout)
     in_flight = min(layout.pp - stage, micro_batches)
     per_layer = layer_activations(run).per_rank(layout.tp, m.sequence_parallel) * tokens
     hidden = 2 * m.hidden_size * tokens / (layout.tp if m.sequence_parallel else 1)
