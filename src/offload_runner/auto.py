@@ -201,10 +201,12 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
     def offload_s(fit: Fit) -> float:
         return max(cost.seconds(fit.run, r) for r in fit.plan.ranks) if cost else 0.0
 
-    def predicted(fit: Fit) -> Predicted:
-        return predict(fit.run, offload_s(fit), world)
+    steps = {id(f): predict(f.run, offload_s(f), world) for f in fitting}  # each once
 
-    fastest = min(predicted(f).step_s for f in fitting)
+    def predicted(fit: Fit) -> Predicted:
+        return steps[id(fit)]
+
+    fastest = min(step.step_s for step in steps.values())
     best = min(
         (f for f in fitting if predicted(f).step_s <= fastest * (1 + TIE_MARGIN)),
         key=lambda f: (*_simplest(f), predicted(f).step_s),
@@ -222,13 +224,13 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
         parts.append(
             f"weight offload of {best.overrides['model.cpu_offloading_num_layers']} layer(s)"
         )
-    why = _why(best, cost, offload_s)
+    why = _why(best, cost, predicted(best).offload_s)
     if not best.run.model.deterministic_mode:
         why += f"; {_speed(predicted(best))}"
     if predicted(best).step_s > fastest:
         why += f"; within {TIE_MARGIN:.0%} of the fastest prediction, the simplest shape wins"
     if others := [
-        f"{_label(f)} +{offload_s(f):.2f} s, {_speed(predicted(f))}" for f in ranked[1:3]
+        f"{_label(f)} +{predicted(f).offload_s:.2f} s, {_speed(predicted(f))}" for f in ranked[1:3]
     ]:
         why += f"; next: {'; '.join(others)}"
     if (weights := weight_offload_note(best.run, best.plan)) is not None:
@@ -296,7 +298,7 @@ def _fewest_layers(run: RunConfig, world: int | None, base: dict, shape: dict) -
     return last, None
 
 
-def _why(best: Fit, cost, offload_s) -> str:
+def _why(best: Fit, cost, offload_s: float) -> str:
     """Why ``best`` was chosen: its peak and host memory against the capacities, the precision
     tier it took where the configured one fits nowhere, and its offload's predicted cost."""
     plan = best.plan
@@ -310,7 +312,7 @@ def _why(best: Fit, cost, offload_s) -> str:
         why += f"; {PRECISION_TIERS[best.tier][0]}: nothing in the configured precision fits"
     if cost:
         worst = max(plan.ranks, key=lambda r: cost.seconds(best.run, r))
-        why += f"; predicted +{offload_s(best):.2f} s per step: {cost.explain(best.run, worst)}"
+        why += f"; predicted +{offload_s:.2f} s per step: {cost.explain(best.run, worst)}"
     return why
 
 
