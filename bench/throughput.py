@@ -14,6 +14,7 @@ the calibration rows' forward+backward medians); ``report`` writes the Markdown 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -61,6 +62,16 @@ class Row:
     def held_out(self) -> bool:
         return self.name not in FITTED_ON
 
+    @functools.cached_property
+    def run(self) -> RunConfig:
+        """The config its first run trained with (composed once: seconds)."""
+        return run_of(self.runs[0])
+
+    @functools.cached_property
+    def model_step_s(self) -> float:
+        """The model's step for it."""
+        return predicted(self.run).step_s
+
 
 def load(files: list[Path]) -> tuple[list[Row], dict]:
     """The suite's rows in their order, each with its runs over the files (rounds), and the
@@ -88,9 +99,8 @@ def run_of(result: dict) -> RunConfig:
     return run
 
 
-def predicted(result: dict) -> Predicted:
-    """The model's step for a recorded run (its offload's cost from StepCost)."""
-    run = run_of(result)
+def predicted(run: RunConfig) -> Predicted:
+    """The model's step for a recorded run's config (its offload's cost from StepCost)."""
     plan = make_plan(run)
     cost = step_cost(run)
     return predict(run, max(cost.seconds(run, r) for r in plan.ranks))
@@ -107,7 +117,7 @@ def fit(rows: list[Row]) -> dict:
     samples: dict[str, list[tuple[float, float, float]]] = {}
     adam = []
     for row in rows:
-        run = run_of(row.runs[0])
+        run = row.run
         if not row.held_out:
             layout = Layout.of(run)
             n, m = rank_micro_batches(run, layout), run.model
@@ -148,7 +158,7 @@ def table(rows: list[Row]) -> list[list[str]]:
     for row in rows:
         step = row.median("step_time_s_median")
         low, high = row.spread()
-        model = predicted(row.runs[0]).step_s
+        model = row.model_step_s
         out.append(
             [
                 row.name,
@@ -197,7 +207,7 @@ def misses(rows: list[Row]) -> list[str]:
     lines = []
     for row in rows:
         step = row.median("step_time_s_median")
-        model = predicted(row.runs[0]).step_s
+        model = row.model_step_s
         if not row.held_out or abs(model - step) / step < TOLERANCE:
             continue
         runs = ", ".join(f"{v:.2f}" for v in row.values("step_time_s_median"))
@@ -265,7 +275,7 @@ def draw(rows: list[Row], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in rows:
-        mb = run_of(row.runs[0]).train.micro_batch_size
+        mb = row.run.train.micro_batch_size
         steps = row.values("step_time_s_median")
         ax.scatter([mb] * len(steps), steps, label=row.name, alpha=0.8)
     ax.set_xscale("log", base=2)
