@@ -231,16 +231,14 @@ OUR_FLAGS = (
 def _check_flag(arg: str) -> None:
     """A flag that is neither ours nor Hydra's: one line naming the closest, not argparse's
     usage block."""
-    import difflib
-
     flag = arg.partition("=")[0]
-    known = (*OUR_FLAGS, *HYDRA_FLAGS, *HYDRA_VALUE_FLAGS)
+    known = frozenset((*OUR_FLAGS, *HYDRA_FLAGS, *HYDRA_VALUE_FLAGS))
     if flag in known:
         return
-    close = difflib.get_close_matches(flag, known, n=1)
+    close = closest_key(flag, known)
     raise UsageError(
-        f"unknown flag {flag}" + (f" (did you mean {close[0]}?)" if close else ""),
-        f"write {close[0]}" if close else "python run_recipe.py --help lists the flags",
+        f"unknown flag {flag}" + (f" (did you mean {close}?)" if close else ""),
+        f"write {close}" if close else "python run_recipe.py --help lists the flags",
     )
 
 
