@@ -111,3 +111,23 @@ def test_micro_batch_auto_on_the_command_line(tmp_path, capsys) -> None:
     assert main(args) == EXIT_OK
     out = capsys.readouterr().out
     assert "auto: train.micro_batch_size=4" in out.replace("\n", " ")
+
+
+def test_auto_offers_no_recompute_beside_layer_offload(tmp_path) -> None:
+    """With offload/activation=enabled auto chose MB 4 with full recompute, which validation
+    then refused (Megatron-Core: no recompute with CPU offloading)."""
+    args = [
+        "--recipe",
+        "qwen3_30b_a3b_proxy",
+        "train.global_batch_size=16",
+        "planner.gpu_memory_gb=60",
+        "planner.host_memory_gb=125",
+        "train.micro_batch_size=auto",
+        "offload/activation=enabled",
+        "model.cpu_offloading_num_layers=3",
+        f"output_dir={tmp_path}/run",
+        "--dry-run",
+    ]
+    assert main(args) == EXIT_OK
+    run = compose_run(*PROXY_16, "planner.auto_micro_batch=true", "offload/activation=enabled")
+    assert choose_offload(run).overrides["model.recompute_granularity"] is None

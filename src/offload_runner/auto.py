@@ -161,7 +161,8 @@ TIE_MARGIN = 0.05
 
 def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
     """The micro-batches and recompute auto tries: as configured, or with
-    planner.auto_micro_batch each divisor of the rank's batch, without and with full recompute."""
+    planner.auto_micro_batch each divisor of the rank's batch, without and with full recompute
+    (not where the run offloads layers: Megatron-Core refuses recompute beside it)."""
     if not run.planner.auto_micro_batch:
         return [("", {})]
     per_rank = max(1, run.train.global_batch_size // Layout.of(run, world).dp)
@@ -169,9 +170,9 @@ def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
     for mb in (d for d in range(1, per_rank + 1) if per_rank % d == 0):
         name = f"train.micro_batch_size={mb}"
         found.append((name, {"train.micro_batch_size": mb, **NO_RECOMPUTE}))
-        found.append(
-            (f"{name} with full recompute", {"train.micro_batch_size": mb, **RECOMPUTE_FULL})
-        )
+        if not run.model.cpu_offloading:
+            full = {"train.micro_batch_size": mb, **RECOMPUTE_FULL}
+            found.append((f"{name} with full recompute", full))
     return found
 
 
