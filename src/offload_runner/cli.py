@@ -724,7 +724,8 @@ def _prepare(argv: list[str]) -> int:
         return EXIT_OK
     try:
         args = Parser.parse(argv)
-        total = sum(p.stat().st_size for p in collect(args.inputs))
+        args.sources = collect(args.inputs)
+        total = sum(p.stat().st_size for p in args.sources)
         columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
         with Progress(*columns, console=console.console, transient=True) as bar:
             task = bar.add_task("tokenizing", total=total)

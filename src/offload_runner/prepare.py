@@ -114,11 +114,15 @@ def _last_break(window: str, start: int) -> int:
     return start + ends[-1] if ends else -1
 
 
+def file_documents(path: Path, chunk_kb: float) -> Iterator[str]:
+    """One file's documents: each of its texts in pieces of about ``chunk_kb`` KB."""
+    for text in texts(path):
+        yield from chunks(text, int(chunk_kb * 1024))
+
+
 def documents(args: PrepareArgs) -> Iterator[str]:
-    size = int(args.chunk_kb * 1024)
     for path in args.sources:
-        for text in texts(path):
-            yield from chunks(text, size)
+        yield from file_documents(path, args.chunk_kb)
 
 
 def sha256(path: Path) -> str:
@@ -194,8 +198,14 @@ def eod_id(tokenizer) -> int:
 
 
 def check(args: PrepareArgs) -> int:
-    """Collect the inputs and count their documents; refuse what cannot make a dataset."""
-    args.sources = collect(args.inputs)
+    """Collect the inputs (unless done) and count their documents; refuse what cannot make a
+    dataset."""
+    if args.output.is_dir() or not args.output.name:
+        raise PrepareError(
+            f"--output {args.output} is a folder",
+            "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
+        )
+    args.sources = args.sources or collect(args.inputs)
     count = sum(1 for _ in documents(args))
     if not count:
         raise PrepareError("--prepare: the input holds no text", "name files that hold text")
@@ -205,11 +215,6 @@ def check(args: PrepareArgs) -> int:
             f"--prepare: {count} documents of about {args.chunk_kb:g} KB are too few for a "
             f"validation split (at least {MIN_DOCUMENTS})",
             f"add text, or cut smaller documents: --chunk-kb {smaller:.1f}",
-        )
-    if args.output.is_dir() or not args.output.name:
-        raise PrepareError(
-            f"--output {args.output} is a folder",
-            "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
         )
     return count
 
@@ -231,14 +236,12 @@ def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None)
     partial = Path(f"{args.output}.partial")
     builder = IndexedDatasetBuilder(f"{partial}.bin", dtype=DType.optimal_dtype(vocab))
     tokens = 0
-    size = int(args.chunk_kb * 1024)
     for path in args.sources:
-        for text in texts(path):
-            pieces = list(chunks(text, size))
-            for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
-                ids = [*encoding.ids, eod]
-                builder.add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
-                tokens += len(ids)
+        pieces = list(file_documents(path, args.chunk_kb))
+        for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
+            ids = [*encoding.ids, eod]
+            builder.add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
+            tokens += len(ids)
         on_bytes(path.stat().st_size)
     builder.finalize(f"{partial}.idx")
     for suffix in (".bin", ".idx"):
