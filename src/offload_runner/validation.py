@@ -122,6 +122,13 @@ def _deprecated_cuda_graph_flag(c: RunConfig) -> str | None:
     return next((f for f in DEPRECATED_CUDA_GRAPH_FLAGS if getattr(c.model, f, False)), None)
 
 
+def _graph_impl(c: RunConfig) -> str:
+    """The CUDA-graph implementation Megatron-Core runs: the deprecated switch's, where set."""
+    return DEPRECATED_CUDA_GRAPH_FLAGS.get(
+        _deprecated_cuda_graph_flag(c), c.model.cuda_graph_impl.value
+    )
+
+
 def _profiling_on(c: RunConfig) -> bool:
     return c.profiling.use_pytorch_profiler or c.profiling.use_nsys_profiler
 
@@ -453,10 +460,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "te_cuda_graphs_not_captured",
-        lambda c, e: (
-            c.model.cuda_graph_impl == CudaGraphImpl.transformer_engine
-            or bool(getattr(c.model, "external_cuda_graph", False))
-        ),
+        lambda c, e: _graph_impl(c) == CudaGraphImpl.transformer_engine.value,
         "model.cuda_graph_impl=transformer_engine is captured by the training loop's "
         "TECudaGraphHelper, which offload-runner's loop does not run: the layers would run eagerly",
         "set model.cuda_graph_impl=local (Megatron-Core's schedules capture it) or none",
