@@ -953,8 +953,64 @@ def _throughput_cases() -> list[Case]:
     ]
 
 
+# Issue 55's acceptance line on one H200: the 37-layer slice at GBS 8, `today` (the kernels of
+# 473614f, micro-batch 1, auto's offload) against auto choosing the micro-batch too.
+S37 = (
+    "parallel=single",
+    "model.num_layers=37",
+    "train.global_batch_size=8",
+    "scheduler.lr_warmup_iters=2",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=125",
+)
+THROUGHPUT_37 = [
+    Case(
+        "today",
+        "qwen3_30b_a3b",
+        (*S37, "speed=plain", "train.micro_batch_size=1", "offload/optimizer=auto"),
+        "today",
+    ),
+    Case(
+        "auto",
+        "qwen3_30b_a3b",
+        (*S37, "train.micro_batch_size=auto", "offload/optimizer=auto"),
+        "today",
+    ),
+]
+
+
+def _engine_cases(gbs: int, profile: tuple[str, ...] = ()) -> list[Case]:
+    """The CPU-Adam engine on the proxy at ``gbs``: exact, delayed and exact with bf16 moments
+    (issue 55: delayed <= 0.9x exact, bf16 moments <= 1.0x fp32)."""
+    base = f"GBS{gbs} cpu_adam"
+    return [
+        Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra, *profile), base)
+        for name, extra in (
+            ("cpu_adam", ("offload/optimizer=cpu_adam",)),
+            ("cpu_adam_delayed", ("offload/optimizer=cpu_adam_delayed", *DELAY)),
+            ("cpu_adam bf16 moments", ("offload/optimizer=cpu_adam", *BF16_MOMENTS)),
+        )
+    ]
+
+
+# Where the time goes (issue 55): state offload at MB 8 under the throughput suite's cap, and
+# the CPU-Adam engine's three rows at GBS 4, iteration 5 under the torch profiler each.
+PROFILE_55 = [
+    Case(
+        "MB8 fused states",
+        PROXY_RECIPE,
+        (*T16, "train.micro_batch_size=8", "offload/optimizer=states", *PROFILE_AT),
+        "MB8 fused states",
+    ),
+    *_engine_cases(4, PROFILE_AT),
+]
+
+
 SUITES: dict[str, list[Case]] = {
     "throughput-16": _throughput_cases(),
+    "throughput-37": THROUGHPUT_37,
+    "profile-55": PROFILE_55,
+    **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     "weight-offload": WEIGHT_CASES,
     "two-gpu-full-1": FULL_2GPU[:1],
     "two-gpu-full-2": FULL_2GPU[1:],
@@ -1814,7 +1870,7 @@ HEADLINE = [
 
 
 # Suites run in interleaved rounds over several calls: the headline takes each row's medians.
-INTERLEAVED = {"throughput-16"}
+INTERLEAVED = {"throughput-16", "throughput-37", "engines-4", "engines-8"}
 MEDIAN_KEYS = (
     "step_time_s_median",
     "fwd_bwd_time_s_median",
