@@ -151,12 +151,28 @@ def test_growth_hooks_look_for_memory_every_stride_of_the_backward() -> None:
 
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2 * GROW_CHECKS)])
     calls = []
-    engine_ = SimpleNamespace(grow=lambda: calls.append(1))
+    engine_ = SimpleNamespace(grow=calls.append)
     params = sum(1 for _ in model.parameters())
-    hooks = host_adam.after_each_grad([model], _Growth([engine_], params))
+    hooks = host_adam.after_each_grad([model], _Growth([engine_], params, reserve=123))
     assert len(hooks) == params == 4 * GROW_CHECKS
     model(torch.ones(1, 2)).sum().backward()
-    assert len(calls) == GROW_CHECKS
+    assert calls == [123] * GROW_CHECKS  # each leaves room for a group full recompute rebuilds
+
+
+def test_growth_leaves_the_reserve_to_the_rest_of_the_backward() -> None:
+    """Without a budget the window takes what the backward freed less ``reserve`` (the group
+    full recompute rebuilds later in the backward: auto's MB 8 pick ran out of memory without
+    it on the 37-layer slice)."""
+    buffers = Buffers()
+    eng = windowed(buffers)
+    window = eng._window
+    drive(eng, buffers, 1)  # plans the pieces
+    assert len(eng._pieces) > 3
+    window._freed_bytes = lambda: 5 * window.slot_bytes
+    with host_adam.arming(contextlib.nullcontext, [eng])():
+        pass
+    assert window.grow(reserve=3 * window.slot_bytes) == 2
+    eng.close()
 
 
 def test_window_of_one_piece_per_slot_covers_a_shard_smaller_than_the_window() -> None:

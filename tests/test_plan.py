@@ -15,12 +15,14 @@ from offload_runner.hardware import cpu_adam_piece_bytes
 from offload_runner.model_size import count_parameters, largest_modules
 from offload_runner.plan import (
     HOST_PROCESS_BYTES,
+    REBUILT_COPIES,
     WORKSPACE_BYTES,
     Layout,
     layer_activations,
     layer_params,
     make_plan,
     minimal_world_size,
+    rebuilt_bytes,
 )
 from tests.conftest import compose_run
 
@@ -34,19 +36,21 @@ TINY_ACTIVATIONS = (4 * TINY_LAYER + TINY_MODEL_LEVEL) * 512
 
 
 def test_recompute_keeps_layer_inputs_and_rebuilds_one_group() -> None:
-    base = make_plan(compose_run("recipe=tiny")).ranks[0]
-    full = make_plan(
-        compose_run(
-            "recipe=tiny",
-            "model.recompute_granularity=full",
-            "model.recompute_method=uniform",
-            "model.recompute_num_layers=2",
-        )
-    ).ranks[0]
+    base_run = compose_run("recipe=tiny")
+    base = make_plan(base_run).ranks[0]
+    full_run = compose_run(
+        "recipe=tiny",
+        "model.recompute_granularity=full",
+        "model.recompute_method=uniform",
+        "model.recompute_num_layers=2",
+    )
+    full = make_plan(full_run).ranks[0]
     hidden = 2 * 256 * 512
     assert full.activations == 2 * hidden + 4 * hidden  # two groups' inputs + model level
-    assert full.recomputed == 2 * TINY_LAYER * 512  # backward rebuilds one group of 2 layers
+    # backward rebuilds one group of 2 layers, and holds their gradients beside them
+    assert full.recomputed == REBUILT_COPIES * 2 * TINY_LAYER * 512
     assert full.fwd_bwd_peak == full.static + full.activations + max(full.logits, full.recomputed)
+    assert rebuilt_bytes(full_run) == full.recomputed and rebuilt_bytes(base_run) == 0
     block = make_plan(
         compose_run(
             "recipe=tiny",

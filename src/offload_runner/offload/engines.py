@@ -6,6 +6,7 @@ for the summary and ``close`` in a ``finally``. What each engine does: docs/ARCH
 from __future__ import annotations
 
 from offload_runner.config.schema import RunConfig, backward_copies_allowed
+from offload_runner.plan import rebuilt_bytes
 
 
 class Engines:
@@ -33,7 +34,8 @@ class Engines:
         from offload_runner.offload import host_adam, optimizer_states
 
         config.no_sync_func = host_adam.arming(no_sync, host_adam.engines(self.optimizer))
-        self._attached = optimizer_states.attach(self.optimizer, config, self.model)
+        reserve = rebuilt_bytes(self.run, *_rank_and_world())
+        self._attached = optimizer_states.attach(self.optimizer, config, self.model, reserve)
 
     def zero_grad_buffers(self) -> None:
         """Megatron-Core DDP's ``zero_grad_buffer`` of every model chunk, at a step's start
@@ -110,3 +112,11 @@ class Engines:
             self._attached = None
         for engine in self.all:
             engine.close()
+
+
+def _rank_and_world() -> tuple[int, int | None]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, None

@@ -292,8 +292,9 @@ class HostAdam(HybridDeviceOptimizer):
     def arm(self) -> None:
         """The last micro-batch's forward and backward follow."""
 
-    def grow(self) -> None:
-        """During the armed backward: streamed states into the memory it has freed."""
+    def grow(self, reserve: int = 0) -> None:
+        """During the armed backward: streamed states into the memory it has freed, but for
+        ``reserve`` bytes the rest of the backward allocates (StatesWindow.grow)."""
 
     def prefetch(self) -> None:
         """Start bringing in the first streamed states (at the tail of backward)."""

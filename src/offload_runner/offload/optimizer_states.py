@@ -183,9 +183,9 @@ class WindowedStates(HostAdam):
         if self._pieces is not None:
             self._window.begin(self._pieces, growing=True)
 
-    def grow(self) -> None:
+    def grow(self, reserve: int = 0) -> None:
         """During the armed backward: pieces into the memory it has freed (StatesWindow.grow)."""
-        self._window.grow()
+        self._window.grow(reserve=reserve)
 
     def prefetch(self) -> None:
         """Start bringing in the first pieces (at the tail of backward; ``step()`` does it if
@@ -403,13 +403,14 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
     return built
 
 
-def attach(optimizer, transformer_config, chunks) -> Attached:
+def attach(optimizer, transformer_config, chunks, reserve: int = 0) -> Attached:
     """Wire the engines that stream states through a window (this module's, and the CPU-Adam
     engine's GPU share) into the backward of the model ``chunks``, where the last micro-batch's
     lets them grow into the memory it frees (every 1/GROW_CHECKS of its parameters'
-    gradients), and into Megatron-Core's gradient finalize hook, where they prefetch their
-    first pieces; this module's engines whose parameters no data-parallel all-gather reads
-    after the step run their passes beside the next forward (``BesideForward``)."""
+    gradients; ``reserve`` bytes left for a group full recompute rebuilds), and into
+    Megatron-Core's gradient finalize hook, where they prefetch their first pieces; this
+    module's engines whose parameters no data-parallel all-gather reads after the step run
+    their passes beside the next forward (``BesideForward``)."""
     engines = [e for e in host_adam.engines(optimizer) if e.streams_states]
     if not engines:
         return Attached([], None)
@@ -417,7 +418,7 @@ def attach(optimizer, transformer_config, chunks) -> Attached:
         engines, transformer_config.finalize_model_grads_func
     )
     params = sum(p.requires_grad for chunk in chunks for p in chunk.parameters())
-    hooks = host_adam.after_each_grad(chunks, _Growth(engines, params))
+    hooks = host_adam.after_each_grad(chunks, _Growth(engines, params, reserve))
     windowed = windowed_engines(optimizer)
     beside = [e for e in windowed if e.beside_forward and e.on_cuda]
     if beside:
@@ -522,13 +523,15 @@ class BesideForward:
 
 class _Growth:
     """After each parameter's gradient accumulation: every ``stride``-th lets the windows
-    grow (a pass armed for the last backward only; the others return at once)."""
+    grow (a pass armed for the last backward only; the others return at once), leaving
+    ``reserve`` bytes for what the rest of the backward allocates."""
 
-    def __init__(self, engines: list[HostAdam], params: int) -> None:
+    def __init__(self, engines: list[HostAdam], params: int, reserve: int) -> None:
         self.engines, self.stride, self.seen = engines, max(1, -(-params // GROW_CHECKS)), 0
+        self.reserve = reserve
 
     def __call__(self, param) -> None:
         self.seen += 1
         if self.seen % self.stride == 0:
             for engine in self.engines:
-                engine.grow()
+                engine.grow(self.reserve)

@@ -190,11 +190,13 @@ class StatesWindow:
             self.streams[0].wait_stream(self.streams[1])  # the last copies out wrote the host
         self._pass = _Pass(pieces, loaded=[None] * len(pieces), growing=growing)
 
-    def grow(self, budget: int | None = None) -> int:
+    def grow(self, budget: int | None = None, reserve: int = 0) -> int:
         """During the last micro-batch's backward (the pass armed by ``begin(growing=True)``):
         slots for the next pieces, each loaded at once, in the memory the backward has freed:
         ``budget`` bytes, by default ``_freed_bytes`` (room left for the rest of the backward
-        and the step's own allocations), so the peak does not grow. The slots come from the current
+        and the step's own allocations) less ``reserve`` (what the rest of the backward
+        allocates above today's level: a group full recompute rebuilds), so the peak does not
+        grow. The slots come from the current
         stream's pool (the activations just freed) and their copies in wait for what is queued
         there. Returns the slots added."""
         import torch
@@ -203,7 +205,7 @@ class StatesWindow:
         if p is None or not p.growing:
             return 0
         if budget is None:
-            budget = self._freed_bytes()
+            budget = self._freed_bytes() - reserve
         added = 0
         while p.queued < len(p.pieces) and budget >= self.slot_bytes * (added + 1):
             try:

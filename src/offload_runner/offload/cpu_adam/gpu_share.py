@@ -44,10 +44,11 @@ class GpuShare:
             self._split()
             self._window.begin(self._streamed, growing=True)
 
-    def grow(self) -> None:
-        """During the armed backward: the GPU share's states into the memory it has freed."""
+    def grow(self, reserve: int = 0) -> None:
+        """During the armed backward: the GPU share's states into the memory it has freed
+        (StatesWindow.grow)."""
         if self._window is not None:
-            self._window.grow()
+            self._window.grow(reserve=reserve)
 
     def prefetch(self) -> None:
         """Exact mode's GPU share: its split (unless armed), and its first states coming in (at
