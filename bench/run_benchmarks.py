@@ -1842,6 +1842,15 @@ HEADLINE = [
     ("throughput-16", "MB1 plain"),
     ("throughput-16", "MB4 fused"),
     ("throughput-16", "auto"),
+    # the 37-layer slice on one H200: today's line against auto (micro-batch included)
+    ("throughput-37", "today"),
+    ("throughput-37", "auto"),
+    # the CPU-Adam engine's modes with the fused kernels
+    *[
+        (f"engines-{gbs}", f"GBS{gbs} {name}")
+        for gbs in (4, 8)
+        for name in ("cpu_adam", "cpu_adam_delayed", "cpu_adam bf16 moments")
+    ],
     ("weight-offload", "dense 8 layers, states + weights of 8"),
     ("weight-offload", "proxy, states + weights of 4"),
     ("weight-offload-caps", "llama3_8b under 48 GB, weights of 31 layers"),

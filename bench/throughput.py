@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Throughput suites (``throughput-16``): each row's median over its interleaved rounds, the
-GPU step-time model fitted on the calibration rows and held to the rest, and the report.
+"""Throughput suites (``throughput-16``, ``throughput-37``, ``engines-4``/``-8``): each row's
+median over its interleaved rounds, the GPU step-time model fitted on the calibration rows of
+``throughput-16`` and held to the rest, and the report.
 
     python bench/throughput.py fit bench/results/results-throughput-16-r*.json
-    python bench/throughput.py report bench/results/results-throughput-16-r*.json \\
-        --plot docs/benchmarks/throughput-16.png > docs/benchmarks/throughput.md
+    python bench/throughput.py report bench/results/results-{throughput,engines}-*-r*.json \\
+        --plots docs/benchmarks > docs/benchmarks/throughput.md
 
 ``fit`` prints the rates hardware.GPU_RATES and GPU_ADAM_S_PER_PARAM take (least squares over
-the calibration rows' forward+backward medians); ``report`` writes the Markdown report and a PNG
-(step time against micro-batch, each round a point). Runs on any machine.
+the calibration rows' forward+backward medians); ``report`` writes the Markdown report, a
+section and a PNG per suite (each round's step a point, the model's a cross). Runs on any
+machine.
 """
 
 from __future__ import annotations
@@ -85,15 +87,22 @@ def load(files: list[Path]) -> tuple[list[Row], dict]:
         for result in data["results"]:
             result = {**result, "environment": data["environment"]}
             rows.setdefault(result["case"]["name"], Row(result["case"]["name"])).runs.append(result)
-    order = [c["case"]["name"] for c in json.loads(sorted(files)[0].read_text())["results"]]
+    first = json.loads(sorted(files)[0].read_text())["results"]
+    order = list(dict.fromkeys(c["case"]["name"] for c in first))
     ordered = [rows[n] for n in order if n in rows] + [r for n, r in rows.items() if n not in order]
     return ordered, env
 
 
 def run_of(result: dict) -> RunConfig:
-    """The config a recorded run trained with: its command line, with what auto chose there
-    (auto chooses again here, from the same plan; the choice is printed in the report)."""
-    run = to_run_config(compose_config(as_it_ran(result)))
+    """The config a recorded run trained with: its command line and its host's CPU Adam rate,
+    with what auto chose there (auto chooses again here, from the same plan; the choice is
+    printed in the report)."""
+    overrides = as_it_ran(result)
+    threads = result.get("summary", {}).get("cpu_adam_threads")
+    rates = result["environment"].get("cpu_adam_reference_params_per_s") or {}
+    if str(threads) in rates:  # the host's CPU Adam rate, not this machine's
+        overrides.append(f"planner.cpu_adam_params_per_s={rates[str(threads)]:.4g}")
+    run = to_run_config(compose_config(overrides))
     if run.planner.auto:
         run = with_overrides(run, choose_offload(run).overrides)
     return run
@@ -183,22 +192,57 @@ def inside_spread(a: Row, b: Row) -> bool:
     return a_low <= b_high and b_low <= a_high
 
 
-def comparisons(rows: list[Row]) -> list[str]:
+# Per suite: its title, what it ran, and its comparisons (row, against row, what it says).
+SUITES = {
+    "throughput-16": (
+        "Kernels, micro-batch and auto on the proxy",
+        "The Qwen3-30B-A3B proxy (4 layers, 3.11B params), GBS 16, seq 4096, under a 79 GB cap. "
+        "`plain`: Megatron-Core's defaults (`speed=plain`); `fused`: the NVIDIA recipes' "
+        "settings (`speed=fused`, the recipes' default).",
+        [
+            ("MB1 fused", "MB1 plain", "the fusions at MB 1"),
+            ("MB4 fused", "MB4 plain", "the fusions at MB 4"),
+            ("MB4 plain", "MB1 plain", "MB 4 over MB 1, plain kernels"),
+            ("MB4 fused", "MB1 fused", "MB 4 over MB 1, fused kernels"),
+            ("auto", "MB1 plain", "auto over today's line (MB 1, plain, no offload)"),
+        ],
+    ),
+    "throughput-37": (
+        "The 37-layer slice on one H200: today's line against auto",
+        "37 of Qwen3-30B-A3B's 48 layers (23.7B params), GBS 8, seq 4096, planned for a 139 GB "
+        "GPU and 125 GB of host memory. `today`: MB 1, plain kernels, `offload/optimizer=auto` "
+        "(the line of 473614f); `auto`: `train.micro_batch_size=auto offload/optimizer=auto` "
+        "with the recipe's fused kernels.",
+        [("auto", "today", "auto over today's line")],
+    ),
+    **{
+        f"engines-{gbs}": (
+            f"The CPU-Adam engine's modes at GBS {gbs}",
+            f"The proxy, GBS {gbs}, MB 1, fused kernels: exact `cpu_adam`, `cpu_adam_delayed` "
+            "(delayed after two exact steps) and exact `cpu_adam` with bf16 moments.",
+            [
+                (f"GBS{gbs} cpu_adam_delayed", f"GBS{gbs} cpu_adam", "delayed over exact"),
+                (
+                    f"GBS{gbs} cpu_adam bf16 moments",
+                    f"GBS{gbs} cpu_adam",
+                    "bf16 moments over fp32 moments",
+                ),
+            ],
+        )
+        for gbs in (4, 8)
+    },
+}
+
+
+def comparisons(rows: list[Row], pairs: list[tuple[str, str, str]]) -> list[str]:
     """The suite's ratios, each said to be outside or inside the spread."""
     by = {r.name: r for r in rows}
-    pairs = [
-        ("MB1 fused", "MB1 plain", "the fusions at MB 1"),
-        ("MB4 fused", "MB4 plain", "the fusions at MB 4"),
-        ("MB4 plain", "MB1 plain", "MB 4 over MB 1, plain kernels"),
-        ("MB4 fused", "MB1 fused", "MB 4 over MB 1, fused kernels"),
-        ("auto", "MB1 plain", "auto over today's line (MB 1, plain, no offload)"),
-    ]
     lines = []
     for fast, slow, what in pairs:
         if fast in by and slow in by:
-            gain = by[slow].median("step_time_s_median") / by[fast].median("step_time_s_median")
+            ratio = by[fast].median("step_time_s_median") / by[slow].median("step_time_s_median")
             noise = "inside the spread" if inside_spread(by[fast], by[slow]) else "outside it"
-            lines.append(f"- {what}: {gain:.2f}x tokens/s ({noise})")
+            lines.append(f"- {what}: {1 / ratio:.2f}x tokens/s, {ratio:.2f}x the step ({noise})")
     return lines
 
 
@@ -211,92 +255,104 @@ def misses(rows: list[Row]) -> list[str]:
         if not row.held_out or abs(model - step) / step < TOLERANCE:
             continue
         runs = ", ".join(f"{v:.2f}" for v in row.values("step_time_s_median"))
-        line = f"- {row.name}: the model {model:.2f} s against runs of {runs} s"
-        if row.values("states_in_backward_gb"):
-            line += (
-                f"; all {row.median('states_in_backward_gb'):.0f} GB of states came in during "
-                f"the last backward ({row.median('states_stream_s_median'):.2f} s a pass): "
-                "likely one direction at a time (up there, down beside the next forward) where "
-                "the model has both at once (read from the engine's counters, not profiled)"
-            )
-        lines.append(line)
+        lines.append(f"- {row.name}: the model {model:.2f} s against runs of {runs} s")
     return ["Held-out rows the model misses by more than 15%:", *lines, ""] if lines else []
 
 
-def render(files: list[Path], plot: Path | None) -> str:
+HEADER = [
+    "row",
+    "runs",
+    "step s",
+    "spread s",
+    "tokens/s",
+    "TFLOP/s/GPU",
+    "GPU peak GB",
+    "model s",
+    "model error",
+    "",
+]
+
+
+def section(suite: str, files: list[Path], plots: Path | None) -> list[str]:
+    """One suite's section: what ran, its table, comparisons, misses and plot."""
     rows, env = load(files)
+    title, what, pairs = SUITES[suite]
     best = max(rows, key=lambda r: r.median("tokens_per_s_median"))
     auto = next((r for r in rows if r.name == "auto"), None)
     chose = (auto.runs[0]["summary"].get("auto", "") if auto else "").split(" (")[0]
     lines = [
-        "# Throughput: kernels, micro-batch and auto (suite `throughput-16`)",
+        f"## {title} (suite `{suite}`)",
         "",
-        f"The Qwen3-30B-A3B proxy (4 layers, 3.11B params), GBS 16, seq 4096, under a 79 GB cap, "
-        f"one {env['gpu']}; megatron-core {env['megatron.core']}, transformer-engine "
-        f"{env['transformer_engine']}, commits {', '.join(env['commits'])}, {env['date'][:10]}; "
-        f"`python bench/throughput.py report`. Each row ran "
-        f"once per round, rounds interleaved (A B C ... A B C ...); step is the median over "
-        f"rounds of each run's median step, with the rounds' spread. `plain`: Megatron-Core's "
-        f"defaults (`speed=plain`); `fused`: the NVIDIA recipes' settings (`speed=fused`, the "
-        f"recipes' default). The model column is gpu_time.py's step for the same command line.",
+        f"{what} One {env['gpu']}; megatron-core {env['megatron.core']}, transformer-engine "
+        f"{env['transformer_engine']}; commits {', '.join(env['commits'])}; {env['date'][:10]}.",
         "",
-        *markdown_table(
-            [
-                "row",
-                "runs",
-                "step s",
-                "spread s",
-                "tokens/s",
-                "TFLOP/s/GPU",
-                "GPU peak GB",
-                "model s",
-                "model error",
-                "",
-            ],
-            table(rows),
-        ),
+        *markdown_table(HEADER, table(rows)),
         "",
-        *comparisons(rows),
-        f"- best row: {best.name}; auto chose `{chose}`",
+        *comparisons(rows, pairs),
+        f"- best row: {best.name}" + (f"; auto chose `{chose}`" if chose else ""),
         "",
         *misses(rows),
     ]
-    if plot is not None:
-        draw(rows, plot)
-        lines += [f"![step time against micro-batch]({plot.name})", ""]
+    if plots is not None:
+        out = plots / f"{suite}.png"
+        draw(rows, out, title)
+        lines += [f"![{title}]({out.name})", ""]
+    return lines
+
+
+def render(files: list[Path], plots: Path | None) -> str:
+    """The report: a section per suite among ``files`` (each suite's rounds together)."""
+    by_suite: dict[str, list[Path]] = {}
+    for path in files:
+        by_suite.setdefault(json.loads(path.read_text())["suite"], []).append(path)
+    lines = [
+        "# Throughput",
+        "",
+        "Each row ran once per round, rounds interleaved (A B C ... A B C ...) within a device "
+        "call or across calls; step is the median over rounds of each run's median step, with "
+        "the rounds' spread; a ratio is inside the spread where the two rows' runs overlap. The "
+        "model column is gpu_time.py's step for the same command line (fitted on four rows of "
+        "`throughput-16`, every other row held out). `python bench/throughput.py report`.",
+        "",
+    ]
+    for suite in SUITES:
+        if suite in by_suite:
+            lines += section(suite, by_suite[suite], plots)
     return "\n".join(lines)
 
 
-def draw(rows: list[Row], out: Path) -> None:
+def draw(rows: list[Row], out: Path, title: str) -> None:
+    """Each row's step in each round, one point a run, rows top to bottom."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row in rows:
-        mb = row.run.train.micro_batch_size
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    for i, row in enumerate(rows):
         steps = row.values("step_time_s_median")
-        ax.scatter([mb] * len(steps), steps, label=row.name, alpha=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batch")
-    ax.set_ylabel("step s (each round)")
-    ax.set_title("proxy, GBS 16: step time by micro-batch and kernels")
-    ax.legend(fontsize=7)
+        ax.scatter(steps, [i] * len(steps), color="tab:blue", alpha=0.7)
+        ax.scatter([row.model_step_s], [i], marker="x", color="tab:red")
+    ax.set_yticks(range(len(rows)), [r.name for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first row on top
+    ax.set_xlim(left=0)
+    ax.set_xlabel("step s (dots: each round; x: the model)")
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("fit", "report"))
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--plots", type=Path, default=None, help="folder for a PNG per suite")
     args = parser.parse_args()
     if args.command == "fit":
         print(json.dumps(fit(load(args.files)[0]), indent=1))
     else:
-        print(render(args.files, args.plot))
+        print(render(args.files, args.plots))
     return 0
 
 

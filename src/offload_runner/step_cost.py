@@ -14,6 +14,7 @@ from offload_runner.config.schema import (
     cpu_adam_on,
     cpu_adam_streams,
 )
+from offload_runner.gpu_time import forward_backward_seconds
 from offload_runner.hardware import (
     ADAM_BYTES,
     BF16_MOMENTS_CPU_FACTOR,
@@ -300,7 +301,8 @@ class StepCost:
 def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     """The step-time model for ``run``: the configured CPU Adam rate, else torch's fused AdamW
     measured on this machine with the cores the engine gives one rank (once per process; under
-    model.deterministic_mode REFERENCE_CPU_ADAM_PARAMS_PER_S, so nothing timed steers a run)."""
+    model.deterministic_mode REFERENCE_CPU_ADAM_PARAMS_PER_S, so nothing timed steers a run);
+    delayed mode hides under planner.forward_backward_s, else gpu_time's forward+backward."""
     p = run.planner
     rate = p.cpu_adam_params_per_s
     if not rate:
@@ -312,7 +314,7 @@ def step_cost(run: RunConfig, gpus_per_node: int = 1) -> StepCost:
     return StepCost(
         rate,
         rank_link_gb_per_s(p.host_link_gb_per_s, gpus_per_node),
-        p.forward_backward_s,
+        p.forward_backward_s or forward_backward_seconds(run),
         p.delayed_max_overhead,
         p.cpu_adam_launch_slowdown,
     )
