@@ -112,7 +112,8 @@ def curves(path: Path) -> list[tuple[str, list[float]]]:
     (named after the file; a run stopped early has fewer iterations)."""
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [(f"{path.stem} ({len(rows)} iterations)", [r["loss"] for r in rows])]
+        steps = [r["loss"] for r in rows if "loss" in r]  # not the validation lines
+        return [(f"{path.stem} ({len(steps)} iterations)", steps)]
     return [
         (r["case"]["name"], r["summary"].get("losses", []))
         for r in json.loads(path.read_text())["results"]

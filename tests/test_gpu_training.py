@@ -502,3 +502,30 @@ def test_context_parallel_tracks_data_parallel(root: str) -> None:
     delta = max_delta(cp["losses"], base["losses"])
     print(f"CP2 vs DP2: max |Δloss| {delta:.2e} over {ITERS} iterations")
     assert delta < CONTEXT_PARALLEL_TOLERANCE
+
+
+EVAL = ("validation.eval_iters=2", "validation.eval_interval=4")
+
+
+@cache
+def evaluated(root: str, offload: tuple[str, ...]) -> dict:
+    return train(Path(root) / f"eval-{'-'.join(offload) or 'none'}", *EVAL, *offload)
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [(), ("offload/optimizer=states",), ("offload/optimizer=cpu_adam_delayed",)],
+    ids=["no-offload", "states", "cpu-adam-delayed"],
+)
+def test_evaluation_on_the_held_out_split(root: str, offload: tuple[str, ...]) -> None:
+    """validation.eval_iters: the held-out loss every eval_interval iterations and after the
+    last, beside (and not changing) the training curve; the states' pass beside the forward
+    and delayed CPU Adam's update in flight land first. State offload's weights are the
+    baseline's bit for bit, so its validation curve is the baseline's too."""
+    summary = evaluated(root, offload)
+    curve = summary["validation_losses"]
+    assert [i for i, _ in curve] == [4, ITERS]
+    assert summary["final_validation_loss"] == curve[-1][1]
+    if offload != ("offload/optimizer=cpu_adam_delayed",):
+        assert summary["losses"] == baseline(root)["losses"]  # evaluation changes no step
+        assert curve == evaluated(root, ())["validation_losses"]

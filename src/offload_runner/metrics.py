@@ -185,6 +185,7 @@ TENSORBOARD_TAGS = {
     "gpu_peak_step_gb": "memory/gpu_peak_step_gb",
     "gpu_allocated_gb": "memory/gpu_allocated_gb",
     "host_pinned_gb": "memory/host_pinned_gb",
+    "validation_loss": "lm loss validation",  # Megatron-LM's tag
 }
 
 
@@ -250,6 +251,7 @@ class MetricsReporter:
         self.run_dir, self.is_writer, self.log_interval = run_dir, is_writer, logger.log_interval
         self.sinks = ScalarSinks(logger, run_dir, config) if is_writer else None
         self.history: list[StepMetrics] = []
+        self.validation: list[tuple[int, float]] = []  # (iteration, loss) per evaluation
         self.progress = Progress(
             TextColumn("[bold]training"),
             BarColumn(),
@@ -286,6 +288,18 @@ class MetricsReporter:
             self.progress.console.print(step.line(), highlight=False)
             console.log_line(step.line())
 
+    def record_validation(self, iteration: int, loss: float) -> None:
+        """An evaluation's loss on the held-out split, beside the training loss."""
+        self.validation.append((iteration, loss))
+        if not self.is_writer:
+            return
+        self.file.write(json.dumps({"iteration": iteration, "validation_loss": loss}) + "\n")
+        self.file.flush()
+        self.sinks.add({"validation_loss": loss}, iteration)
+        line = f"iteration {iteration}: validation loss {loss:.4f}"
+        self.progress.console.print(line, highlight=False)
+        console.log_line(line)
+
     def summary(self, skip_first: int = 2) -> dict:
         steady = self.history[skip_first:] or self.history
         if not steady:
@@ -305,6 +319,15 @@ class MetricsReporter:
             "final_loss": self.history[-1].loss,
             "losses": [s.loss for s in self.history],
             "steady_state_from_iteration": steady[0].iteration,
+            **self._validation_summary(),
+        }
+
+    def _validation_summary(self) -> dict:
+        if not self.validation:
+            return {}
+        return {
+            "final_validation_loss": self.validation[-1][1],
+            "validation_losses": [[i, loss] for i, loss in self.validation],
         }
 
     def write_summary(self, extra: dict) -> dict:
@@ -330,6 +353,7 @@ class MetricsReporter:
                 "host_pinned_gb_max",
                 "first_loss",
                 "final_loss",
+                *(["final_validation_loss"] if "final_validation_loss" in summary else []),
             ):
                 value = summary.get(key)
                 table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))

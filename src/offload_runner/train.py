@@ -116,10 +116,11 @@ def forward_step(data_iterator, model):
 class ManualGC:
     """``train.manual_gc``: Python's automatic collector off for the training loop (a collection
     of a large heap stalls the thread that launches kernels, at a different moment on each rank),
-    ``gc.collect()`` every ``train.manual_gc_interval`` iterations instead (0: never)."""
+    ``gc.collect()`` every ``train.manual_gc_interval`` iterations instead (0: never), and after
+    each evaluation unless ``train.manual_gc_eval=0``."""
 
-    def __init__(self, enabled: bool, interval: int) -> None:
-        self.enabled, self.interval = enabled, interval
+    def __init__(self, enabled: bool, interval: int, after_eval: int = 1) -> None:
+        self.enabled, self.interval, self.after_eval = enabled, interval, after_eval
         self._was_enabled = gc.isenabled()
 
     def __enter__(self) -> ManualGC:
@@ -130,6 +131,10 @@ class ManualGC:
 
     def step(self, iteration: int) -> None:
         if self.enabled and self.interval and iteration % self.interval == 0:
+            gc.collect()
+
+    def after_evaluation(self) -> None:
+        if self.enabled and self.after_eval:
             gc.collect()
 
     def __exit__(self, *exc: object) -> None:
@@ -170,6 +175,7 @@ class Rank:
     data: list
     micro_batches: int
     dp_size: int
+    validation: object  # the held-out split evaluations read (None: none runs)
     start: int  # the iteration a resumed run continues after
     startup: Startup
 
@@ -231,22 +237,70 @@ def _resume(run: RunConfig, model: list, optimizer, scheduler, startup: Startup)
     return 0
 
 
-def _data(run: RunConfig, model: list, start: int) -> tuple[list, int, int]:
+def _data(run: RunConfig, model: list, start: int) -> tuple[list, int, int, object]:
     """One data iterator per model chunk (the interleaved schedule draws each micro-batch once
-    per chunk) from ``start``'s samples on, the micro-batches per step, the data-parallel size."""
+    per chunk) from ``start``'s samples on, the micro-batches per step, the data-parallel size,
+    the validation split (or None)."""
     from megatron.core import parallel_state
 
-    from offload_runner.mcore.data import build_data_iterator, build_train_dataset
+    from offload_runner.mcore.data import build_data_iterator, build_datasets
 
     t = run.train
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    dataset = build_train_dataset(run)
+    dataset, validation = build_datasets(run)
     data = [
         build_data_iterator(run, dataset, start * t.global_batch_size, dp_rank, dp_size)
         for _ in model
     ]
-    return data, t.global_batch_size // (t.micro_batch_size * dp_size), dp_size
+    return data, t.global_batch_size // (t.micro_batch_size * dp_size), dp_size, validation
+
+
+def evaluates_at(run: RunConfig, iteration: int) -> bool:
+    """Whether an evaluation follows ``iteration``: every validation.eval_interval iterations
+    and after the last (none without validation.eval_iters)."""
+    v = run.validation
+    if not v.eval_iters:
+        return False
+    return iteration == run.train.train_iters or bool(
+        v.eval_interval and iteration % v.eval_interval == 0
+    )
+
+
+def evaluate(rank: Rank) -> float:
+    """The mean loss over validation.eval_iters global batches of the held-out split, forward
+    only through Megatron-Core's schedule, the same batches each time (so the curve compares
+    the model, not the batches); the engines' update in flight lands first."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from offload_runner.mcore.data import build_data_iterator
+
+    run, m, t = rank.run, rank.run.model, rank.run.train
+    rank.engines.before_save()  # the forward reads the newest parameters
+    dp_rank = parallel_state.get_data_parallel_rank()
+    data = [
+        build_data_iterator(run, rank.validation, 0, dp_rank, rank.dp_size, workers=0)
+        for _ in rank.model
+    ]
+    for chunk in rank.model:
+        chunk.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(run.validation.eval_iters):
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=per_chunk(data),
+                model=rank.model,
+                num_microbatches=rank.micro_batches,
+                seq_length=m.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                forward_only=True,
+            )
+            losses.append(global_loss(out, m.pipeline_model_parallel_size, m.context_parallel_size))
+    for chunk in rank.model:
+        chunk.train()
+    return sum(losses) / len(losses)
 
 
 def loop(rank: Rank, run_dir: Path) -> dict:
@@ -278,12 +332,15 @@ def loop(rank: Rank, run_dir: Path) -> dict:
     step = Step(rank)
     saved_at = None
     profiler = IterationProfiler(run.profiling, run_dir, dist.get_rank())
-    with reporter, ManualGC(t.manual_gc, t.manual_gc_interval) as collector:
+    with reporter, ManualGC(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval) as collector:
         for iteration in range(rank.start + 1, t.train_iters + 1):
             profiler.begin(iteration)
             collector.step(iteration)
             reporter.record(step(iteration))
             profiler.end(iteration)
+            if evaluates_at(run, iteration):
+                reporter.record_validation(iteration, evaluate(rank))
+                collector.after_evaluation()
             interval = run.checkpoint.save_interval
             if run.checkpoint.save and interval and iteration % interval == 0:
                 _save(rank, iteration)

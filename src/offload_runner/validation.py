@@ -37,7 +37,7 @@ from offload_runner.config.schema import (
     weights_offloaded,
 )
 from offload_runner.hardware import te_available
-from offload_runner.mcore.data import prepared_eods, prepared_metadata
+from offload_runner.mcore.data import prepared_eods, prepared_metadata, validation_documents
 
 
 @dataclass(frozen=True)
@@ -988,22 +988,30 @@ RULES: tuple[Rule, ...] = (
         "pip install 'offload-runner[wandb]', or drop logger.wandb_project",
         environment=True,
     ),
+    # --- evaluation on the held-out split (validation.eval_iters)
+    Rule(
+        "evaluation_without_validation_split",
+        lambda c, e: bool(c.validation.eval_iters) and validation_documents(c) == 0,
+        "validation.eval_iters={c.validation.eval_iters} evaluates on the validation split, and "
+        "dataset.split={c.dataset.split} gives it no document (Megatron-Core would loop forever)",
+        "set dataset.split='99,1,0' (with at least 100 documents), or drop validation.eval_iters",
+    ),
+    Rule(
+        "evaluation_beside_weight_offload",
+        lambda c, e: bool(c.validation.eval_iters) and weights_offloaded(c),
+        "validation.eval_iters evaluates with forwards of its own, and weight offload's ring "
+        "streams a training step's forwards and backwards only",
+        "drop validation.eval_iters, or use offload/weight=disabled",
+    ),
+    Rule(
+        "evaluation_interval_without_iters",
+        lambda c, e: bool(c.validation.eval_interval) and not c.validation.eval_iters,
+        "validation.eval_interval={c.validation.eval_interval} has no effect without "
+        "validation.eval_iters",
+        "add validation.eval_iters=10 (global batches per evaluation)",
+        Level.warning,
+    ),
     # --- accepted for Megatron-Bridge's command lines, with nothing to act on here: warnings --
-    Rule(
-        "evaluation_not_run",
-        lambda c, e: bool(c.validation.eval_interval) and bool(c.validation.eval_iters),
-        "validation.eval_interval / eval_iters have no effect: offload-runner reports the "
-        "training loss and runs no evaluation",
-        "drop validation.* (or set validation.eval_iters=0)",
-        Level.warning,
-    ),
-    Rule(
-        "manual_gc_eval_unused",
-        lambda c, e: c.train.manual_gc_eval not in (0, 1),
-        "train.manual_gc_eval={t.manual_gc_eval} has no effect: no evaluation runs here",
-        "drop train.manual_gc_eval (train.manual_gc_interval sets training's collections)",
-        Level.warning,
-    ),
     Rule(
         "dataloader_keys_unused",
         lambda c, e: (

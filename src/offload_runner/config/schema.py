@@ -373,7 +373,7 @@ class TrainConfig:
     # manual_gc_interval iterations (0: never), so no rank pauses at its own moment.
     manual_gc: bool = False
     manual_gc_interval: int = 0
-    manual_gc_eval: int = 1  # Megatron-Bridge: collect around evaluation (none runs here)
+    manual_gc_eval: int = 1  # Megatron-Bridge: with manual_gc, a collection after each evaluation
 
 
 @dataclass
@@ -488,10 +488,12 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, object]] = {
 
 @dataclass
 class ValidationConfig:
-    """Megatron-Bridge's evaluation keys; offload-runner evaluates nothing (rule
-    evaluation_not_run warns when they ask for it)."""
+    """Megatron-Bridge's evaluation keys: the loss over ``eval_iters`` global batches of the
+    held-out split (dataset.split's second share; the same batches each time), every
+    ``eval_interval`` iterations and after the last; summary.json's final_validation_loss and
+    validation_losses. Null or 0: no evaluation."""
 
-    eval_interval: Optional[int] = None
+    eval_interval: Optional[int] = None  # null: after the last iteration only
     eval_iters: Optional[int] = None
 
 

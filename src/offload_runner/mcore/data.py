@@ -84,7 +84,31 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
     )
 
 
-def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
+def validation_documents(run: RunConfig) -> int | None:
+    """Documents dataset.split gives the validation split: 0 where its weight is 0, else
+    counted from what --prepare recorded (None where nothing says: mock data, prefixes made
+    elsewhere). Megatron-Core rounds each split's share of the documents."""
+    weights = [float(w) for w in run.dataset.split.replace("/", ",").split(",")]
+    if len(weights) < 2 or weights[1] <= 0:
+        return 0
+    documents = [m.get("documents") for m in prepared_metadata(run)]
+    if run.dataset.kind == DatasetKind.mock or not documents or None in documents:
+        return None
+    total = sum(weights)
+    return min(
+        round(n * (weights[0] + weights[1]) / total) - round(n * weights[0] / total)
+        for n in documents
+    )
+
+
+def validation_samples(run: RunConfig) -> int:
+    """Samples one evaluation reads (validation.eval_iters global batches; 0: none runs)."""
+    return (run.validation.eval_iters or 0) * run.train.global_batch_size
+
+
+def build_datasets(run: RunConfig, cache_dir: Path | None = None) -> tuple:
+    """The training split, and the validation split evaluations read (None where none runs),
+    through Megatron-Core's BlendedMegatronDatasetBuilder on dataset.split."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -93,11 +117,16 @@ def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
     cls = MockGPTDataset if run.dataset.kind == DatasetKind.mock else GPTDataset
     config = dataset_config(run, cache_dir)
     samples = run.train.train_iters * run.train.global_batch_size
-    # A weighted blend needs a size for every split; only training samples are drawn.
+    valid = validation_samples(run)
+    # A weighted blend needs a size for every split; only what is read is drawn.
     weighted = config.blend is not None and config.blend[1] is not None
-    sizes = [samples, 0, 0] if weighted else [samples, None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-    return train
+    sizes = [samples, valid, 0] if weighted else [samples, valid or None, None]
+    train, validation, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    return train, validation if valid else None
+
+
+def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
+    return build_datasets(run, cache_dir)[0]
 
 
 def micro_batch_indices(consumed: int, micro_batch_size: int, dp_rank: int) -> list[int]:
@@ -125,18 +154,26 @@ class MicroBatchSampler:
 
 
 def build_data_iterator(
-    run: RunConfig, dataset, consumed_samples: int, dp_rank: int, dp_size: int
+    run: RunConfig,
+    dataset,
+    consumed_samples: int,
+    dp_rank: int,
+    dp_size: int,
+    workers: int | None = None,
 ) -> Iterator[dict]:
+    """This rank's micro-batches of ``dataset`` from ``consumed_samples`` on (``workers``
+    loader processes: dataset.num_workers unless given)."""
     import torch
 
+    workers = run.dataset.num_workers if workers is None else workers
     sampler = MicroBatchSampler(
         len(dataset), consumed_samples, run.train.micro_batch_size, dp_rank, dp_size
     )
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        num_workers=run.dataset.num_workers,
-        pin_memory=True,
-        persistent_workers=run.dataset.num_workers > 0,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=workers > 0,
     )
     return iter(loader)
