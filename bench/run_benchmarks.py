@@ -101,100 +101,6 @@ def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
     ]
 
 
-PROXY = ("train.global_batch_size=4", "train.micro_batch_size=1")
-DENSE = (
-    "model.num_layers=4",
-    "model.seq_length=4096",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=1",
-    "scheduler.lr_warmup_iters=2",
-)
-PROXY_LONG = ("train.global_batch_size=1", "train.micro_batch_size=1", "model.seq_length=32768")
-# Optimizer-state offload on the proxy (GBS 4) beside its no-offload baseline: the window at its
-# default and at 1/4 and 4x of it, and the CPU-Adam engine (the other mode that takes every
-# optimizer byte off the GPU). The run at commit 0290ba7 also measured whole-tensor state offload
-# (offload/optimizer=states_whole, removed after it lost here and in states-long).
-STATES = [
-    Case("no offload", "qwen3_30b_a3b_proxy", PROXY),
-    Case("optimizer states offload", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=states")),
-    *(
-        Case(
-            f"optimizer states offload, window {mb} MiB",
-            "qwen3_30b_a3b_proxy",
-            (
-                *PROXY,
-                "offload/optimizer=states",
-                f"optimizer.optimizer_state_offload_chunk_size_mb={mb // 4}",
-            ),
-        )
-        for mb in (128, 2048)
-    ),
-    Case("cpu_adam 100%", "qwen3_30b_a3b_proxy", (*PROXY, "offload/optimizer=cpu_adam")),
-]
-# Data parallel over two GPUs, with and without the optimizer-state offload.
-TWO_GPU_STATES = [
-    Case("proxy DP2", "qwen3_30b_a3b_proxy", PROXY, "proxy DP2", nproc=2),
-    Case(
-        "proxy DP2 optimizer states offload",
-        "qwen3_30b_a3b_proxy",
-        (*PROXY, "offload/optimizer=states"),
-        "proxy DP2",
-        nproc=2,
-    ),
-]
-# A long sequence split over two GPUs (CP2) against the batch split over them (DP2), both on the
-# same global batch; and CP2 with the optimizer states offloaded.
-LONG_2 = ("train.global_batch_size=2", "train.micro_batch_size=1", "model.seq_length=32768")
-TWO_GPU_CP = [
-    Case(
-        "tiny DP2, deterministic",
-        "tiny",
-        ("model.deterministic_mode=true",),
-        "tiny DP2, deterministic",
-        nproc=2,
-    ),
-    Case(
-        "tiny CP2, deterministic",
-        "tiny",
-        ("model.deterministic_mode=true", "parallel=cp2"),
-        "tiny DP2, deterministic",
-        nproc=2,
-    ),
-    Case(
-        "tiny CP2 activation offload 2 layers",
-        "tiny",
-        (
-            "model.deterministic_mode=true",
-            "parallel=cp2",
-            "offload/activation=enabled",
-            "model.cpu_offloading_num_layers=2",
-        ),
-        "tiny DP2, deterministic",
-        nproc=2,
-    ),
-    Case(
-        "tiny CP2 HDO 50%",
-        "tiny",
-        ("model.deterministic_mode=true", "parallel=cp2", "offload/optimizer=cpu_50"),
-        "tiny DP2, deterministic",
-        nproc=2,
-    ),
-    Case("proxy seq 32k DP2", "qwen3_30b_a3b_proxy", LONG_2, "proxy seq 32k DP2", nproc=2),
-    Case(
-        "proxy seq 32k CP2",
-        "qwen3_30b_a3b_proxy",
-        (*LONG_2, "parallel=cp2"),
-        "proxy seq 32k DP2",
-        nproc=2,
-    ),
-    Case(
-        "proxy seq 32k CP2 optimizer states offload",
-        "qwen3_30b_a3b_proxy",
-        (*LONG_2, "parallel=cp2", "offload/optimizer=states"),
-        "proxy seq 32k DP2",
-        nproc=2,
-    ),
-]
 # The CPU-Adam engine on the proxy at global batch 1 and 4, each beside its no-offload baseline
 # and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
 PROXY_RECIPE = "qwen3_30b_a3b_proxy"
@@ -204,9 +110,6 @@ DELAY = ("optimizer.cpu_adam_exact_steps=2",)
 def _batch(gbs: int) -> tuple[str, str]:
     """The proxy's batch overrides: global batch ``gbs`` of micro-batch 1."""
     return (f"train.global_batch_size={gbs}", "train.micro_batch_size=1")
-
-
-GBS1 = _batch(1)
 
 
 def _cpu_adam_cases(
@@ -252,123 +155,6 @@ def _cpu_adam_cases(
     ]
 
 
-ALL_ON_CPU = "optimizer.cpu_adam_gpu_share=0"
-
-
-def _split_cases(gbs: int) -> list[Case]:
-    """Exact mode with its GPU share balanced each step (the default) against all of Adam on the
-    CPU, beside the baseline (twice) and HDO 100% + overlap."""
-    cases = _cpu_adam_cases(gbs)
-    all_on_cpu = replace(
-        cases[2],
-        name=f"{cases[2].name}, all on the CPU",
-        overrides=(*cases[2].overrides, ALL_ON_CPU),
-    )
-    return [*cases[:3], all_on_cpu, cases[5]]
-
-
-def _late_share_cases(gbs: int) -> list[Case]:
-    """Delayed mode with its GPU share balanced each step (part of each step-late update on
-    the GPU under the next forward+backward) against delayed mode all on the CPU, beside the
-    baseline (twice)."""
-    cases = _cpu_adam_cases(gbs)
-    balanced = "optimizer.cpu_adam_gpu_share=null"
-    shared = replace(
-        cases[3], name=f"{cases[3].name}, GPU share", overrides=(*cases[3].overrides, balanced)
-    )
-    return [cases[0], cases[3], shared, cases[5]]
-
-
-def _experts_cases(gbs: int) -> list[Case]:
-    """Every state on the host with the routed experts' updates delayed and the dense part's
-    exact (offload/optimizer=cpu_adam_delayed_experts) on two GPUs with expert parallelism (the
-    experts' own optimizer part), beside delayed and exact mode at 100% and the baseline
-    (twice), all EP2."""
-    ep2 = [
-        replace(c, overrides=(*c.overrides, "parallel=ep2")) for c in _cpu_adam_cases(gbs, nproc=2)
-    ]
-    experts = replace(
-        ep2[3],
-        name=f"DP2 GBS{gbs} cpu_adam_delayed_experts 100%",
-        overrides=(
-            *_batch(gbs),
-            "parallel=ep2",
-            "offload/optimizer=cpu_adam_delayed_experts",
-            *DELAY,
-        ),
-    )
-    return [ep2[0], experts, ep2[3], ep2[2], ep2[5]]
-
-
-def _fraction_sweep(gbs: int, fractions: tuple[float, ...], hdo: tuple[float, ...]) -> list[Case]:
-    batch = _batch(gbs)
-    base = f"sweep GBS{gbs} no offload"
-    cases = [Case(base, PROXY_RECIPE, batch, base)]
-    for f in fractions:
-        frac = f"optimizer.optimizer_offload_fraction={f}"
-        cases += [
-            Case(
-                f"sweep cpu_adam {f:.0%}",
-                PROXY_RECIPE,
-                (*batch, "offload/optimizer=cpu_adam", frac),
-                base,
-            ),
-            Case(
-                f"sweep cpu_adam_delayed {f:.0%}",
-                PROXY_RECIPE,
-                (*batch, "offload/optimizer=cpu_adam_delayed", *DELAY, frac),
-                base,
-            ),
-        ]
-    cases += [
-        Case(
-            f"sweep HDO {f:.0%} + overlap",
-            PROXY_RECIPE,
-            (*batch, "offload/optimizer=cpu_100", f"optimizer.optimizer_offload_fraction={f}"),
-            base,
-        )
-        for f in hdo
-    ]
-    return cases
-
-
-# Every option of conf/offload/ (but disabled and auto) and fine-grained activation offload, each
-# training beside the no-offload run of the same suite (two calls: the HDO runs are slow).
-OPTION = ("train.global_batch_size=4", "train.micro_batch_size=1")
-OPTION_BASE = "options no offload"
-FINE_GRAINED = (
-    "model.fine_grained_activation_offloading=true",
-    "model.offload_modules=[expert_fc1,moe_act,core_attn,attn_proj]",
-)
-
-
-def _option(name: str, *overrides: str) -> Case:
-    return Case(f"options {name}", PROXY_RECIPE, (*OPTION, *overrides), OPTION_BASE)
-
-
-OPTIONS_1 = [
-    _option("no offload"),
-    _option(
-        "activation enabled, 2 layers",
-        "offload/activation=enabled",
-        "model.cpu_offloading_num_layers=2",
-    ),
-    _option("fine-grained activation offload", *FINE_GRAINED),
-    _option("optimizer states", "offload/optimizer=states"),
-    _option("cpu_adam", "offload/optimizer=cpu_adam"),
-    _option("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed", *DELAY),
-    _option(
-        "bf16 Adam states on the GPU",
-        "optimizer.use_precision_aware_optimizer=true",
-        "optimizer.exp_avg_dtype=bf16",
-        "optimizer.exp_avg_sq_dtype=bf16",
-    ),
-]
-OPTIONS_2 = [
-    _option("no offload"),
-    *(_option(f"HDO {n}", f"offload/optimizer=cpu_{n}") for n in (75, 25, 50, 100)),
-]
-
 # The full 48-layer Qwen3-30B-A3B on one 4-GPU node (nvidia-h200-x4): no offload runs out of GPU
 # memory (status oom), the offloads that fit train, and a PP2 layout with optimizer offload.
 FULL = (
@@ -403,108 +189,14 @@ FULL_4GPU = [
 ]
 
 
-# The planner's calibration spread (issue: within 10% on configurations it was not fitted on): a
-# dense SwiGLU model (Llama-3 8B's layer, 4 layers) and the MoE proxy, micro-batch 1-4, sequence
-# 2k-32k, recompute off / selective / full, every optimizer offload mode and bf16 Adam states. One
-# micro-batch per step: the peak is what is measured, and with PP1 more micro-batches add nothing.
-def _spread(name: str, model: str, mb: int, seq: int, *overrides: str) -> Case:
-    recipe, base = (
-        ("llama3_8b", "spread dense MB1 4k")
-        if model == "dense"
-        else (PROXY_RECIPE, "spread MoE MB2 4k")
-    )
-    extra = ("model.num_layers=4",) if model == "dense" else ()
-    return Case(
-        f"spread {model} MB{mb} {seq // 1024}k{name}",
-        recipe,
-        (
-            *extra,
-            f"train.micro_batch_size={mb}",
-            f"train.global_batch_size={mb}",
-            f"model.seq_length={seq}",
-            "scheduler.lr_warmup_iters=2",
-            *overrides,
-        ),
-        base,
-    )
-
-
-SELECTIVE = ("model.recompute_granularity=selective",)
 FULL_RECOMPUTE = (
     "model.recompute_granularity=full",
     "model.recompute_method=uniform",
     "model.recompute_num_layers=1",
 )
-BF16_STATES = (
-    "optimizer.use_precision_aware_optimizer=true",
-    "optimizer.exp_avg_dtype=bf16",
-    "optimizer.exp_avg_sq_dtype=bf16",
-)
-SPREAD = [
-    _spread("", "dense", 1, 4096),
-    _spread("", "dense", 4, 4096),
-    _spread(" selective recompute", "dense", 2, 8192, *SELECTIVE),
-    _spread(" full recompute", "dense", 1, 16384, *FULL_RECOMPUTE),
-    _spread(" cpu_adam 100%", "dense", 4, 4096, "offload/optimizer=cpu_adam"),
-    _spread(" states", "dense", 4, 4096, "offload/optimizer=states"),
-    _spread(" HDO 100%", "dense", 2, 4096, "offload/optimizer=cpu_100"),
-    _spread(" bf16 Adam states", "dense", 2, 4096, *BF16_STATES),
-    _spread("", "MoE", 2, 4096),
-    _spread(
-        " full recompute, states", "MoE", 1, 32768, *FULL_RECOMPUTE, "offload/optimizer=states"
-    ),
-    _spread(
-        " cpu_adam 50%",
-        "MoE",
-        4,
-        2048,
-        "offload/optimizer=cpu_adam",
-        "optimizer.optimizer_offload_fraction=0.5",
-    ),
-    _spread(" selective recompute", "MoE", 1, 8192, *SELECTIVE),
-    _spread(" bf16 Adam states", "MoE", 2, 4096, *BF16_STATES),
-    _spread(
-        " activation offload 2 layers",
-        "MoE",
-        1,
-        8192,
-        "offload/activation=enabled",
-        "model.cpu_offloading_num_layers=2",
-    ),
-]
 
-LONG_EXACT = Case(
-    "long cpu_adam 100%", PROXY_RECIPE, (*GBS1, "offload/optimizer=cpu_adam"), "long cpu_adam 100%"
-)
-LONG_DELAYED = Case(
-    "long cpu_adam_delayed 100%",
-    PROXY_RECIPE,
-    (*GBS1, "offload/optimizer=cpu_adam_delayed", *DELAY),
-    "long cpu_adam 100%",
-)
-# Delayed mode after more exact steps: does staleness cost less once the loss has left its steep
-# start? (2 exact steps fell behind exact mode and did not catch up.)
-LONG_DELAYED_LATER = [
-    Case(
-        f"long cpu_adam_delayed 100% after {n} exact steps",
-        PROXY_RECIPE,
-        (*GBS1, "offload/optimizer=cpu_adam_delayed", f"optimizer.cpu_adam_exact_steps={n}"),
-        "long cpu_adam 100%",
-    )
-    for n in (20, 50)
-]
 
-# Delayed mode's convergence where ZeRO-Offload uses delayed updates: GBS 4 and a warmup of 20
-# iterations, delayed updates from its end (the default start), two seeds (weights and data order)
-# of the no-offload baseline and of delayed mode without and with weight prediction: the
-# baselines' spread across seeds is the noise the delayed runs are judged against
-# (CONVERGENCE_TAIL). One case per suite: they run side by side, a GPU each
-# (bench/device_session.sh cpu-adam-conv-a/-b/-c/-d). cpu-adam-conv-3/4 ran before weight
-# prediction existed (then delayed mode without it).
-CONV = ("train.global_batch_size=4", "train.micro_batch_size=1", "scheduler.lr_warmup_iters=20")
-CONV_SEEDS = (1234, 1235)
 CONVERGENCE_TAIL = 20  # the final loss: the mean over the last iterations
-DELAYED = ("offload/optimizer=cpu_adam_delayed",)
 
 
 def expert_share(recipe: str) -> float:
@@ -520,72 +212,6 @@ def expert_share(recipe: str) -> float:
 
 # Delayed mode for the proxy's routed experts alone (composed once: a Hydra composition each)
 EXPERTS_ONLY = f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}"
-
-CONV_MODES = {
-    "no offload": (),
-    "cpu_adam_delayed": (*DELAYED, "optimizer.cpu_adam_weight_prediction=false"),
-    "cpu_adam_delayed predicting": (*DELAYED, "optimizer.cpu_adam_weight_prediction=true"),
-    # the stale updates of the router and the dense layers: do they cost the iterations?
-    "cpu_adam_delayed experts only": (*DELAYED, EXPERTS_ONLY),
-    "cpu_adam_delayed experts only predicting": (
-        *DELAYED,
-        EXPERTS_ONLY,
-        "optimizer.cpu_adam_weight_prediction=true",
-    ),
-}
-
-
-def _conv(mode: str, seed: int) -> Case:
-    return Case(
-        f"conv {mode} seed {seed}",
-        PROXY_RECIPE,
-        (*CONV, *CONV_MODES[mode], f"train.seed={seed}"),
-        f"conv no offload seed {seed}",
-    )
-
-
-CONV_CASES = [_conv(mode, seed) for mode in CONV_MODES for seed in CONV_SEEDS]
-
-# The routed experts' updates delayed and the dense part's exact
-# (offload/optimizer=cpu_adam_delayed_experts), which needs the experts' own optimizer part:
-# Megatron-Core builds one only with expert parallelism, so these run EP2 on two GPUs, 200
-# iterations, two seeds beside the EP2 baseline's, and exact mode (one seed) beside them; one
-# suite per device call (bench/device_session.sh cpu-adam-ep2-conv-1/-2/-3).
-CONV_EP2_MODES = {
-    "no offload": (),
-    "cpu_adam_delayed_experts": ("offload/optimizer=cpu_adam_delayed_experts",),
-    "cpu_adam": ("offload/optimizer=cpu_adam",),
-}
-
-
-def _conv_ep2(mode: str, seed: int) -> Case:
-    return Case(
-        f"conv EP2 {mode} seed {seed}",
-        PROXY_RECIPE,
-        (*CONV, "parallel=ep2", *CONV_EP2_MODES[mode], f"train.seed={seed}"),
-        f"conv EP2 no offload seed {seed}",
-        nproc=2,
-    )
-
-
-# Adam's kernels against each other on the tiny recipe, deterministic, 20 iterations: torch's fused
-# AdamW on the GPU (the engine with nothing offloaded: the suite's reference), Transformer
-# Engine's FusedAdam on the GPU (no offload), torch's fused AdamW on the CPU (the engine, landing
-# during the forward and within the step; HybridDeviceOptimizer). How far last-bit differences
-# between correct kernels part the losses is the floor for any Adam's loss parity.
-TINY_DET = ("model.deterministic_mode=true",)
-GPU_FUSED_ADAMW = "torch fused AdamW on the GPU"
-ADAM_PARITY = [
-    Case(
-        GPU_FUSED_ADAMW,
-        "tiny",
-        (*TINY_DET, "offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=1e-6"),
-        GPU_FUSED_ADAMW,
-    ),
-    Case("TE FusedAdam on the GPU (no offload)", "tiny", TINY_DET, GPU_FUSED_ADAMW),
-    Case("cpu_adam 100%", "tiny", (*TINY_DET, "offload/optimizer=cpu_adam"), GPU_FUSED_ADAMW),
-    Case("HDO 100% + overlap", "tiny", (*TINY_DET, "offload/optimizer=cpu_100"), GPU_FUSED_ADAMW),
-]
 
 
 PROFILE_AT = (
@@ -603,16 +229,6 @@ EXACT_ROWS = (
 )
 
 
-def _profile_cases(gbs: int) -> list[Case]:
-    """Iteration 5 of no offload and of both exact host engines under the torch profiler: what
-    forward+backward spends where the engines slow it (issue: exact offload's cost)."""
-    base = f"GBS{gbs} no offload"
-    return [
-        Case(f"GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *PROFILE_AT, *extra), base)
-        for name, extra in EXACT_ROWS
-    ]
-
-
 def _cost_cases(gbs: int) -> list[Case]:
     """Exact optimizer offload's cost at one global batch (issue: cost that does not grow with the
     batch): no offload, both exact host engines, and at GBS 4 and 8 HybridDeviceOptimizer 100% and
@@ -627,38 +243,6 @@ def _cost_cases(gbs: int) -> list[Case]:
     rows.append(("no offload (repeat)", ()))
     return [
         Case(f"cost GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
-        for name, extra in rows
-    ]
-
-
-def _pairs(gbs: int, runs: int) -> list[Case]:
-    """Forward+backward under the exact engines against the host's drift: no offload, cpu_adam
-    and states in turn, the first ``runs`` of three rounds (ending on no offload), each beside
-    its neighbours in time."""
-    return [
-        replace(c, name=f"{c.name} #{i}", baseline=f"{c.baseline} #{i}")
-        for i in (1, 2, 3)
-        for c in _cost_cases(gbs)[:3]
-    ][:runs]
-
-
-GBS8_PAIRS = _pairs(8, 8)
-
-
-def _remainder_cases(gbs: int) -> list[Case]:
-    """State offload with its masters as remainders beside the bf16 parameters (10 B/param each
-    way, the default) against fp32 masters (12 B/param: optimizer.store_param_remainders=false),
-    between two no-offload runs."""
-    base = f"remainders GBS{gbs} no offload"
-    states = ("offload/optimizer=states",)
-    rows = (
-        ("no offload", ()),
-        ("states", states),
-        ("states, fp32 masters", (*states, "optimizer.store_param_remainders=false")),
-        ("no offload (repeat)", ()),
-    )
-    return [
-        Case(f"remainders GBS{gbs} {name}", PROXY_RECIPE, (*_batch(gbs), *extra), base)
         for name, extra in rows
     ]
 
@@ -711,19 +295,6 @@ def _bf16_moment_cases() -> list[Case]:
     ]
 
 
-def _bf16_kernel_cases() -> list[Case]:
-    """TE FusedAdam with bf16 moments on full fp32 masters (optimizer.store_param_remainders=
-    false: the multi_tensor_adam kernel the state window calls, not the param-remainder one)
-    beside state offload with bf16 moments: the same math, so the same losses bit for bit."""
-    cases = _bf16_moment_cases()
-    te = replace(
-        cases[0],
-        name="TE FusedAdam bf16 moments, fp32 masters, no offload",
-        overrides=(*cases[0].overrides, "optimizer.store_param_remainders=false"),
-    )
-    return [te, replace(cases[1], baseline=te.name)]
-
-
 # Qwen3-30B-A3B's first 28 layers (16.8B params) on one GPU of 139 GB with ~125 GB of host RAM:
 # no offload runs out of GPU memory; state offload with bf16 moments and gradients keeps 75% of
 # the states on the host (the planner's fit for that box).
@@ -756,23 +327,6 @@ def _capacity_auto(layers: int) -> Case:
         (*overrides, "offload/optimizer=auto"),
         "28 layers, no offload",
     )
-
-
-CAPACITY_CASES = [
-    Case("28 layers, no offload", "qwen3_30b_a3b", CAPACITY, "28 layers, no offload"),
-    Case(
-        "28 layers, states 75% bf16 moments and gradients",
-        "qwen3_30b_a3b",
-        (
-            *CAPACITY,
-            "offload/optimizer=states",
-            *BF16_MOMENTS,
-            "ddp.grad_reduce_in_fp32=false",
-            "optimizer.optimizer_state_offload_fraction=0.75",
-        ),
-        "28 layers, no offload",
-    ),
-]
 
 
 # Weight offload (offload/weight=enabled): the dense held-out shape (8 layers of width 2048, seq
@@ -1006,223 +560,31 @@ PROFILE_55 = [
 ]
 
 
+# The suites a session may run again (earlier suites' results stay in bench/results and render
+# as they ran: the report needs no definition of them).
 SUITES: dict[str, list[Case]] = {
+    # issue 55: kernels, micro-batch and auto; the 37-layer slice; the CPU-Adam engine's modes
     "throughput-16": _throughput_cases(),
     "throughput-37": THROUGHPUT_37,
     "profile-55": PROFILE_55,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
-    "weight-offload": WEIGHT_CASES,
+    # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)
+    **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
+    "cpu-adam-4": _cpu_adam_cases(4),
+    "bf16-moments": _bf16_moment_cases(),
+    "determinism": _determinism_cases(),
+    "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
+    # capacity: the largest slice of Qwen3-30B-A3B one H200 box trains; the whole model on two
+    "capacity-auto-37": [_capacity_auto(37)],
     "two-gpu-full-1": FULL_2GPU[:1],
     "two-gpu-full-2": FULL_2GPU[1:],
     "two-gpu-engines": _two_gpu_engine_cases(8),
-    # exact offload's cost against the batch, one call per batch (issue: GBS 4 / 8 / 32 bars)
-    **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
     "llama3-8b-auto": [LLAMA_AUTO],
-    "gbs-8-pairs": GBS8_PAIRS,
-    "gbs-4-pairs": _pairs(4, 7),  # two rounds and no offload again: a call's 560 s
-    "gbs-32-pairs": _pairs(32, 4),  # one round and no offload again: about 450 s on an H100
-    "gbs-32-pairs-2": _pairs(32, 4),  # the same again, in another call
-    "gbs-4-pairs-2": _pairs(4, 7),  # again after both upcasts changed (masters, bf16 grads)
-    "gbs-32-pairs-3": _pairs(32, 4),  # a third call
-    "gbs-32-pairs-4": _pairs(32, 4),  # a fourth, at the end of a round that changed no engine
-    # exact landings rounded on the CPU (bf16 up) against fp32 up: run at two commits in turn
-    # (device_session.sh commit-ab), each beside its own no-offload row
-    "exact-4-ab": _cost_cases(4)[:2],
-    # the state windows growing into the memory the last backward frees, their states coming in
-    # during it, against the window filled at its tail: both exact engines, at two commits
-    "grow-4-ab": _cost_cases(4)[:3],
-    # the acceptance suites again after the windows grow during the last backward (one H100)
-    **{f"gbs-{gbs}-grown": _cost_cases(gbs) for gbs in (4, 8, 32)},
-    "gbs-8-pairs-2": _pairs(8, 4),  # GBS 8 again after that change: one round, no offload again
-    **{f"remainders-{gbs}": _remainder_cases(gbs) for gbs in (4, 8, 32)},
-    # state offload's pass beside the next forward (its Adam calls on a side stream, the forward
-    # waiting module by module): no offload and states at two commits in turn (commit-ab), then
-    # the acceptance suites again (one GPU)
-    "beside-4-ab": [_cost_cases(4)[0], _cost_cases(4)[2]],
-    **{f"gbs-{gbs}-beside": _cost_cases(gbs) for gbs in (4, 8, 32)},
-    # the exact split away from the balance: a fixed GPU share below the balanced ~0.57 puts more
-    # on the CPU, whose landings take 4 B/param where the window's states take 12 each way
-    "share-4": [
-        *_cost_cases(4)[:2],
-        *[
-            replace(
-                _cost_cases(4)[1],
-                name=f"cost GBS4 cpu_adam 100%, GPU share {share}",
-                overrides=(*_cost_cases(4)[1].overrides, f"optimizer.cpu_adam_gpu_share={share}"),
-            )
-            for share in (0.45, 0.5)
-        ],
-        _cost_cases(4)[-1],
-    ],
-    # its EP2 states row, which its call's time left out, beside EP2's baseline again
-    "two-gpu-engines-2": [_two_gpu_engine_cases(8)[i] for i in (3, 5)],
-    # the llama3_8b rows and the proxy's, one call each (together they pass a call's 10 minutes)
+    # weight offload: beside state offload, and under GPU memory caps
+    "weight-offload": WEIGHT_CASES,
     "weight-offload-caps": WEIGHT_CAP_CASES[:2],
     "weight-offload-caps-proxy": WEIGHT_CAP_CASES[2:],
     "weight-offload-caps-reference": [LLAMA_UNCAPPED],
-    "bf16-moments": _bf16_moment_cases(),
-    "cost-32": [
-        replace(c, overrides=tuple(o for o in c.overrides if o not in PROFILE_AT))
-        for c in _profile_cases(32)
-    ],
-    "bf16-moments-kernel": _bf16_kernel_cases(),
-    "capacity-28": CAPACITY_CASES,
-    # the issue's acceptance line: no offload runs out of memory, auto picks and trains
-    "capacity-auto-28": [CAPACITY_CASES[0], _capacity_auto(28)],
-    # the largest slice `--plan --largest` predicts for that box (31 layers), its own device call
-    "capacity-auto-31": [_capacity_auto(31)],
-    # ... and again once state offload's host kept each master as its 2 B remainder (37 layers)
-    "capacity-auto-37": [_capacity_auto(37)],
-    "determinism": _determinism_cases(),
-    "profile-8": _profile_cases(8),
-    "adam-parity": ADAM_PARITY,
-    # cpu-adam-4's delayed-mode bars alone (baseline, delayed 100%, its hidden fraction, the
-    # baseline again), for a call too short for the whole suite
-    "cpu-adam-4-delayed": [_cpu_adam_cases(4)[i] for i in (0, 3, 4, 5)],
-    # delayed mode's pieces: 256 MiB against 64 MiB, copying during the backward
-    "cpu-adam-1": _cpu_adam_cases(1),
-    "cpu-adam-split-4": _split_cases(4),
-    "cpu-adam-split-1": _split_cases(1),
-    "cpu-adam-late-share-4": _late_share_cases(4),
-    "cpu-adam-late-share-1": _late_share_cases(1),
-    "cpu-adam-experts-ep2": _experts_cases(4),
-    "cpu-adam-4": _cpu_adam_cases(4),
-    # GBS 1's exact-mode bars again (last at 681c2cb, exact updates landing during the next
-    # forward): cpu-adam-1's baseline and HDO 100% (-1), then cpu_adam 100% (-2), one machine
-    "cpu-adam-1-exact-1": _cpu_adam_cases(1)[:2],
-    "cpu-adam-1-exact-2": _cpu_adam_cases(1)[2:3],
-    # The fractions below 100% (100% is in cpu-adam-4); HybridDeviceOptimizer at 50% as its
-    # anchor in the same suite (its whole sweep: docs/evidence/sweep.md).
-    "cpu-adam-sweep": _fraction_sweep(4, (0.25, 0.5, 0.75), (0.5,)),
-    # Data parallel over two GPUs: each rank updates its half of the shard on its share of cores.
-    "cpu-adam-dp2": _cpu_adam_cases(4, (0.25,), nproc=2),
-    # Delayed against exact over many iterations (run with --iters 200): the loss curves.
-    # one device call each (a full-model case takes minutes)
-    "full-4gpu-1": [FULL_4GPU[i] for i in (0, 1, 4)],  # oom, the least offload that fits, PP2
-    "full-4gpu-2": [FULL_4GPU[i] for i in (3, 2)],
-    "full-4gpu-3": [FULL_4GPU[4]],  # PP2 alone (-1 ran out of its call's time before it)
-    "options-1": OPTIONS_1,
-    "spread-1": SPREAD[:7],  # dense (one GPU each, two calls side by side)
-    "spread-2": SPREAD[7:],  # MoE
-    "options-2": OPTIONS_2,
-    "cpu-adam-long": [LONG_EXACT, LONG_DELAYED],
-    # The same two split over device calls (the family renders as one table).
-    "cpu-adam-long-1": [LONG_EXACT],
-    "cpu-adam-long-2": [LONG_DELAYED],
-    "cpu-adam-long-3": LONG_DELAYED_LATER[:1],
-    "cpu-adam-long-4": LONG_DELAYED_LATER[1:],
-    # exact mode again: how far two runs of one command drift apart (MoE routing and TE's
-    # kernels are not deterministic here), the noise the delayed runs are judged against
-    "cpu-adam-long-5": [
-        Case(
-            "long cpu_adam 100% (repeat)",
-            PROXY_RECIPE,
-            (*GBS1, "offload/optimizer=cpu_adam"),
-            "long cpu_adam 100%",
-        )
-    ],
-    **{f"cpu-adam-conv-{i}": [case] for i, case in enumerate(CONV_CASES, 1)},
-    **{
-        f"cpu-adam-ep2-conv-{i}": [
-            _conv_ep2("no offload", seed),
-            _conv_ep2("cpu_adam_delayed_experts", seed),
-        ]
-        for i, seed in enumerate(CONV_SEEDS, 1)
-    },
-    "cpu-adam-ep2-conv-3": [_conv_ep2("cpu_adam", CONV_SEEDS[0])],
-    "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
-    "proxy-det": [
-        Case(
-            "no offload, deterministic",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "model.deterministic_mode=true"),
-            "no offload, deterministic",
-        ),
-        Case(
-            "no offload, deterministic (repeat)",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "model.deterministic_mode=true"),
-            "no offload, deterministic",
-        ),
-    ],
-    "proxy-1": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][:4],
-    "proxy-2": [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" in c.name]
-    + [c for c in _suite("qwen3_30b_a3b_proxy", PROXY, 2) if "repeat" not in c.name][4:],
-    # Optimizer-state offload against the baseline and against HDO 100% (the other mode that takes
-    # every optimizer byte off the GPU); "states-long" is a sequence long enough that forward and
-    # backward, not the optimizer step, set the peak.
-    "states": STATES,
-    # Loss parity of the state offload on the MoE proxy, both runs deterministic.
-    "states-proxy-det": [
-        Case(
-            "proxy, deterministic",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "model.deterministic_mode=true"),
-            "proxy, deterministic",
-        ),
-        Case(
-            "proxy, deterministic, optimizer states offload",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "model.deterministic_mode=true", "offload/optimizer=states"),
-            "proxy, deterministic",
-        ),
-    ],
-    "states-long": [
-        Case("seq 32k, no offload", "qwen3_30b_a3b_proxy", (*PROXY_LONG,), "seq 32k, no offload"),
-        Case(
-            "seq 32k, optimizer states offload",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY_LONG, "offload/optimizer=states"),
-            "seq 32k, no offload",
-        ),
-    ],
-    "states-det": [
-        Case(
-            "tiny, deterministic", "tiny", ("model.deterministic_mode=true",), "tiny, deterministic"
-        ),
-        Case(
-            "tiny, deterministic, optimizer states offload",
-            "tiny",
-            ("model.deterministic_mode=true", "offload/optimizer=states"),
-            "tiny, deterministic",
-        ),
-    ],
-    # A dense model of real width (Llama-3-8B layers, 4 of them) for the planner's calibration.
-    "dense": [
-        Case("llama3 4 layers, no offload", "llama3_8b", DENSE, "llama3 4 layers, no offload"),
-        Case(
-            "llama3 4 layers, activation offload 2 layers",
-            "llama3_8b",
-            (*DENSE, "offload/activation=enabled", "model.cpu_offloading_num_layers=2"),
-            "llama3 4 layers, no offload",
-        ),
-        Case(
-            "llama3 4 layers, HDO 50%",
-            "llama3_8b",
-            (*DENSE, "offload/optimizer=cpu_50"),
-            "llama3 4 layers, no offload",
-        ),
-        Case(
-            "llama3 4 layers, optimizer states offload",
-            "llama3_8b",
-            (*DENSE, "offload/optimizer=states"),
-            "llama3 4 layers, no offload",
-        ),
-    ],
-    "two-gpu-states": TWO_GPU_STATES,
-    "two-gpu-cp": TWO_GPU_CP,
-    "two-gpu": [
-        Case("tiny DP2", "tiny", (), "tiny DP2", nproc=2),
-        Case("tiny DP2 HDO 50%", "tiny", ("offload/optimizer=cpu_50",), "tiny DP2", nproc=2),
-        Case("proxy EP2", "qwen3_30b_a3b_proxy", (*PROXY, "parallel=ep2"), "proxy EP2", nproc=2),
-        Case(
-            "proxy EP2 HDO 50%",
-            "qwen3_30b_a3b_proxy",
-            (*PROXY, "parallel=ep2", "offload/optimizer=cpu_50"),
-            "proxy EP2",
-            nproc=2,
-        ),
-    ],
 }
 
 
