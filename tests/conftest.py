@@ -42,3 +42,35 @@ def run_cli(
         text=True,
         timeout=300,
     )
+
+
+SAMPLE = PROJECT_ROOT / "tests/data/sotu"  # six State of the Union addresses, public domain
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Path:
+    """The sample with a 4k byte-level BPE trained on it (0.1 s), 2 KB documents."""
+    from offload_runner.cli import EXIT_OK, main
+
+    prefix = tmp_path_factory.mktemp("prepared") / "sotu"
+    args = ["--prepare", str(SAMPLE), "--output", str(prefix), "--vocab-size", "4096"]
+    assert main([*args, "--chunk-kb", "2"]) == EXIT_OK
+    return prefix
+
+
+def step_metrics(iteration: int, loss: float):
+    """A training step's metrics, with made-up timings and memory."""
+    from offload_runner.metrics import StepMetrics
+
+    return StepMetrics(
+        iteration=iteration,
+        loss=loss,
+        lr=1e-4,
+        grad_norm=1.5,
+        step_time_s=0.5,
+        tokens_per_s=1000.0,
+        tflops_per_gpu=50.0,
+        gpu_peak_allocated_gb=20.0,
+        gpu_allocated_gb=10.0,
+        host_pinned_gb=3.0,
+    )

@@ -7,25 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT, compose_run
+from conftest import compose_run, step_metrics
 
-from offload_runner.cli import EXIT_OK, EXIT_USAGE, main
+from offload_runner.cli import EXIT_USAGE, main
 from offload_runner.config.schema import LoggerConfig
 from offload_runner.mcore.data import build_datasets, validation_documents
-from offload_runner.metrics import MetricsReporter, StepMetrics
+from offload_runner.metrics import MetricsReporter
 from offload_runner.prepare import read_metadata
 from offload_runner.train import evaluates_at
-
-SAMPLE = PROJECT_ROOT / "tests/data/sotu"
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """The shipped sample, prepared with a 2k BPE trained on it into 2 KB documents."""
-    prefix = tmp_path_factory.mktemp("evaluation") / "sotu"
-    args = ["--prepare", str(SAMPLE), "--output", str(prefix), "--vocab-size", "2048"]
-    assert main([*args, "--chunk-kb", "2"]) == EXIT_OK
-    return prefix
 
 
 def _indexed(prefix: Path, *overrides: str):
@@ -33,7 +22,7 @@ def _indexed(prefix: Path, *overrides: str):
         "recipe=tiny",
         "data=indexed",
         f"dataset.data_path=[{prefix}]",
-        "model.vocab_size=2048",
+        "model.vocab_size=4096",
         "dataset.num_workers=0",
         "train.train_iters=4",
         *overrides,
@@ -67,20 +56,7 @@ def test_evaluations_follow_the_interval_and_the_last_iteration() -> None:
 def test_the_validation_curve_lands_in_metrics_and_summary(tmp_path: Path) -> None:
     with MetricsReporter(tmp_path, 2, 0, True, LoggerConfig()) as reporter:
         for i in (1, 2):
-            reporter.record(
-                StepMetrics(
-                    iteration=i,
-                    loss=9.0 - i,
-                    lr=1e-4,
-                    grad_norm=1.0,
-                    step_time_s=0.5,
-                    tokens_per_s=1000.0,
-                    tflops_per_gpu=50.0,
-                    gpu_peak_allocated_gb=20.0,
-                    gpu_allocated_gb=10.0,
-                    host_pinned_gb=3.0,
-                )
-            )
+            reporter.record(step_metrics(i, 9.0 - i))
             reporter.record_validation(i, 8.5 - i)
         summary = reporter.write_summary({})
     assert summary["final_validation_loss"] == 6.5
@@ -105,7 +81,7 @@ def test_evaluation_that_cannot_run_is_refused(prepared, tmp_path, capsys, overr
         "tiny",
         "data=indexed",
         f"dataset.data_path=[{prepared}]",
-        "model.vocab_size=2048",
+        "model.vocab_size=4096",
         "validation.eval_iters=2",
         *overrides,
         f"output_dir={tmp_path}/run",

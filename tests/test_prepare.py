@@ -8,22 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PROJECT_ROOT, compose_run
+from conftest import SAMPLE, compose_run
 
 from offload_runner.cli import EXIT_OK, EXIT_USAGE, main
 from offload_runner.mcore.data import build_data_iterator, build_train_dataset, data_tokenizer
 from offload_runner.prepare import MIN_DOCUMENTS, TRAINED_EOD, read_metadata
-
-SAMPLE = PROJECT_ROOT / "tests/data/sotu"
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """The sample with a 4k byte-level BPE trained on it (0.1 s), 2 KB documents."""
-    prefix = tmp_path_factory.mktemp("prepared") / "sotu"
-    args = ["--prepare", str(SAMPLE), "--output", str(prefix), "--vocab-size", "4096"]
-    assert main([*args, "--chunk-kb", "2"]) == EXIT_OK
-    return prefix
 
 
 def documents_of(prefix: Path) -> list[np.ndarray]:

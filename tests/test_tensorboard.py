@@ -5,24 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import step_metrics
 
 from offload_runner.config.schema import LoggerConfig
-from offload_runner.metrics import MetricsReporter, StepMetrics
+from offload_runner.metrics import MetricsReporter
 
 
-def _step(i: int) -> StepMetrics:
-    return StepMetrics(
-        iteration=i,
-        loss=10.0 - i,
-        lr=1e-4,
-        grad_norm=1.5,
-        step_time_s=0.5,
-        tokens_per_s=1000.0,
-        tflops_per_gpu=50.0,
-        gpu_peak_allocated_gb=20.0,
-        gpu_allocated_gb=10.0,
-        host_pinned_gb=3.0,
-    )
+def _step(i: int):
+    return step_metrics(i, 10.0 - i)
 
 
 def test_step_metrics_become_tensorboard_scalars(tmp_path: Path) -> None:
