@@ -580,3 +580,35 @@ def test_a_bracketed_data_path_prints_as_typed(tmp_path: Path, capsys) -> None:
     args = ["--recipe", "tiny", "data=indexed", "dataset.data_path=[/data/x]"]
     assert main([*args, f"output_dir={tmp_path}/run", "--dry-run"]) == EXIT_OK
     assert "dataset.data_path=[/data/x]" in capsys.readouterr().out.replace("\n", "")
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_library_warnings_go_to_the_rank_log(tmp_path, monkeypatch, capfd, verbose) -> None:
+    """Megatron-Core's loggers and Python warnings (TE's, torch's) land in rank0.log, and in the
+    terminal only with --verbose; our own lines stay in the log and out of stderr."""
+    import logging
+    import warnings
+
+    from offload_runner import console
+    from offload_runner.worker import setup_rank_logging
+
+    monkeypatch.setenv(console.VERBOSE_ENV, "1" if verbose else "0")
+    root = logging.getLogger()
+    ours = logging.getLogger("offload_runner")
+    saved = (root.handlers[:], root.level, ours.handlers[:], ours.propagate)
+    try:
+        setup_rank_logging(tmp_path, 0)
+        logging.getLogger("megatron.core.datasets").warning("Unable to save indexes")
+        warnings.warn("GPTModel IS DEPRECATED", UserWarning, stacklevel=1)
+        ours.info("our own line")
+    finally:
+        logging.captureWarnings(False)
+        root.handlers, root.level = saved[0], saved[1]
+        ours.handlers, ours.propagate = saved[2], saved[3]
+    log = (tmp_path / "rank0.log").read_text()
+    assert "Unable to save indexes" in log and "GPTModel IS DEPRECATED" in log
+    assert log.count("our own line") == 1
+    err = capfd.readouterr().err
+    assert ("Unable to save indexes" in err) is verbose
+    assert ("GPTModel IS DEPRECATED" in err) is verbose
+    assert "our own line" not in err

@@ -138,6 +138,8 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             options.list_recipes = True
         elif arg == "--version":
             options.version = True
+        elif arg == "--verbose":  # library warnings in the terminal too (the ranks inherit it)
+            os.environ[console.VERBOSE_ENV] = "1"
         elif arg == "--collect" or arg.startswith("--collect="):
             value = _option_value(arg, args)
             if not value or not Path(value).is_dir():
@@ -222,6 +224,7 @@ OUR_FLAGS = (
     "--full",
     "--list-recipes",
     "--version",
+    "--verbose",
     "--collect",
     "--recipe",
     "--prepare",

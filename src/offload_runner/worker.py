@@ -18,11 +18,15 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from offload_runner.config.schema import RunConfig
+from offload_runner.console import VERBOSE_ENV
 from offload_runner.offload import apply_runtime_environment
 from offload_runner.rundir import RunDirError, create_run_dir, load_resolved, rank_log
 
 
 def setup_rank_logging(run_dir: Path, rank: int) -> None:
+    """The rank's log: our own lines, and every library's warnings (Megatron-Core's and
+    Transformer Engine's loggers, Python warnings), which reach the terminal only with
+    ``--verbose``; ranks other than 0 send all their output there."""
     path = rank_log(run_dir, rank)
     stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     if rank != 0:
@@ -36,6 +40,13 @@ def setup_rank_logging(run_dir: Path, rank: int) -> None:
     logger = logging.getLogger("offload_runner")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logging.captureWarnings(True)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    if rank == 0 and os.environ.get(VERBOSE_ENV) == "1":
+        root.addHandler(logging.StreamHandler(sys.stderr))
+    root.setLevel(logging.WARNING)
 
 
 def _train(run: RunConfig, run_dir: Path, rank: int) -> int:
