@@ -529,3 +529,5 @@ def test_evaluation_on_the_held_out_split(root: str, offload: tuple[str, ...]) -
     if offload != ("offload/optimizer=cpu_adam_delayed",):
         assert summary["losses"] == baseline(root)["losses"]  # evaluation changes no step
         assert curve == evaluated(root, ())["validation_losses"]
+    else:  # nor does it arm the engine's copies for a backward that never comes
+        assert summary["losses"] == train(Path(root) / "delayed-no-eval", *offload)["losses"]

@@ -6,6 +6,7 @@ dist_checkpointing); this module wires them the way Megatron-LM's pretrain loop 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
@@ -273,6 +274,7 @@ def evaluate(rank: Rank) -> float:
     the model, not the batches); the engines' update in flight lands first."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     from offload_runner.mcore.data import build_data_iterator
 
@@ -286,6 +288,9 @@ def evaluate(rank: Rank) -> float:
     for chunk in rank.model:
         chunk.eval()
     losses = []
+    # the engines arm at no_sync's exit for the last micro-batch's backward: not for these
+    config = get_model_config(rank.model[0])
+    armed, config.no_sync_func = config.no_sync_func, contextlib.nullcontext
     with torch.no_grad():
         for _ in range(run.validation.eval_iters):
             out = get_forward_backward_func()(
@@ -298,6 +303,7 @@ def evaluate(rank: Rank) -> float:
                 forward_only=True,
             )
             losses.append(global_loss(out, m.pipeline_model_parallel_size, m.context_parallel_size))
+    config.no_sync_func = armed
     for chunk in rank.model:
         chunk.train()
     return sum(losses) / len(losses)
