@@ -14,6 +14,7 @@ the error bound: there fixed allocator and library overheads, not the model, set
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -155,7 +156,13 @@ def plan_of(result: dict) -> Plan:
     if chosen and "," not in chosen:  # what auto chose for the run, where its overrides say all
         # (auto times the CPU: here it could choose otherwise)
         overrides = [o for o in overrides if not o.endswith("=auto")] + chosen.split()
-    run = to_run_config(compose_config(overrides))
+    return _plan(tuple(overrides), nproc)
+
+
+@functools.cache
+def _plan(overrides: tuple[str, ...], nproc: int) -> Plan:
+    """One command line's plan (the rounds of a suite repeat their command lines: composed once)."""
+    run = to_run_config(compose_config(list(overrides)))
     if run.planner.auto:
         return choose_offload(run, nproc).plan  # what auto chooses, as the launcher does
     return make_plan(run, world=nproc, gpus_per_node=nproc)

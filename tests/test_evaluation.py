@@ -50,7 +50,8 @@ def test_evaluations_follow_the_interval_and_the_last_iteration() -> None:
         "validation.eval_interval=4",
     )
     assert [i for i in range(1, 11) if evaluates_at(run, i)] == [4, 8, 10]
-    assert not any(evaluates_at(compose_run("recipe=tiny"), i) for i in range(1, 100))
+    off = compose_run("recipe=tiny")
+    assert not any(evaluates_at(off, i) for i in range(1, 100))
 
 
 def test_the_validation_curve_lands_in_metrics_and_summary(tmp_path: Path) -> None:
