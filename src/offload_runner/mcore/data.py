@@ -87,18 +87,20 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
 def validation_documents(run: RunConfig) -> int | None:
     """Documents dataset.split gives the validation split: 0 where its weight is 0, else
     counted from what --prepare recorded (None where nothing says: mock data, prefixes made
-    elsewhere). Megatron-Core rounds each split's share of the documents."""
-    weights = [float(w) for w in run.dataset.split.replace("/", ",").split(",")]
-    if len(weights) < 2 or weights[1] <= 0:
+    elsewhere, a split Megatron-Core's parser refuses). Megatron-Core rounds each split's
+    share of the documents."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        train, valid, _ = parse_and_normalize_split(run.dataset.split)
+    except (AssertionError, ZeroDivisionError):
+        return None
+    if valid <= 0:
         return 0
     documents = [m.get("documents") for m in prepared_metadata(run)]
     if run.dataset.kind == DatasetKind.mock or not documents or None in documents:
         return None
-    total = sum(weights)
-    return min(
-        round(n * (weights[0] + weights[1]) / total) - round(n * weights[0] / total)
-        for n in documents
-    )
+    return min(round(n * (train + valid)) - round(n * train) for n in documents)
 
 
 def validation_samples(run: RunConfig) -> int:
