@@ -31,10 +31,12 @@ class Engines:
         the last micro-batch's backward armed at ``no_sync``'s exit (delayed CPU Adam's copies,
         the state windows' growth), the windows' first pieces prefetched in the gradient
         finalize hook (set before this), state offload's passes beside the next forward."""
+        import torch.distributed as dist
+
         from offload_runner.offload import host_adam, optimizer_states
 
         config.no_sync_func = host_adam.arming(no_sync, host_adam.engines(self.optimizer))
-        reserve = rebuilt_bytes(self.run, *_rank_and_world())
+        reserve = rebuilt_bytes(self.run, dist.get_rank(), dist.get_world_size())
         self._attached = optimizer_states.attach(self.optimizer, config, self.model, reserve)
 
     def zero_grad_buffers(self) -> None:
@@ -112,11 +114,3 @@ class Engines:
             self._attached = None
         for engine in self.all:
             engine.close()
-
-
-def _rank_and_world() -> tuple[int, int | None]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, None
