@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import compose_run
 
-from offload_runner.mcore.data import build_data_iterator, build_train_dataset
+from offload_runner.mcore.data import build_data_iterator, build_datasets
 
 
 def write_indexed_dataset(prefix: Path, documents: int = 120, vocab: int = 4000) -> None:
@@ -35,7 +35,7 @@ def test_indexed_dataset_feeds_micro_batches(tmp_path: Path) -> None:
         "dataset.num_workers=0",
         "train.train_iters=3",
     )
-    dataset = build_train_dataset(run)
+    dataset = build_datasets(run)[0]
     assert len(dataset) >= run.train.train_iters * run.train.global_batch_size
     batch = next(build_data_iterator(run, dataset, 0, dp_rank=0, dp_size=1))
     assert batch["tokens"].shape == (run.train.micro_batch_size, run.model.seq_length)
@@ -54,11 +54,11 @@ def test_blend_of_two_prefixes(tmp_path: Path) -> None:
         f"dataset.data_path=[0.7,{tmp_path / 'a'},0.3,{tmp_path / 'b'}]",
         "train.train_iters=2",
     )
-    assert len(build_train_dataset(run)) >= 2 * run.train.global_batch_size
+    assert len(build_datasets(run)[0]) >= 2 * run.train.global_batch_size
 
 
 @pytest.mark.filterwarnings("ignore")
 def test_mock_dataset_is_deterministic() -> None:
     run = compose_run("recipe=tiny", "train.train_iters=2")
-    first = build_train_dataset(run)[3]["tokens"]
-    assert torch.equal(first, build_train_dataset(run)[3]["tokens"])
+    first = build_datasets(run)[0][3]["tokens"]
+    assert torch.equal(first, build_datasets(run)[0][3]["tokens"])

@@ -11,7 +11,7 @@ import pytest
 from conftest import SAMPLE, compose_run
 
 from offload_runner.cli import EXIT_OK, EXIT_USAGE, main
-from offload_runner.mcore.data import build_data_iterator, build_train_dataset, data_tokenizer
+from offload_runner.mcore.data import build_data_iterator, build_datasets, data_tokenizer
 from offload_runner.prepare import MIN_DOCUMENTS, TRAINED_EOD, read_metadata
 
 
@@ -60,7 +60,7 @@ def test_prepared_data_trains_dry_runs_and_plans(prepared: Path, tmp_path) -> No
     assert main([*common, "model.vocab_size=1000", "--dry-run"]) == EXIT_USAGE
     run = compose_run("recipe=tiny", *data, "dataset.num_workers=0", "train.train_iters=2")
     assert data_tokenizer(run).eod == read_metadata(prepared)["eod_id"]
-    batch = next(build_data_iterator(run, build_train_dataset(run), 0, dp_rank=0, dp_size=1))
+    batch = next(build_data_iterator(run, build_datasets(run)[0], 0, dp_rank=0, dp_size=1))
     assert int(batch["tokens"].max()) < 4096
 
 

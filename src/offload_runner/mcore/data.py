@@ -127,10 +127,6 @@ def build_datasets(run: RunConfig, cache_dir: Path | None = None) -> tuple:
     return train, validation if valid else None
 
 
-def build_train_dataset(run: RunConfig, cache_dir: Path | None = None):
-    return build_datasets(run, cache_dir)[0]
-
-
 def micro_batch_indices(consumed: int, micro_batch_size: int, dp_rank: int) -> list[int]:
     """This DP rank's samples of the micro-batch step that starts at ``consumed``."""
     start = consumed + dp_rank * micro_batch_size
