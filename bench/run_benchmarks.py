@@ -560,12 +560,52 @@ PROFILE_55 = [
 ]
 
 
+# Issue 56: what each precision and delay step costs in learning, on real text. The corpus:
+#   python tools/fetch_corpus.py corpus/text
+#   python run_recipe.py --prepare corpus/text --output corpus/prose --vocab-size 16384
+# Run with --iters 500 --jobs 9: the rows share one GPU side by side (their losses, not their
+# times, are the finding). A second seed of the reference gives the seed-to-seed spread.
+CORPUS = ROOT / "corpus" / "prose"
+CONVERGENCE_RECIPE = "qwen3_moe_small"
+REAL_TEXT = (
+    "data=indexed",
+    f"dataset.data_path=[{CORPUS}]",
+    "dataset.split='98,2,0'",
+    "validation.eval_iters=10",
+    "validation.eval_interval=25",
+)
+
+
+def _convergence_cases() -> list[Case]:
+    def case(name: str, *overrides: str) -> Case:
+        return Case(name, CONVERGENCE_RECIPE, (*REAL_TEXT, *overrides), "reference")
+
+    experts = f"optimizer.optimizer_offload_fraction={expert_share(CONVERGENCE_RECIPE)}"
+    return [
+        case("reference"),
+        case("reference seed 2", "rng.seed=1235"),
+        case("states", "offload/optimizer=states"),
+        case("cpu_adam", "offload/optimizer=cpu_adam"),
+        case("bf16 moments", "offload/optimizer=states", *BF16_MOMENTS),
+        case(
+            "bf16 moments and gradients",
+            "offload/optimizer=states",
+            *BF16_MOMENTS,
+            "ddp.grad_reduce_in_fp32=false",
+        ),
+        case("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed"),
+        case("cpu_adam_delayed experts", "offload/optimizer=cpu_adam_delayed", experts),
+        case("HDO 50%", "offload/optimizer=cpu_50"),
+    ]
+
+
 # The suites a session may run again (earlier suites' results stay in bench/results and render
 # as they ran: the report needs no definition of them).
 SUITES: dict[str, list[Case]] = {
     # issue 55: kernels, micro-batch and auto; the 37-layer slice; the CPU-Adam engine's modes
     "throughput-16": _throughput_cases(),
     "throughput-37": THROUGHPUT_37,
+    "convergence": _convergence_cases(),
     "profile-55": PROFILE_55,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)
@@ -677,7 +717,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.start_at:  # a later call of a suite that a time limit cut: its missing rows first
         first = next(i for i, c in enumerate(cases) if c.name == args.start_at)
         cases = cases[first:] + cases[:first]
-    out_dir = Path(args.work_dir)
     env = environment()
     if any("cpu_adam" in " ".join(c.overrides) for c in cases):
         cores = len(os.sched_getaffinity(0))
@@ -685,8 +724,32 @@ def cmd_run(args: argparse.Namespace) -> int:
             str(n): fused_adamw_rate(n) for n in sorted({cores, max(1, cores - 2)})
         }
         print(f"torch AdamW(fused=True) alone: {env['cpu_adam_reference_params_per_s']}")
-    results, began = [], time.perf_counter()
     rounds = [(n, c) for n in range(1, args.rounds + 1) for c in cases]  # A B .. A B ..
+    results: list[dict] = []
+
+    def record(result: Result) -> None:
+        results.append(asdict(result))
+        _print_result(result)
+        saved = {"suite": args.suite, "environment": env, "iters": args.iters, "jobs": args.jobs}
+        saved["results"] = results
+        Path(args.out).write_text(json.dumps(saved, indent=1))
+
+    if args.jobs > 1:
+        _run_side_by_side(rounds, args, record)
+    else:
+        _run_in_turn(rounds, args, record, results)
+    return 0
+
+
+def _run_one(round_: int, case: Case, args: argparse.Namespace) -> Result:
+    result = run_case(case, Path(args.work_dir) / f"round{round_}", args.iters)
+    result.round = round_
+    return result
+
+
+def _run_in_turn(rounds, args: argparse.Namespace, record, results: list[dict]) -> None:
+    """One case after another, none started that --time-limit would cut."""
+    began = time.perf_counter()
     for round_, case in rounds:
         longest = max((r["wall_s"] for r in results), default=0.0)
         if args.time_limit and time.perf_counter() - began + longest > args.time_limit:
@@ -694,29 +757,29 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         if case.hidden_fraction_of:
             case = at_hidden_fraction(case, results)
-        result = run_case(case, out_dir / f"round{round_}", args.iters)
-        result.round = round_
-        s = result.summary
-        print(
-            f"{case.name:32s} {result.status:10s} wall {result.wall_s:6.1f}s "
-            f"step {s.get('step_time_s_median', float('nan')) * 1000:8.1f} ms "
-            f"peak {s.get('gpu_peak_allocated_gb', float('nan')):6.2f} GB "
-            f"loss {s.get('final_loss', float('nan')):.4f}",
-            flush=True,
-        )
-        results.append(asdict(result))
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "suite": args.suite,
-                    "environment": env,
-                    "iters": args.iters,
-                    "results": results,
-                },
-                indent=1,
-            )
-        )
-    return 0
+        record(_run_one(round_, case, args))
+
+
+def _run_side_by_side(rounds, args: argparse.Namespace, record) -> None:
+    """--jobs cases at once on the same GPUs: for suites whose finding is the loss, not the
+    time (their step times are not comparable). Results are recorded as they finish."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        running = [pool.submit(_run_one, n, case, args) for n, case in rounds]
+        for done in as_completed(running):
+            record(done.result())
+
+
+def _print_result(result: Result) -> None:
+    s = result.summary
+    print(
+        f"{result.case['name']:32s} {result.status:10s} wall {result.wall_s:6.1f}s "
+        f"step {s.get('step_time_s_median', float('nan')) * 1000:8.1f} ms "
+        f"peak {s.get('gpu_peak_allocated_gb', float('nan')):6.2f} GB "
+        f"loss {s.get('final_loss', float('nan')):.4f}",
+        flush=True,
+    )
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -1508,6 +1571,9 @@ def main() -> int:
     run.add_argument("--iters", type=int, default=ITERS)
     run.add_argument("--rounds", type=int, default=1, help="passes over the cases, interleaved")
     run.add_argument("--start-at", help="the case to start with (the rest follow in turn)")
+    run.add_argument(
+        "--jobs", type=int, default=1, help="cases at once (suites that measure loss, not time)"
+    )
     run.add_argument(
         "--time-limit",
         type=float,

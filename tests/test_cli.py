@@ -488,6 +488,7 @@ def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, c
         (("model.offload_modules=[nosuch]",), "expected one of"),
         (("offload/optimizer=states", "offload/optimizer=cpu_50"), "is given twice"),
         (("-m", "offload/optimizer=cpu_25,cpu_999"), "has no option 'cpu_999'"),
+        (("dataset.split=98,2,0",), "dataset.split='98,2,0'"),
         (("checkpoint.load=/does/not/exist",), "does not exist"),
     ],
     ids=[
@@ -499,6 +500,7 @@ def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, c
         "enum",
         "group-twice",
         "sweep",
+        "sweep-without-m",
         "missing-checkpoint",
     ],
 )

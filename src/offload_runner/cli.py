@@ -708,7 +708,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     register_all(options.extra_recipes)
     try:
-        check_overrides(options.overrides, options.extra_recipes)
+        multirun = any(a in ("-m", "--multirun") for a in hydra_args)
+        check_overrides(options.overrides, options.extra_recipes, multirun)
     except OverrideError as err:
         console.fail(str(err), err.fix)
         return EXIT_USAGE

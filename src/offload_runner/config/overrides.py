@@ -24,9 +24,12 @@ GRAMMAR_FIX = (
 )
 
 
-def check_overrides(overrides: Sequence[str], extra_recipe_dirs: Sequence = ()) -> None:
+def check_overrides(
+    overrides: Sequence[str], extra_recipe_dirs: Sequence = (), multirun: bool = False
+) -> None:
     """Raise OverrideError for the first override Hydra would refuse. A sweep (``-m a=1,2``) is
-    checked value by value; ``hydra.*`` and ``hydra/*`` overrides are left to Hydra."""
+    checked value by value, and refused without ``multirun``; ``hydra.*`` and ``hydra/*``
+    overrides are left to Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -42,6 +45,8 @@ def check_overrides(overrides: Sequence[str], extra_recipe_dirs: Sequence = ()) 
                 f"can not read the override {line!r}: {reason}", GRAMMAR_FIX
             ) from None
     _refuse_group_twice(parsed)
+    if not multirun:
+        _refuse_sweep(parsed)
     values = [
         list(p.sweep_string_iterator()) if p.is_sweep_override() else [p.input_line] for p in parsed
     ]
@@ -59,6 +64,19 @@ def _as_line(parsed, value: str) -> str:
     if not parsed.is_sweep_override():
         return value
     return f"{parsed.get_key_element()}={value}"
+
+
+def _refuse_sweep(parsed) -> None:
+    """A comma-separated value without -m: Hydra's multi-line 'Ambiguous value', in one."""
+    sweep = next((p for p in parsed if p.is_sweep_override()), None)
+    if sweep is not None:
+        key = sweep.get_key_element()
+        value = sweep.input_line.partition("=")[2]
+        raise OverrideError(
+            f"{sweep.input_line} is several values",
+            f"quote one value ({key}='{value}'), write a list ({key}=[{value}]) or sweep "
+            "them with -m",
+        )
 
 
 def _refuse_group_twice(parsed) -> None:
