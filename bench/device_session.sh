@@ -2,7 +2,8 @@
 # One step of GPU evidence per device call (each under 10 minutes):
 #   bash bench/device_session.sh tests [PYTEST_K]   gpu-marked tests (all, or those -k selects)
 #   bash bench/device_session.sh suite SUITE        a suite of run_benchmarks.SUITES
-#        (ROUNDS=n: interleaved rounds; ROUND=rN: this call's file is results-SUITE-rN.json)
+#        (ROUNDS=n: interleaved rounds; ROUND=rN: this call's file is results-SUITE-rN.json;
+#        JOBS=n: n cases side by side, for suites that measure loss)
 #   bash bench/device_session.sh profile SUITE      a suite whose rows set profiling.*: each
 #        run's trace summarized by bench/profile_summary.py
 #   bash bench/device_session.sh commit-ab          SUITE at the sent tree (B) and at commit
@@ -20,7 +21,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ign
 export OFFLOAD_RUNNER_COMMIT
 suite() {  # suite SUITE WORK_DIR OUT_FILE
   python bench/run_benchmarks.py run --suite "$1" --iters "${ITERS:-6}" --rounds "${ROUNDS:-1}" \
-    --time-limit "${TIME_LIMIT:-540}" --work-dir "$2" --out "$3"
+    --jobs "${JOBS:-1}" --time-limit "${TIME_LIMIT:-540}" --work-dir "$2" --out "$3"
 }
 
 case "$1" in
