@@ -595,6 +595,11 @@ def _convergence_cases() -> list[Case]:
         ),
         case("cpu_adam_delayed", "offload/optimizer=cpu_adam_delayed"),
         case("cpu_adam_delayed experts", "offload/optimizer=cpu_adam_delayed", experts),
+        case(
+            "cpu_adam_delayed predicted",
+            "offload/optimizer=cpu_adam_delayed",
+            "optimizer.cpu_adam_weight_prediction=true",
+        ),
         case("HDO 50%", "offload/optimizer=cpu_50"),
     ]
 

@@ -509,7 +509,8 @@ EVAL = ("validation.eval_iters=2", "validation.eval_interval=4")
 
 @cache
 def evaluated(root: str, offload: tuple[str, ...]) -> dict:
-    return train(Path(root) / f"eval-{'-'.join(offload) or 'none'}", *EVAL, *offload)
+    name = "-".join(o.rpartition("=")[2] for o in offload) or "none"  # no '=' in a path
+    return train(Path(root) / f"eval-{name}", *EVAL, *offload)
 
 
 @pytest.mark.parametrize(
