@@ -37,7 +37,19 @@ def test_evaluation_reads_held_out_documents_of_the_prepared_text(prepared: Path
     assert validation_documents(run) == round(documents) - round(documents * 0.99) > 0
     assert len(validation) >= 2 * run.train.global_batch_size
     assert not set(validation.indices.tolist()) & set(train.indices.tolist())  # held out
-    assert build_datasets(_indexed(prepared))[1] is None  # no evaluation: no validation split built
+    off = _indexed(prepared, "validation.eval_iters=0")
+    assert build_datasets(off)[1] is None  # no evaluation: no validation split built
+
+
+def test_real_text_is_evaluated_unless_weight_offload_streams() -> None:
+    """data=indexed evaluates 10 global batches after the last iteration by default; weight
+    offload (which can not) turns that default off rather than refusing the run, while an
+    explicit validation.eval_iters beside it is still refused."""
+    text = ("recipe=tiny", "data=indexed", "dataset.data_path=[/data/text]")
+    assert compose_run(*text).validation.eval_iters == 10
+    assert not compose_run("recipe=tiny").validation.eval_iters  # mock data: nothing held out
+    weights = ("offload/weight=enabled", "offload/optimizer=states")
+    assert compose_run(*text, *weights).validation.eval_iters == 0
 
 
 def test_evaluations_follow_the_interval_and_the_last_iteration() -> None:

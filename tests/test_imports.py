@@ -103,3 +103,31 @@ def test_no_function_under_src_is_longer_than_80_lines() -> None:
                 if lines > 80:
                     long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines})")
     assert long == []
+
+
+def test_library_import_warnings_stay_out_of_the_terminal(tmp_path: Path) -> None:
+    """Megatron-Core's compile-time warning (a SyntaxWarning from Python 3.12) and TE's JAX
+    RuntimeWarning, as the GPU machine printed them, are silent once offload_runner is imported
+    (and print without it)."""
+    import subprocess
+    import sys
+
+    package = tmp_path / "megatron" / "core"
+    package.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text('"""Evict \\- blocks."""\n')
+    raise_te = (
+        "import warnings; warnings.warn('Detected a Jax installation but could not find', "
+        "RuntimeWarning)"
+    )
+
+    def stderr(first: str) -> str:
+        code = f"{first}import megatron.core; {raise_te}"
+        env = {"PYTHONPATH": f"{tmp_path}:{SRC}", "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run(
+            [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, env=env
+        )
+        return done.stderr
+
+    assert "invalid escape sequence" in stderr("") and "Jax" in stderr("")
+    assert stderr("import offload_runner; ") == ""
