@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def load(files: list[Path]) -> tuple[dict[str, dict], list[dict]]:
         envs.append({**data["environment"], "source": path.name, "jobs": data.get("jobs", 1)})
         for r in data["results"]:
             if r["status"] == "ok" and "final_validation_loss" in r["summary"]:
-                rows.setdefault(r["case"]["name"], r["summary"])
+                rows.setdefault(r["case"]["name"], {**r["summary"], "command": r["command"]})
     return rows, envs
 
 
@@ -122,7 +123,15 @@ def render(files: list[Path], plot: Path | None) -> str:
     if plot is not None:
         draw(rows, plot)
         lines += [f"![validation loss against iteration]({plot.name})", ""]
-    return "\n".join(lines)
+    lines += ["<details><summary>commands</summary>", ""]
+    lines += [f"- {name}: `{command(rows[name])}`" for name in ordered(rows)]
+    return "\n".join([*lines, "", "</details>", ""])
+
+
+def command(summary: dict) -> str:
+    """The row's command line, the corpus from the project root (runs recorded before took
+    the device's absolute path)."""
+    return re.sub(r"\[/\S*/corpus/", "[corpus/", " ".join(summary["command"]))
 
 
 def draw(rows: dict[str, dict], out: Path) -> None:

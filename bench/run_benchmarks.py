@@ -565,7 +565,7 @@ PROFILE_55 = [
 #   python run_recipe.py --prepare corpus/text --output corpus/prose --vocab-size 16384
 # Run with --iters 500 --jobs 9: the rows share one GPU side by side (their losses, not their
 # times, are the finding). A second seed of the reference gives the seed-to-seed spread.
-CORPUS = ROOT / "corpus" / "prose"
+CORPUS = "corpus/prose"  # from the project root, where the runs start
 CONVERGENCE_RECIPE = "qwen3_moe_small"
 REAL_TEXT = (
     "data=indexed",
@@ -1438,9 +1438,14 @@ def render(files: list[Path]) -> str:
         *_reports(),
         *_headline(files),
     ]
-    for suite, group in _families(files).items():
+    own = [p for p in files if json.loads(p.read_text())["suite"] not in IN_REPORTS]
+    for suite, group in _families(own).items():
         lines += _suite_section(suite, group)
     return "\n".join(lines)
+
+
+# Suites whose findings live in a topic report of docs/benchmarks (once, there).
+IN_REPORTS = {"throughput-16", "throughput-37", "engines-4", "engines-8", "convergence"}
 
 
 def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:

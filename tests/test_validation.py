@@ -325,6 +325,12 @@ CASES = [
         "optimizer.cpu_offload_engine=cpu_adam has no effect while optimizer_cpu_offload=false",
     ),
     Case(
+        "delayed_updates_learn_slower",
+        ("recipe=tiny", "offload/optimizer=cpu_adam_delayed"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam"),
+        "delayed CPU-Adam updates learn slower",
+    ),
+    Case(
         "delayed_update_needs_cpu_adam",
         ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.cpu_adam_delayed_update=true"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed"),

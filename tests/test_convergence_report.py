@@ -1,0 +1,40 @@
+"""bench/convergence.py: each row's validation loss against the reference's, held to its bar."""
+
+from __future__ import annotations
+
+import sys
+
+from conftest import PROJECT_ROOT
+
+sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+import convergence  # noqa: E402
+
+
+def _row(loss: float) -> dict:
+    return {"final_validation_loss": loss, "validation_losses": [[1, loss]], "losses": [loss]}
+
+
+def test_rows_are_held_to_the_bar_of_their_kind() -> None:
+    rows = {
+        "reference": _row(5.0),
+        "states": _row(5.02),  # +0.4%: inside exact's 0.5%
+        "cpu_adam": _row(5.03),  # +0.6%: outside
+        "bf16 moments": _row(5.045),  # +0.9%: inside bf16's 1%
+        "cpu_adam_delayed": _row(5.2),  # +4%: outside delayed's 2%
+    }
+    assert convergence.verdicts(rows) == {
+        "states": True,
+        "cpu_adam": False,
+        "bf16 moments": True,
+        "cpu_adam_delayed": False,
+    }
+    assert abs(convergence.gap(rows, "cpu_adam_delayed") - 0.04) < 1e-12
+
+
+def test_the_recorded_suite_renders_with_every_row() -> None:
+    files = sorted((PROJECT_ROOT / "bench/results").glob("results-convergence-*.json"))
+    rows, _ = convergence.load(files)
+    assert set(convergence.BARS) | {"reference", "reference seed 2"} == set(rows)
+    text = convergence.render(files, plot=None)
+    assert all(f"| {name} |" in text for name in rows)
+    assert "[corpus/prose]" in text and "/work/" not in text
