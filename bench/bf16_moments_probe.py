@@ -15,7 +15,6 @@ engines get them with ddp.grad_reduce_in_fp32 (the default).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,20 +23,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grad_dtype_probe  # noqa: E402
+
 from offload_runner.offload import host_adam  # noqa: E402
 
 N = int(float(os.environ.get("N", str(64 * 1024**2))))
-HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+HYPER = grad_dtype_probe.HYPER
 
 
 def rate(step) -> float:
-    step()
-    times = []
-    for _ in range(5):
-        began = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - began)
-    return N / statistics.median(times) / 1e9
+    return grad_dtype_probe.rate(step, N)
 
 
 def threaded(pool, threads: int, block: int, master, grad, m, v, fused) -> None:
