@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from conftest import PROJECT_ROOT, compose_run
@@ -323,6 +323,12 @@ CASES = [
         ("recipe=tiny", "optimizer.cpu_offload_engine=cpu_adam"),
         ("recipe=tiny", "offload/optimizer=cpu_adam"),
         "optimizer.cpu_offload_engine=cpu_adam has no effect while optimizer_cpu_offload=false",
+    ),
+    Case(
+        "dataset_split_unreadable",
+        ("recipe=tiny", "data=indexed", "dataset.data_path=[/d/text]", "dataset.split='1,-1,0'"),
+        ("recipe=tiny", "data=indexed", "dataset.data_path=[/d/text]", "dataset.split='98/2'"),
+        "dataset.split=1,-1,0 is not up to three non-negative shares",
     ),
     Case(
         "delayed_updates_learn_slower",
@@ -1064,3 +1070,12 @@ def test_the_deprecated_cuda_graph_flag_is_named_in_the_fix() -> None:
     assert found and found[0].fix.startswith(
         "drop model.enable_cuda_graph (the deprecated spelling of model.cuda_graph_impl=local)"
     )
+
+
+@pytest.mark.parametrize("split", ["abc", "0,0,0", "1,-1,0", "99,1,0,0", ""])
+def test_a_split_megatron_would_misread_is_refused(split: str) -> None:
+    """Megatron-Core's parser takes whatever digits it finds: 'abc' and '0,0,0' end in a
+    division by zero at dataset build, '1,-1,0' reads as 1,1,0."""
+    run = compose_run("recipe=tiny", "data=indexed", "dataset.data_path=[/d/text]")
+    run = replace(run, dataset=replace(run.dataset, split=split))
+    assert "dataset_split_unreadable" in {v.rule for v in errors(validate(run, WITH_TE))}

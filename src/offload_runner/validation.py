@@ -23,6 +23,7 @@ from offload_runner.config.schema import (
     TE_FUSIONS,
     CpuOffloadEngine,
     CudaGraphImpl,
+    DatasetKind,
     DelayedScope,
     OffloadModule,
     OptimizerType,
@@ -37,7 +38,12 @@ from offload_runner.config.schema import (
     weights_offloaded,
 )
 from offload_runner.hardware import te_available
-from offload_runner.mcore.data import prepared_eods, prepared_metadata, validation_documents
+from offload_runner.mcore.data import (
+    prepared_eods,
+    prepared_metadata,
+    split_readable,
+    validation_documents,
+)
 
 
 @dataclass(frozen=True)
@@ -999,6 +1005,13 @@ RULES: tuple[Rule, ...] = (
         environment=True,
     ),
     # --- evaluation on the held-out split (validation.eval_iters)
+    Rule(
+        "dataset_split_unreadable",
+        lambda c, e: c.dataset.kind != DatasetKind.mock and not split_readable(c.dataset.split),
+        "dataset.split={c.dataset.split} is not up to three non-negative shares with a "
+        "positive sum (train, validation, test)",
+        "write it as dataset.split='99,1,0'",
+    ),
     Rule(
         "evaluation_without_validation_split",
         lambda c, e: bool(c.validation.eval_iters) and validation_documents(c) == 0,

@@ -6,6 +6,7 @@ Megatron-LM's pretraining sampler does); TP/PP/CP ranks of one replica read the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
     )
 
 
+# dataset.split as Megatron-Core's parser reads it whole: up to three non-negative shares
+SPLIT = re.compile(r"\s*\d*\.?\d+(\s*[,/]\s*\d*\.?\d+){0,2}\s*")
+
+
+def split_readable(split: str) -> bool:
+    """Whether Megatron-Core reads ``split`` as the user wrote it: its parser takes any digits
+    it finds ('1,-1,0' as 1,1,0; 'abc' as nothing, then divides by zero)."""
+    return bool(SPLIT.fullmatch(str(split))) and any(float(x) for x in re.split("[,/]", split))
+
+
 def validation_documents(run: RunConfig) -> int | None:
     """Documents dataset.split gives the validation split: 0 where its weight is 0, else
     counted from what --prepare recorded (None where nothing says: mock data, prefixes made
@@ -91,10 +102,9 @@ def validation_documents(run: RunConfig) -> int | None:
     share of the documents."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    try:
-        train, valid, _ = parse_and_normalize_split(run.dataset.split)
-    except (AssertionError, ZeroDivisionError):
+    if not split_readable(run.dataset.split):
         return None
+    train, valid, _ = parse_and_normalize_split(run.dataset.split)
     if valid <= 0:
         return 0
     documents = [m.get("documents") for m in prepared_metadata(run)]
