@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import throughput  # noqa: E402
 from calibrate_planner import is_whole_states, plan_of  # noqa: E402
 
 from offload_runner.hardware import fused_adamw_rate, rank_link_gb_per_s  # noqa: E402
@@ -719,6 +720,8 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cases = SUITES[args.suite]
+    if args.jobs > 1 and any(c.hidden_fraction_of for c in cases):
+        sys.exit(f"--jobs: suite {args.suite} has rows that wait for an earlier row's result")
     if args.start_at:  # a later call of a suite that a time limit cut: its missing rows first
         first = next(i for i, c in enumerate(cases) if c.name == args.start_at)
         cases = cases[first:] + cases[:first]
@@ -1438,14 +1441,16 @@ def render(files: list[Path]) -> str:
         *_reports(),
         *_headline(files),
     ]
-    own = [p for p in files if json.loads(p.read_text())["suite"] not in IN_REPORTS]
-    for suite, group in _families(own).items():
-        lines += _suite_section(suite, group)
+    for suite, group in _families(files).items():
+        own = [(path, d) for path, d in group if d["suite"] not in IN_REPORTS]
+        if own:
+            lines += _suite_section(suite, own)
     return "\n".join(lines)
 
 
-# Suites whose findings live in a topic report of docs/benchmarks (once, there).
-IN_REPORTS = {"throughput-16", "throughput-37", "engines-4", "engines-8", "convergence"}
+# Suites whose findings live in a topic report of docs/benchmarks (once, there):
+# bench/throughput.py's and bench/convergence.py's.
+IN_REPORTS = {*throughput.SUITES, "convergence"}
 
 
 def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:
@@ -1582,7 +1587,10 @@ def main() -> int:
     run.add_argument("--rounds", type=int, default=1, help="passes over the cases, interleaved")
     run.add_argument("--start-at", help="the case to start with (the rest follow in turn)")
     run.add_argument(
-        "--jobs", type=int, default=1, help="cases at once (suites that measure loss, not time)"
+        "--jobs",
+        type=int,
+        default=1,
+        help="cases at once (suites that measure loss, not time; no --time-limit then)",
     )
     run.add_argument(
         "--time-limit",

@@ -92,7 +92,7 @@ SPLIT = re.compile(r"\s*\d*\.?\d+(\s*[,/]\s*\d*\.?\d+){0,2}\s*")
 def split_readable(split: str) -> bool:
     """Whether Megatron-Core reads ``split`` as the user wrote it: its parser takes any digits
     it finds ('1,-1,0' as 1,1,0; 'abc' as nothing, then divides by zero)."""
-    return bool(SPLIT.fullmatch(str(split))) and any(float(x) for x in re.split("[,/]", split))
+    return bool(SPLIT.fullmatch(split)) and any(float(x) for x in re.split("[,/]", split))
 
 
 def validation_documents(run: RunConfig) -> int | None:
