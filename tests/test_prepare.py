@@ -12,7 +12,8 @@ from conftest import SAMPLE, compose_run
 
 from offload_runner.cli import EXIT_OK, EXIT_USAGE, main
 from offload_runner.mcore.data import build_data_iterator, build_datasets, data_tokenizer
-from offload_runner.prepare import MIN_DOCUMENTS, TRAINED_EOD, read_metadata
+from offload_runner.prepare import MIN_DOCUMENTS, read_metadata
+from offload_runner.tokenizer import TRAINED_EOD
 
 
 def documents_of(prefix: Path) -> list[np.ndarray]:
@@ -84,6 +85,16 @@ def _broken_tokenizer(tmp: Path) -> list[str]:
     return [str(SAMPLE), "--chunk-kb", "2", "--tokenizer", str(tmp / "tokenizer.json")]
 
 
+def _unknown_tiktoken(tmp: Path) -> list[str]:
+    (tmp / "odd.tiktoken").write_text("IQ== 0\nIg== 1\n")
+    return [str(SAMPLE), "--chunk-kb", "2", "--tokenizer", str(tmp / "odd.tiktoken")]
+
+
+def _corrupt_sentencepiece(tmp: Path) -> list[str]:
+    (tmp / "sp.model").write_bytes(b"\x00\x01not a model")
+    return [str(SAMPLE), "--chunk-kb", "2", "--tokenizer", str(tmp / "sp.model")]
+
+
 BAD = {
     "a missing file": (lambda tmp: [str(tmp / "missing.txt")], "does not exist"),
     "a folder without text": (lambda tmp: [str(tmp)], "no .txt or .jsonl file"),
@@ -91,6 +102,8 @@ BAD = {
     "too few documents": (_few, "too few for a validation split"),
     "a JSONL line without text": (_bad_jsonl, "bad.jsonl:2 is not a JSON object"),
     "a tokenizer that does not load": (_broken_tokenizer, "does not load"),
+    "a tiktoken file of no known encoding": (_unknown_tiktoken, "none of the known encodings"),
+    "a SentencePiece model that does not load": (_corrupt_sentencepiece, "does not load"),
     "both tokenizer choices": (
         lambda tmp: [str(SAMPLE), "--tokenizer", "x.json", "--vocab-size", "500"],
         "exclude each other",
@@ -139,3 +152,78 @@ def test_prepare_with_gpt2_style_vocab_and_merges_files(prepared: Path, tmp_path
     assert read_metadata(again)["eod_id"] == read_metadata(prepared)["eod_id"]
     pairs = zip(documents_of(again), documents_of(prepared), strict=True)
     assert all(np.array_equal(a, b) for a, b in pairs)
+
+
+def test_prepare_with_a_sentencepiece_model_encodes_as_sentencepiece(tmp_path) -> None:
+    """A SentencePiece BPE trained on the sample: every document is the processor's own ids
+    and its </s>, and the .model travels beside the data."""
+    import io
+
+    import sentencepiece as spm
+
+    from offload_runner.prepare import collect, file_documents
+
+    model = io.BytesIO()
+    sentences = (s for path in collect([SAMPLE]) for s in path.read_text().split(". "))
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_writer=model,
+        vocab_size=500,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    (tmp_path / "sp.model").write_bytes(model.getvalue())
+    prefix = tmp_path / "sp"
+    args = ["--prepare", str(SAMPLE), "--output", str(prefix), "--chunk-kb", "2"]
+    assert main([*args, "--tokenizer", str(tmp_path / "sp.model")]) == EXIT_OK
+    meta = read_metadata(prefix)
+    processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    assert (meta["tokenizer_kind"], meta["eod_id"], meta["vocab_size"]) == ("sentencepiece", 2, 500)
+    assert (tmp_path / meta["tokenizer"]).read_bytes() == model.getvalue()
+    expected = [[*processor.encode(d), 2] for p in collect([SAMPLE]) for d in file_documents(p, 2)]
+    assert [d.tolist() for d in documents_of(prefix)] == expected
+
+
+def test_prepare_with_a_tiktoken_file_matches_the_same_bpe_in_hugging_face(
+    prepared: Path, tmp_path
+) -> None:
+    """The trained byte-level BPE written as a tiktoken file of GPT-2's size (its ranks, then
+    tokens no text forms): tiktoken with r50k's pattern gives Hugging Face's ids, and the EOD
+    of r50k_base."""
+    import base64
+    import json
+
+    from tokenizers import Tokenizer
+
+    from offload_runner.tokenizer import TIKTOKEN
+
+    hf = Tokenizer.from_file(f"{prepared}.tokenizer.json")
+    byte_of = {c: b for b, c in _byte_level_alphabet().items()}
+    ranks = {
+        bytes(byte_of[c] for c in token): rank
+        for token, rank in hf.get_vocab().items()
+        if token != TRAINED_EOD
+    }
+    filler = (b"\xff\xfe" + i.to_bytes(3, "big") for i in range(50256 - len(ranks)))
+    ranks.update((token, len(ranks) + i) for i, token in enumerate(filler))
+    lines = (f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=_rank))
+    (tmp_path / "gpt.tiktoken").write_text("\n".join(lines) + "\n")
+    prefix = tmp_path / "tk"
+    args = ["--prepare", str(SAMPLE), "--output", str(prefix), "--chunk-kb", "2"]
+    assert main([*args, "--tokenizer", str(tmp_path / "gpt.tiktoken")]) == EXIT_OK
+    meta = read_metadata(prefix)
+    assert (meta["eod_id"], meta["vocab_size"]) == (50256, TIKTOKEN[50256].vocab_size)
+    assert json.dumps(meta["tokenizer_encoding"]) == json.dumps(TIKTOKEN[50256].name)
+    pairs = zip(documents_of(prefix), documents_of(prepared), strict=True)
+    assert all(a[-1] == 50256 and np.array_equal(a[:-1], b[:-1]) for a, b in pairs)
+
+
+def _rank(item: tuple[bytes, int]) -> int:
+    return item[1]
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's bytes-to-characters table (the characters Hugging Face's byte-level BPE stores)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}

