@@ -38,3 +38,12 @@ def test_the_recorded_suite_renders_with_every_row() -> None:
     text = convergence.render(files, plot=None)
     assert all(f"| {name} |" in text for name in rows)
     assert "[corpus/prose]" in text and "/work/" not in text
+
+
+def test_auto_cites_what_the_suite_measured_for_each_precision_tier() -> None:
+    from offload_runner.auto import MEASURED_LOSS_COST, PRECISION_TIERS
+
+    rows, _ = convergence.load(sorted((PROJECT_ROOT / "bench/results").glob("*convergence*")))
+    assert set(MEASURED_LOSS_COST) == {name for name, _ in PRECISION_TIERS[1:]}
+    for tier, cost in MEASURED_LOSS_COST.items():
+        assert abs(convergence.gap(rows, tier) - cost) < 5e-5, tier
