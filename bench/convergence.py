@@ -35,6 +35,8 @@ BARS = {
     "cpu_adam_delayed": DELAYED,
     "cpu_adam_delayed experts": DELAYED,
     "cpu_adam_delayed predicted": DELAYED,
+    "8bit moments": BF16,
+    "8bit moments, sr bf16 masters": DELAYED,
 }
 TAIL = 20  # the training loss column: the mean of the last iterations
 HEADER = ("row", "final validation loss", "vs reference", "bar", "", "train loss (last 20)")

@@ -602,7 +602,35 @@ def _convergence_cases() -> list[Case]:
             "optimizer.cpu_adam_weight_prediction=true",
         ),
         case("HDO 50%", "offload/optimizer=cpu_50"),
+        # issue 58: state offload's lowest precision steps, as auto takes them
+        case("8bit moments", "offload/optimizer=states", *Q8_MOMENTS),
+        case(
+            "8bit moments, sr bf16 masters",
+            "offload/optimizer=states",
+            *Q8_MOMENTS,
+            "optimizer.main_params_dtype=bf16",
+        ),
     ]
+
+
+Q8_MOMENTS = (
+    "optimizer.exp_avg_dtype=q8",
+    "optimizer.exp_avg_sq_dtype=q8",
+    "ddp.grad_reduce_in_fp32=false",
+)
+# Issue 58: the whole Qwen3-30B-A3B (48 layers) on one H200, auto's offload against none.
+WHOLE = (
+    "parallel=single",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "scheduler.lr_warmup_iters=2",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=125",
+)
+WHOLE_MODEL = [
+    Case("whole model auto", "qwen3_30b_a3b", (*WHOLE, "offload/optimizer=auto"), "none"),
+    Case("none", "qwen3_30b_a3b", WHOLE, "none"),
+]
 
 
 # The suites a session may run again (earlier suites' results stay in bench/results and render
@@ -612,6 +640,7 @@ SUITES: dict[str, list[Case]] = {
     "throughput-16": _throughput_cases(),
     "throughput-37": THROUGHPUT_37,
     "convergence": _convergence_cases(),
+    "whole-model": WHOLE_MODEL,
     "profile-55": PROFILE_55,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)

@@ -457,14 +457,47 @@ CASES = [
     ),
     Case(
         "states_need_fp32_masters",
-        ("recipe=tiny", "offload/optimizer=states", "optimizer.main_params_dtype=bf16"),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.main_params_dtype=fp16"),
         (
             "recipe=tiny",
             "offload/optimizer=states",
             "optimizer.exp_avg_dtype=bf16",
-            "optimizer.exp_avg_sq_dtype=bf16",
+            "optimizer.exp_avg_sq_dtype=q8",
+            "optimizer.main_params_dtype=bf16",
         ),
-        "optimizer state offload keeps fp32 master weights and fp32 or bf16 moments",
+        "optimizer state offload keeps fp32 or bf16 master weights and fp32, bf16 or 8-bit",
+    ),
+    Case(
+        "lowest_precision_needs_state_offload",
+        (
+            "recipe=tiny",
+            "optimizer.use_precision_aware_optimizer=true",
+            "optimizer.exp_avg_dtype=q8",
+        ),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=q8"),
+        "8-bit moments (q8) and bf16 masters are state offload's",
+    ),
+    Case(
+        "lowest_precision_whole_shard",
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.main_params_dtype=bf16",
+            "optimizer.optimizer_state_offload_fraction=0.5",
+        ),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.main_params_dtype=bf16"),
+        "8-bit moments and bf16 masters live on the host only",
+    ),
+    Case(
+        "lowest_precision_not_checkpointed",
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.exp_avg_sq_dtype=q8",
+            "checkpoint.save=/tmp/ckpt",
+        ),
+        ("recipe=tiny", "offload/optimizer=states", "checkpoint.save=/tmp/ckpt"),
+        "checkpoints of 8-bit moments and bf16 masters are not written yet",
     ),
     Case(
         "states_fraction_range",
@@ -512,7 +545,7 @@ CASES = [
     ),
     Case(
         "cpu_adam_dtypes",
-        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=fp16"),
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.exp_avg_dtype=q8"),
         (
             "recipe=tiny",
             "offload/optimizer=cpu_adam",

@@ -91,13 +91,27 @@ BF16_MOMENTS = {
     "optimizer.exp_avg_dtype": OptimizerDtype.bf16,
     "optimizer.exp_avg_sq_dtype": OptimizerDtype.bf16,
 }
+BF16_GRADIENTS = {**BF16_MOMENTS, "ddp.grad_reduce_in_fp32": False}
+Q8_MOMENTS = {
+    **BF16_GRADIENTS,
+    "optimizer.exp_avg_dtype": OptimizerDtype.q8,
+    "optimizer.exp_avg_sq_dtype": OptimizerDtype.q8,
+}
 # What auto gives up, in this order, when nothing in the configured precision fits: Adam's
-# moments in bf16 (fp32 math), then the gradient buffer in bf16 too; the host engines only.
+# moments in bf16 (fp32 math), then the gradient buffer in bf16 too (the host engines only);
+# then, with state offload of the whole shard only (offload/quantized.py), 8-bit moments, then
+# no masters (the bf16 parameters rounded stochastically).
 PRECISION_TIERS = (
     ("", {}),
     ("bf16 moments", BF16_MOMENTS),
-    ("bf16 moments and gradients", {**BF16_MOMENTS, "ddp.grad_reduce_in_fp32": False}),
+    ("bf16 moments and gradients", BF16_GRADIENTS),
+    ("8bit moments", Q8_MOMENTS),
+    (
+        "8bit moments, sr bf16 masters",
+        {**Q8_MOMENTS, "optimizer.main_params_dtype": OptimizerDtype.bf16},
+    ),
 )
+STATES_ONLY_TIER = 3  # from here on: state offload of the whole shard
 # What each tier cost in final validation loss against fp32 training, on real text (bench suite
 # `convergence`, the rows of the tiers' names; a test holds these to its results).
 MEASURED_LOSS_COST = {"bf16 moments": 0.0019, "bf16 moments and gradients": 0.0020}
@@ -130,7 +144,8 @@ def auto_candidates(run: RunConfig) -> list[tuple[str, dict, int]]:
     for tier, (what, extra) in enumerate(PRECISION_TIERS[1:], start=1):
         if with_overrides(run, extra) == run:  # configured so already
             continue
-        found += [(f"{name}, {what}", {**o, **extra}, tier) for name, o in host_engines]
+        engines = host_engines if tier < STATES_ONLY_TIER else states_ladder()[:1]
+        found += [(f"{name}, {what}", {**o, **extra}, tier) for name, o in engines]
     return found
 
 
@@ -163,11 +178,14 @@ TIE_MARGIN = 0.05
 
 
 def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
-    """The micro-batches and recompute auto tries: as configured, or with
-    planner.auto_micro_batch each divisor of the rank's batch, without and with full recompute
-    (not where the run offloads layers: Megatron-Core refuses recompute beside it)."""
+    """The micro-batches and recompute auto tries: the configured micro-batch (with full
+    recompute too, unless recompute is configured), or with planner.auto_micro_batch each
+    divisor of the rank's batch, without and with full recompute (never where the run offloads
+    layers: Megatron-Core refuses recompute beside it)."""
     if not run.planner.auto_micro_batch:
-        return [("", {})]
+        if run.model.cpu_offloading or run.model.recompute_granularity is not None:
+            return [("", {})]
+        return [("", {}), ("full recompute", RECOMPUTE_FULL)]
     per_rank = max(1, run.train.global_batch_size // Layout.of(run, world).dp)
     found = []
     for mb in (d for d in range(1, per_rank + 1) if per_rank % d == 0):
@@ -314,10 +332,13 @@ def _why(best: Fit, cost, offload_s: float) -> str:
     )
     if best.tier:
         tier = PRECISION_TIERS[best.tier][0]
-        why += (
-            f"; {tier} (validation loss {MEASURED_LOSS_COST[tier]:+.2%} on real text, "
-            "docs/benchmarks/convergence.md): nothing in the configured precision fits"
+        loss = MEASURED_LOSS_COST.get(tier)
+        measured = (
+            "not measured on real text"
+            if loss is None
+            else f"validation loss {loss:+.2%} on real text, docs/benchmarks/convergence.md"
         )
+        why += f"; {tier} ({measured}): nothing in the configured precision fits"
     if cost:
         worst = max(plan.ranks, key=lambda r: cost.seconds(best.run, r))
         why += f"; predicted +{offload_s:.2f} s per step: {cost.explain(best.run, worst)}"
@@ -331,7 +352,7 @@ def _weight_offload_fallback(run: RunConfig, world: int | None) -> tuple | None:
     if Layout.of(run, world).world != 1:
         return None
     last = None
-    for tier, (_, precision) in enumerate(PRECISION_TIERS):
+    for tier, (_, precision) in enumerate(PRECISION_TIERS[:STATES_ONLY_TIER]):
         name, states = STATES_STEP
         for layers in range(1, run.model.num_layers + 1):
             overrides = {

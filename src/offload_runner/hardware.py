@@ -26,7 +26,7 @@ CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, th
 CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
 # exact mode's GPU share streams them: cpu_adam_streams)
 WINDOW_SLOTS = WINDOW_PIECES  # pieces in a state window
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "q8": 1 + 4 / 256}  # q8: a code, a block's scale
 # weight offload's update: params per piece (18 B each on the GPU: fp32 gradient, master and two
 # moments up, the bf16 rounding), and pieces holding GPU memory at once (coming up, in Adam,
 # going down)
@@ -66,24 +66,30 @@ def weight_ring_sizes(layers: list[list[int]], grad_bytes: int) -> tuple[int, in
     return pair, widest if WEIGHT_GRAD_SLOTS[grad_bytes] == 1 else pair
 
 
-def moment_bytes(run: RunConfig) -> int:
-    """exp_avg + exp_avg_sq per param, in their configured dtypes (8 in fp32, 4 in bf16)."""
+def moment_bytes(run: RunConfig) -> float:
+    """exp_avg + exp_avg_sq per param, in their configured dtypes (8 in fp32, 4 in bf16, 2.03 as
+    8-bit codes with their blocks' scales)."""
     o = run.optimizer
     return DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
 
 
 def low_moments(run: RunConfig) -> int:
-    """How many of the two moments are stored in bf16 (a state window holds an fp32 copy of each
-    for the math beside the bf16 one it moves)."""
+    """How many of the two moments are stored below fp32 (a state window holds an fp32 copy of
+    each for the math beside the one it moves)."""
     o = run.optimizer
     return (o.exp_avg_dtype.value != "fp32") + (o.exp_avg_sq_dtype.value != "fp32")
 
 
-def window_bytes_per_param(run: RunConfig) -> int:
+def window_bytes_per_param(run: RunConfig) -> float:
     """GPU bytes a state window takes per param of its pieces: the master (fp32, or the
-    remainder of state offload's) and fp32 moments, and the bf16 copies of the moments stored in
-    bf16."""
-    return master_bytes(run) + 8 + 2 * low_moments(run)
+    remainder of state offload's; fp32 for bf16 masters, upcast there) and fp32 moments, and
+    the copies of the moments stored below fp32, as they travel."""
+    o = run.optimizer
+    master = 4 if bf16_masters(run) else master_bytes(run)
+    low = sum(
+        DTYPE_BYTES[d.value] for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype) if d.value != "fp32"
+    )
+    return master + 8 + low
 
 
 def stores_param_remainders(run: RunConfig) -> bool:
@@ -96,16 +102,32 @@ def keeps_remainders(run: RunConfig) -> bool:
     """State offload keeps each master on the host as its remainder beside the bf16 parameter
     (offload/remainders.py): a bf16 model, unless optimizer.store_param_remainders=false (then
     fp32 masters, the parameters their round-to-nearest-even)."""
-    return states_offloaded(run) and run.model.bf16 and stores_param_remainders(run)
+    remainders = run.model.bf16 and stores_param_remainders(run) and not bf16_masters(run)
+    return states_offloaded(run) and remainders
 
 
 def master_bytes(run: RunConfig) -> int:
     """What a host engine keeps of an fp32 master: state offload's remainder
-    (``keeps_remainders``), else the fp32 master (the CPU-Adam engine's too)."""
+    (``keeps_remainders``), nothing for its bf16 masters, else the fp32 master (the CPU-Adam
+    engine's too)."""
+    if bf16_masters(run):
+        return 0
     return REMAINDER_BYTES if keeps_remainders(run) else 4
 
 
-def host_state_bytes(run: RunConfig) -> int:
+def bf16_masters(run: RunConfig) -> bool:
+    """State offload with optimizer.main_params_dtype=bf16: the masters are the bf16 parameters,
+    rounded stochastically (offload/quantized.py)."""
+    return states_offloaded(run) and run.optimizer.main_params_dtype.value == "bf16"
+
+
+def q8_moments(run: RunConfig) -> bool:
+    """A moment kept as 8-bit codes (optimizer.exp_avg_dtype / exp_avg_sq_dtype=q8)."""
+    o = run.optimizer
+    return "q8" in (o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value)
+
+
+def host_state_bytes(run: RunConfig) -> float:
     """What a host engine keeps, and state offload moves each way, per offloaded param: the
     master and the two moments (12 B, 8 with bf16 moments; 2 B less with state offload's
     remainders)."""

@@ -37,7 +37,7 @@ from offload_runner.config.schema import (
     te_fusions,
     weights_offloaded,
 )
-from offload_runner.hardware import te_available
+from offload_runner.hardware import q8_moments, te_available
 from offload_runner.mcore.data import (
     prepared_eods,
     prepared_metadata,
@@ -108,12 +108,20 @@ def _low_precision_adam(c: RunConfig) -> bool:
 
 def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
     """offload-runner's host engines keep fp32 masters and fp32 or bf16 moments (Megatron-Core's
-    own state offload allows the same)."""
+    own state offload allows the same); state offload also bf16 masters and 8-bit moments."""
     o = c.optimizer
-    return o.main_params_dtype.value != "fp32" or "fp16" in (
+    masters = ("fp32", "bf16") if states_offloaded(c) else ("fp32",)
+    moments = ("fp32", "bf16", "q8") if states_offloaded(c) else ("fp32", "bf16")
+    return o.main_params_dtype.value not in masters or not {
         o.exp_avg_dtype.value,
         o.exp_avg_sq_dtype.value,
-    )
+    } <= set(moments)
+
+
+def _lowest_precision(c: RunConfig) -> bool:
+    """8-bit moments or bf16 masters (state offload's own: offload/quantized.py)."""
+    o = c.optimizer
+    return q8_moments(c) or (o.main_params_dtype.value == "bf16" and c.model.bf16)
 
 
 DEPRECATED_CUDA_GRAPH_FLAGS = {
@@ -627,6 +635,18 @@ RULES: tuple[Rule, ...] = (
         "keys",
     ),
     Rule(
+        "lowest_precision_needs_state_offload",
+        lambda c, e: (
+            _lowest_precision(c)
+            and not states_offloaded(c)
+            and not c.optimizer.optimizer_cpu_offload
+        ),
+        "8-bit moments (q8) and bf16 masters are state offload's: its engine quantizes them in "
+        "the window (exp_avg_dtype={o.exp_avg_dtype.value}, exp_avg_sq_dtype="
+        "{o.exp_avg_sq_dtype.value}, main_params_dtype={o.main_params_dtype.value})",
+        "add offload/optimizer=states, or use bf16 moments",
+    ),
+    Rule(
         "cpu_adam_dtypes",
         lambda c, e: cpu_adam_on(c) and _host_engine_dtypes_unsupported(c),
         "the CPU-Adam engine keeps fp32 master weights and fp32 or bf16 moments on the host "
@@ -663,10 +683,37 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "states_need_fp32_masters",
         lambda c, e: states_offloaded(c) and _host_engine_dtypes_unsupported(c),
-        "optimizer state offload keeps fp32 master weights and fp32 or bf16 moments "
-        "(main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype={o.exp_avg_dtype.value}, "
-        "exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
-        "set optimizer.main_params_dtype=fp32 and exp_avg_dtype / exp_avg_sq_dtype to fp32 or bf16",
+        "optimizer state offload keeps fp32 or bf16 master weights and fp32, bf16 or 8-bit (q8) "
+        "moments (main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype="
+        "{o.exp_avg_dtype.value}, exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
+        "set optimizer.main_params_dtype=fp32 (or bf16) and exp_avg_dtype / exp_avg_sq_dtype to "
+        "fp32, bf16 or q8",
+    ),
+    Rule(
+        "lowest_precision_whole_shard",
+        lambda c, e: (
+            states_offloaded(c)
+            and _lowest_precision(c)
+            and c.optimizer.optimizer_state_offload_fraction < 1.0
+        ),
+        "8-bit moments and bf16 masters live on the host only; a GPU share "
+        "(optimizer_state_offload_fraction={o.optimizer_state_offload_fraction}) would keep "
+        "its own in another precision",
+        "set optimizer.optimizer_state_offload_fraction=1.0, or use bf16 moments",
+    ),
+    Rule(
+        "lowest_precision_beside_weight_offload",
+        lambda c, e: _lowest_precision(c) and c.model.cpu_offloading_weights,
+        "weight offload keeps its layers' masters and moments in fp32 or bf16: 8-bit moments and "
+        "bf16 masters are state offload's alone",
+        "use bf16 moments beside offload/weight, or drop offload/weight",
+    ),
+    Rule(
+        "lowest_precision_not_checkpointed",
+        lambda c, e: _lowest_precision(c) and bool(c.checkpoint.save or c.checkpoint.load),
+        "checkpoints of 8-bit moments and bf16 masters are not written yet: a checkpoint would "
+        "hold the codes without their scales",
+        "drop checkpoint.save / checkpoint.load, or use bf16 moments and fp32 masters",
     ),
     Rule(
         "states_fraction_range",

@@ -86,6 +86,8 @@ class OptimizerDtype(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    # offload/optimizer=states only: moments as 8-bit block-wise codes (offload/quantized.py)
+    q8 = "q8"
 
 
 class CpuOffloadEngine(str, Enum):
@@ -267,7 +269,9 @@ class OptimizerConfig:
     # unless set explicitly.
     use_precision_aware_optimizer: bool = "${optimizer.optimizer_cpu_offload}"  # type: ignore[assignment]
     # On the precision-aware path (Transformer Engine's FusedAdam) Adam's tensors may be smaller
-    # than fp32: e.g. exp_avg_dtype=bf16 exp_avg_sq_dtype=bf16 saves 4 B per param.
+    # than fp32: e.g. exp_avg_dtype=bf16 exp_avg_sq_dtype=bf16 saves 4 B per param. State offload
+    # also takes q8 moments (8-bit block-wise) and main_params_dtype=bf16 (no master: the bf16
+    # parameter rounded stochastically), offload/quantized.py.
     main_grads_dtype: OptimizerDtype = OptimizerDtype.fp32
     main_params_dtype: OptimizerDtype = OptimizerDtype.fp32
     exp_avg_dtype: OptimizerDtype = OptimizerDtype.fp32

@@ -85,6 +85,12 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
 
     values = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
+    # state offload's bf16 masters and 8-bit moments are its engine's own: Megatron-Core builds
+    # its usual fp32 ones, which that engine replaces before they are allocated
+    lowest = {"main_params_dtype": OptimizerDtype.bf16}
+    for key in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if values[key] in (OptimizerDtype.q8, lowest.get(key)):
+            values[key] = OptimizerDtype.fp32
     if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the
         # GPU); offload/cpu_adam/ then puts its engine in as the inner optimizer.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-from offload_runner.offload import remainders
+from offload_runner.offload import quantized, remainders
 from offload_runner.offload.host_memory import HostArenas, aligned
 
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
@@ -48,6 +48,7 @@ class Piece:
     grad: object  # the GPU (or, in tests, CPU) fp32 gradient elements, a view of the DDP buffer
     param: object  # the bf16 parameter elements, a view of the DDP parameter buffer
     groups: list[tuple[int, int, int]]  # (start, stop, param group index), flat coordinates
+    block: int = 0  # its first block in the host arrays of 8-bit moments' scales (quantized.py)
     fetched: object = None  # cpu_adam: event, the gradient copy has reached the host
     landed: object = None  # cpu_adam: event, the masters' copy up has read the host buffer
 
@@ -116,24 +117,38 @@ class HostAdam(HybridDeviceOptimizer):
     # -- memory ----------------------------------------------------------------------------
     def _host_array(self, dtype, pin: bool, what: str):
         """A flat host array of ``dtype`` for the offloaded shard (page-locked when ``pin``)."""
-        n = self.offloaded_numel
+        return self._typed_host(dtype, self.offloaded_numel, pin, what)
+
+    def _typed_host(self, dtype, n: int, pin: bool, what: str):
         arena = self._arenas.allocate(aligned(n * dtype.itemsize), pin, what)
         return _typed(arena, dtype, n)
 
-    def _allocate_states(self, pin_moments: bool, what: str, remainders: bool = False) -> None:
+    def _allocate_states(
+        self, pin_moments: bool, what: str, remainders: bool = False, bf16_masters: bool = False
+    ) -> None:
         """Host masters (page-locked where CUDA copies them) and moments for the offloaded part,
         GPU arrays for the rest, masters copied from the bf16 parameters, moments zero. With
         ``remainders`` the host keeps each master as the int16 remainder beside its bf16
-        parameter (remainders.py): 2 B instead of 4, zero for a master equal to its parameter."""
+        parameter (remainders.py): 2 B instead of 4, zero for a master equal to its parameter;
+        with ``bf16_masters`` none (the parameters are the masters: quantized.py). A moment of
+        dtype uint8 is kept as 8-bit codes, its blocks' scales in ``host_scales``."""
         import torch
 
         self.remainders = remainders
         master = torch.int16 if remainders else torch.float32
-        self.host_master = self._host_array(master, self.on_cuda, what)
+        self.host_master = None if bf16_masters else self._host_array(master, self.on_cuda, what)
         pin_moments = pin_moments and self.on_cuda
         first, second = self.moment_dtypes
         self.host_exp_avg = self._host_array(first, pin_moments, what)  # arenas come zeroed
         self.host_exp_avg_sq = self._host_array(second, pin_moments, what)
+        # a block for every BLOCK elements, and one more where a run of pieces ends mid-block
+        scales = quantized.blocks(self.offloaded_numel) + len(self.offloaded) + 1
+        self.host_scales = tuple(
+            self._typed_host(torch.float32, scales, pin_moments, what)
+            if dtype == torch.uint8
+            else None
+            for dtype in (None, first, second)
+        )
         self._flat = self._lay_out(
             self.offloaded, self.host_master, self.host_exp_avg, self.host_exp_avg_sq
         )
@@ -151,10 +166,10 @@ class HostAdam(HybridDeviceOptimizer):
         starts, start = {}, 0
         for _, p in params:
             view = slice(start, start + p.numel())
-            if master.dtype != torch.int16:  # remainders come zeroed: the master is the param
+            if master is not None and master.dtype != torch.int16:  # remainders come zeroed
                 _upcast_into(master[view], p.detach().view(-1))
             self._own[id(p)] = {
-                "master_param": master[view],
+                **({} if master is None else {"master_param": master[view]}),
                 "exp_avg": exp_avg[view],
                 "exp_avg_sq": exp_avg_sq[view],
             }
@@ -170,10 +185,14 @@ class HostAdam(HybridDeviceOptimizer):
         return self.offloaded_numel + sum(p.numel() for _, p in self.kept)
 
     @property
-    def state_bytes_per_param(self) -> int:
-        """The fp32 master (or its remainder) and the moments in their dtypes, per offloaded
-        param."""
-        return self.host_master.element_size() + sum(d.itemsize for d in self.moment_dtypes)
+    def state_bytes_per_param(self) -> float:
+        """The fp32 master (or its remainder, or none) and the moments in their dtypes (8-bit
+        codes with their share of a block's scale), per offloaded param."""
+        import torch
+
+        master = 0 if self.host_master is None else self.host_master.element_size()
+        scale = 4 / quantized.BLOCK
+        return master + sum(d.itemsize + scale * (d == torch.uint8) for d in self.moment_dtypes)
 
     @property
     def host_bytes(self) -> int:
@@ -220,6 +239,9 @@ class HostAdam(HybridDeviceOptimizer):
                         groups,
                     )
                 )
+        block = 0
+        for piece in pieces:  # their blocks of 8-bit moments' scales, one after the other
+            piece.block, block = block, block + quantized.blocks(piece.numel)
         return pieces
 
     def _piece_spans(self) -> PieceSpans:
@@ -318,8 +340,8 @@ class HostAdam(HybridDeviceOptimizer):
         self._land_loaded_masters()
 
     def _land_loaded_masters(self) -> None:
-        if self.remainders:  # _adopt split the loaded masters into the parameters already
-            return
+        if self.remainders or self.host_master is None:  # _adopt split the loaded masters into
+            return  # the parameters already (or they are the masters)
         for _, p in self.offloaded:
             a = self._flat[id(p)]
             p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
@@ -373,7 +395,7 @@ class HostAdam(HybridDeviceOptimizer):
     def update_fp32_param_by_new_param(self) -> None:
         """Masters from the bf16 parameters (Megatron-Core's reload of model weights)."""
         self.finish()
-        params = self.kept + ([] if self.remainders else self.offloaded)
+        params = self.kept + ([] if self.remainders or self.host_master is None else self.offloaded)
         for _, p in params:
             _upcast_into(self.state[p]["master_param"], p.detach().view(-1))
         _upcasts_landed(params)

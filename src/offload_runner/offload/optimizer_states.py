@@ -65,15 +65,17 @@ from dataclasses import dataclass
 
 from offload_runner.config.schema import (
     TORCH_DTYPES,
+    OptimizerDtype,
     RunConfig,
     states_offloaded,
     states_window_mb,
 )
-from offload_runner.hardware import host_state_bytes, keeps_remainders
+from offload_runner.hardware import bf16_masters, host_state_bytes, keeps_remainders
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.host_adam import HostAdam, Piece, PieceSpans
+from offload_runner.offload.quantized import BLOCK, blocks
 from offload_runner.offload.window import (
     HISTORY,
     SLOTS,
@@ -101,10 +103,9 @@ def describe(run: RunConfig) -> OffloadSummary:
         "optimizer states",
         "offload/optimizer=states",
         True,
-        f"{share:.0%} of the fp32 masters"
-        f"{' (their 16-bit remainders)' if keeps_remainders(run) else ''}"
+        f"{share:.0%} of the masters ({masters_said(run)})"
         f" + {o.exp_avg_dtype.value} exp_avg + "
-        f"{o.exp_avg_sq_dtype.value} exp_avg_sq ({per_param} B/param, ~"
+        f"{o.exp_avg_sq_dtype.value} exp_avg_sq ({per_param:.3g} B/param, ~"
         f"{params * per_param / 1e9:.1f} GB for the whole model before DP sharding) live on "
         "the host; Adam runs on the GPU",
         f"streamed through a {states_window_mb(run)} MiB GPU window during the step, both "
@@ -132,14 +133,16 @@ class WindowedStates(HostAdam):
         fraction: float = 1.0,
         moment_dtypes: tuple = (),
         remainders: bool = False,
+        bf16_masters: bool = False,
         beside_forward: bool = False,
     ) -> None:
         import torch
 
         # a piece of n params takes 12 n bytes of the window (fp32 master and moments; 10 with
-        # the master as a remainder), 2 n more per moment stored in bf16 (it travels as such):
-        # chunk_bytes counts 4 B per param
-        per_param = 12 - 2 * remainders + 2 * sum(d != torch.float32 for d in moment_dtypes)
+        # the master as a remainder), 2 n (1 n) more per moment stored in bf16 (in 8 bits: it
+        # travels as such): chunk_bytes counts 4 B per param
+        low = sum(d.itemsize for d in moment_dtypes if d != torch.float32)
+        per_param = 12 - 2 * remainders + low
         super().__init__(
             params,
             fraction=fraction,
@@ -152,13 +155,21 @@ class WindowedStates(HostAdam):
             moment_dtypes=moment_dtypes,
         )
         self._allocate_states(
-            pin_moments=True, what="offload/optimizer=states", remainders=remainders
+            pin_moments=True,
+            what="offload/optimizer=states",
+            remainders=remainders,
+            bf16_masters=bf16_masters,
         )
+        piece_numel = min(self.chunk_numel, self.offloaded_numel)
+        if torch.uint8 in self.moment_dtypes:  # 8-bit moments: pieces of whole blocks
+            self.chunk_numel = max(BLOCK, self.chunk_numel // BLOCK * BLOCK)
+            piece_numel = blocks(min(self.chunk_numel, self.offloaded_numel)) * BLOCK
         self._window = StatesWindow(
             (self.host_master, self.host_exp_avg, self.host_exp_avg_sq),
             self.device,
-            min(self.chunk_numel, self.offloaded_numel),
+            piece_numel,
             te_adam(self.device, remainders) if self.on_cuda else None,
+            scales=self.host_scales,
         )
         # beside the next forward (``watch``): the side stream of the passes, the modules that
         # hold parameters (in the order the forward calls them), their forward pre-hooks
@@ -300,7 +311,9 @@ class WindowedStates(HostAdam):
         return {
             "states_offloaded_params": self.offloaded_numel,
             "states_moved_gb": moved / 1e9,
-            "states_master_bytes": self.host_master.element_size(),
+            "states_master_bytes": (
+                0 if self.host_master is None else self.host_master.element_size()
+            ),
             "states_in_backward_gb": statistics.median(grown) * self.state_bytes_per_param / 1e9,
             "states_stream_s_median": seconds,
             "states_beside_forward_s": self._beside_forward_s(skip),
@@ -316,8 +329,15 @@ def moment_dtypes(run: RunConfig) -> tuple:
 
     o = run.optimizer
     return tuple(
-        getattr(torch, TORCH_DTYPES[d.value]) for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype)
+        torch.uint8 if d == OptimizerDtype.q8 else getattr(torch, TORCH_DTYPES[d.value])
+        for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype)
     )
+
+
+def masters_said(run: RunConfig) -> str:
+    if bf16_masters(run):
+        return "none: the bf16 params, rounded stochastically"
+    return "as 16-bit remainders of the bf16 params" if keeps_remainders(run) else "in fp32"
 
 
 def windowed_engines(optimizer) -> list[WindowedStates]:
@@ -384,6 +404,7 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
             fraction=o.optimizer_state_offload_fraction,
             moment_dtypes=moment_dtypes(run),
             remainders=keeps_remainders(run),
+            bf16_masters=bf16_masters(run),
             beside_forward=not host_adam.gathers_params(part),
         ),
     )
@@ -396,7 +417,7 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
         numel / 1e9,
         shard / 1e9,
         sum(e.host_bytes for e in built) / 1e9,
-        "as remainders of the bf16 params" if keeps_remainders(run) else "in fp32",
+        masters_said(run),
         run.optimizer.exp_avg_dtype.value,
         max((e.window_bytes for e in built), default=0) / 1024**2,
     )

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from offload_runner.hardware import ADAM_BYTES, WINDOW_SLOTS
-from offload_runner.offload import remainders
+from offload_runner.offload import quantized, remainders
 from offload_runner.offload.host_adam import Piece, torch_adamw
 
 log = logging.getLogger("offload_runner")
@@ -113,6 +113,7 @@ class _Pass:
     slots: list = field(default_factory=list)
     low: list = field(default_factory=list)
     rem: list = field(default_factory=list)
+    codes: list = field(default_factory=list)  # 8-bit moments: (uint8 codes, fp32 block scales)
     loaded: list = field(default_factory=list)  # per piece: event, its copy in has finished
     freed: list = field(default_factory=list)  # per slot: event, the copy out of its last piece
     # a step-late pass (StatesWindow.run_late): per piece, before its copy in, what it waits
@@ -132,11 +133,16 @@ class StatesWindow:
     two side streams (module doc, steps 1-3). ``WindowedStates`` passes its whole shard through
     one; the CPU-Adam engine passes its GPU share (``cpu_adam.CpuAdam``, exact mode)."""
 
-    def __init__(self, host: tuple, device, piece_numel: int, adam=None, host_grad=None) -> None:
+    def __init__(
+        self, host: tuple, device, piece_numel: int, adam=None, host_grad=None, scales=()
+    ) -> None:
         import torch
 
         self.host = host  # (masters, exp_avg, exp_avg_sq), flat host arrays; the masters
-        # as int16 remainders of the bf16 parameters (remainders.py) or fp32
+        # as int16 remainders of the bf16 parameters (remainders.py), fp32, or None (bf16
+        # masters: the parameters, rounded stochastically); a moment in uint8 is 8-bit codes
+        # whose blocks' scales are in ``scales`` (per moment, by block: quantized.py)
+        self.scales = dict(enumerate(scales))
         # the gradients on the host (CPU-Adam's delayed mode): a step-late pass streams them up
         # too, in a fourth array per slot
         self.host_grad = host_grad
@@ -149,10 +155,15 @@ class StatesWindow:
         )
         self._gaps = [torch.zeros(1, device=device) for _ in range(2)] if on_cuda else None
         self._adam = adam  # Transformer Engine's multi-tensor Adam (te_adam), else torch's
-        self._remainders = host[0].dtype == torch.int16
-        # the moments kept in bf16 on the host: they travel at 2 B and are upcast for Adam
-        self._low = [i for i, array in enumerate(host) if i and array.dtype != torch.float32]
+        self._bf16_masters = host[0] is None
+        self._remainders = not self._bf16_masters and host[0].dtype == torch.int16
+        # the moments kept in bf16 on the host: they travel at 2 B and are upcast for Adam; those
+        # kept as 8-bit codes travel with their scales and are dequantized for Adam
+        self._low = [i for i in (1, 2) if host[i].dtype in (torch.bfloat16, torch.float16)]
         self._low_dtype = host[self._low[0]].dtype if self._low else None
+        self._q8 = [i for i in (1, 2) if host[i].dtype == torch.uint8]
+        if self._q8:
+            assert piece_numel % quantized.BLOCK == 0, "8-bit moments move in whole blocks"
         self._pass: _Pass | None = None  # the current step's pass (from the prefetch on)
         self._timed: list[_Pass] = []  # the passes whose events are not read yet
         self._job = None  # a paced pass being issued by a BesideForward's thread (run)
@@ -167,7 +178,9 @@ class StatesWindow:
 
     @property
     def slot_bytes(self) -> int:
-        return (self._arrays * 4 + len(self._low) * 2 + self._remainders * 2) * self.piece_numel
+        q8 = len(self._q8) * (1 + 4 / quantized.BLOCK)
+        per_param = self._arrays * 4 + len(self._low) * 2 + self._remainders * 2 + q8
+        return int(per_param * self.piece_numel)
 
     @property
     def _arrays(self) -> int:
@@ -270,11 +283,24 @@ class StatesWindow:
                 if self._remainders
                 else None
             )
+            codes = (
+                (
+                    torch.empty((len(self._q8), shape[1]), dtype=torch.uint8, device=self.device),
+                    torch.empty(
+                        (len(self._q8), shape[1] // quantized.BLOCK),
+                        dtype=torch.float32,
+                        device=self.device,
+                    ),
+                )
+                if self._q8
+                else None
+            )
         if streams is not None and not on_h2d:
             streams[0].wait_stream(torch.cuda.current_stream())  # the memory's last readers
         self._pass.slots.append(slot)
         self._pass.low.append(low)
         self._pass.rem.append(rem)
+        self._pass.codes.append(codes)
         self._pass.freed.append(None)
 
     def run(self, pieces: list[Piece], step: int, hypers: list[dict], beside=None) -> list:
@@ -404,12 +430,14 @@ class StatesWindow:
         import torch
 
         p = self._pass
-        arrays = [t for t in (p.slots[at], p.low[at], p.rem[at]) if t is not None]
+        arrays = [
+            t for t in (p.slots[at], p.low[at], p.rem[at], *(p.codes[at] or ())) if t is not None
+        ]
         if self.streams is not None:
             for stream in {torch.cuda.current_stream(), *self.streams}:
                 for array in arrays:
                     array.record_stream(stream)
-        p.slots[at] = p.low[at] = p.rem[at] = None
+        p.slots[at] = p.low[at] = p.rem[at] = p.codes[at] = None
 
     def _load_through(self, index: int) -> None:
         """A paced pass, before piece ``index``'s Adam call: its copy in issued (after the copy
@@ -433,13 +461,21 @@ class StatesWindow:
 
     def _staged(self, index: int) -> tuple:
         """What travels for piece ``index``: its fp32 slot arrays, the remainder of its masters
-        where they travel so, a bf16 array for each moment stored in bf16."""
+        where they travel so (nothing for bf16 masters), a bf16 array for each moment stored in
+        bf16, the codes of each stored in 8 bits; then those moments' block scales."""
         n, at = self._pass.pieces[index].numel, self._at(index)
         arrays = list(self._slot(index))
         if self._remainders:
             arrays[0] = self._pass.rem[at][:n]
+        if self._bf16_masters:
+            arrays[0] = None
         for k, i in enumerate(self._low):
             arrays[i] = self._pass.low[at][k, :n]
+        if self._q8:
+            codes, scales = self._pass.codes[at]
+            for k, i in enumerate(self._q8):
+                arrays[i] = codes[k, :n]
+            arrays += [scales[k, : quantized.blocks(n)] for k in range(len(self._q8))]
         return tuple(arrays)
 
     def _slot_grad(self, index: int):
@@ -448,7 +484,18 @@ class StatesWindow:
         return self._pass.slots[self._at(index)][self._arrays - 1, :n]
 
     def _on_host(self, piece: Piece) -> tuple:
-        return tuple(array[piece.start : piece.stop] for array in self.host)
+        """Piece's places in the host arrays, as ``_staged`` lists them."""
+        arrays = [None if a is None else a[piece.start : piece.stop] for a in self.host]
+        first = piece.block
+        return (
+            *arrays,
+            *(self.scales[i][first : first + quantized.blocks(piece.numel)] for i in self._q8),
+        )
+
+    def _pairs(self, index: int) -> list:
+        """(staged, on the host) for each array piece ``index`` moves."""
+        both = zip(self._staged(index), self._on_host(self._pass.pieces[index]), strict=True)
+        return [(gpu, host) for gpu, host in both if gpu is not None]
 
     def _load_next(self) -> None:
         """The next piece's masters and moments into its slot (on ``h2d``, after the slot's
@@ -458,7 +505,7 @@ class StatesWindow:
         index = self._pass.queued
         self._pass.queued += 1
         piece = self._pass.pieces[index]
-        pairs = list(zip(self._staged(index), self._on_host(piece), strict=True))
+        pairs = self._pairs(index)
         grads_down = None
         if self._pass.before_load is not None:  # a late pass: the gradients come up too
             grads_down = self._pass.before_load(index)
@@ -484,7 +531,7 @@ class StatesWindow:
         import torch
 
         piece = self._pass.pieces[index]
-        pairs = zip(self._on_host(piece), self._staged(index), strict=True)
+        pairs = [(host, gpu) for gpu, host in self._pairs(index)]
         if self.streams is None:
             for host, gpu in pairs:
                 host.copy_(gpu)
@@ -507,6 +554,9 @@ class StatesWindow:
         staged = self._staged(index)
         for i in self._low:  # moments stored in bf16: fp32 for the math
             slot[i].copy_(staged[i])
+        self._dequantize(index)
+        if self._bf16_masters:
+            master.copy_(piece.param)
         late = self._pass.before_load is not None
         grads = self._slot_grad(index) if late else None
         scale = self._pass.scale_of(index) if late else None
@@ -524,8 +574,41 @@ class StatesWindow:
                 torch_adamw(steps, h, scale)([master[span]], [grad], *moments)
         for i in self._low:  # ... rounded back to nearest even, as TE's FusedAdam rounds them
             staged[i].copy_(slot[i])
-        if not (late or self._remainders):
+        self._quantize(index)
+        if self._bf16_masters:
+            quantized.round_stochastically(master, piece.param)
+        elif not (late or self._remainders):
             piece.param.copy_(master)
+
+    def _q8_rows(self, index: int) -> list[tuple]:
+        """Per 8-bit moment of piece ``index``: (its fp32 slot row over whole blocks, codes,
+        scales, signed)."""
+        if not self._q8:
+            return []
+        n, at = self._pass.pieces[index].numel, self._at(index)
+        whole = quantized.blocks(n) * quantized.BLOCK
+        codes, scales = self._pass.codes[at]
+        rows = self._pass.slots[at]
+        return [
+            (
+                rows[i - self._remainders, :whole],
+                codes[k, :whole],
+                scales[k, : whole // quantized.BLOCK],
+                i == 1,
+            )
+            for k, i in enumerate(self._q8)
+        ]
+
+    def _dequantize(self, index: int) -> None:
+        for row, codes, scales, signed in self._q8_rows(index):
+            quantized.dequantize(codes, scales, row, signed)
+
+    def _quantize(self, index: int) -> None:
+        """The 8-bit moments back into codes, the tail of a last block past the piece zero."""
+        n = self._pass.pieces[index].numel
+        for row, codes, scales, signed in self._q8_rows(index):
+            row[n:].zero_()
+            quantized.quantize(row, codes, scales, signed)
 
     def _end_pass(self) -> None:
         done, self._pass = self._pass, None

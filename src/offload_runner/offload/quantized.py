@@ -1,0 +1,67 @@
+"""The state engine's two lowest precision steps, both through torchao's optimizer helpers.
+
+- **8-bit moments** (``optimizer.exp_avg_dtype=q8 optimizer.exp_avg_sq_dtype=q8``): each block of
+  ``BLOCK`` elements of a moment is kept as uint8 codes into the dynamic quantization map of
+  bitsandbytes' 8-bit Adam (signed for exp_avg, unsigned for exp_avg_sq) and the block's absmax
+  as an fp32 scale: 1 B + 4 / BLOCK B per element on the host and on the link, fp32 for the math
+  in the window. torchao's ``optim.quant_utils`` quantizes and dequantizes (its Adam8bit's own
+  functions, block-wise with per-block scales: the published form, not a per-tensor FP8 scale).
+- **bf16 masters** (``optimizer.main_params_dtype=bf16``): no master on the host; Adam updates the
+  bf16 parameter upcast to fp32 and rounds it back stochastically (torchao's
+  ``bf16_stochastic_round``), so updates smaller than half a bf16 ulp still move it on average.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+BLOCK = 256  # elements per scale (torchao's and bitsandbytes' default block)
+
+
+@functools.cache
+def _quant_utils():
+    """torchao.optim.quant_utils, imported without the warnings torchao's package import logs
+    where its C++ extensions do not match the installed torch (the helpers here are plain
+    torch)."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        from torchao.optim import quant_utils
+    finally:
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
+    return quant_utils
+
+
+@functools.cache
+def qmap(signed: bool, device):
+    """The 256 values a code stands for (bitsandbytes' dynamic map), on ``device``."""
+    import torch
+
+    values = _quant_utils().create_dynamic_map(signed=signed)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def quantize(values, codes, scales, signed: bool) -> None:
+    """fp32 ``values`` (a multiple of BLOCK long) into uint8 ``codes`` and fp32 ``scales``."""
+    q = _quant_utils()
+    scaled, scale = q.scale_tensor(values, BLOCK)
+    codes.copy_(q.quantize_8bit_with_qmap(scaled, qmap(signed, values.device)))
+    scales.copy_(scale)
+
+
+def dequantize(codes, scales, out, signed: bool) -> None:
+    """uint8 ``codes`` and fp32 ``scales`` into fp32 ``out`` (a multiple of BLOCK long)."""
+    out.copy_(_quant_utils().dequant_with_qmap(codes, qmap(signed, codes.device), scales))
+
+
+def round_stochastically(master, param) -> None:
+    """fp32 ``master`` into bf16 ``param``: up with the probability of what bf16 drops."""
+    param.copy_(_quant_utils()._fp32_to_bf16_sr(master))

@@ -1,0 +1,154 @@
+"""State offload's lowest precision steps on the CPU (offload/quantized.py): 8-bit moments and bf16
+masters rounded stochastically, driven as tests/test_optimizer_states.py drives the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_runner.offload import quantized
+from offload_runner.offload.optimizer_states import WindowedStates
+from offload_runner.offload.window import SLOTS
+from tests.test_cpu_adam import (
+    BETAS,
+    EPS,
+    SIZES,
+    STEPS,
+    Buffers,
+    Reference,
+    assert_matches,
+    drive,
+    lr_at,
+    masters,
+)
+from tests.test_optimizer_states import fp32_masters
+
+PIECE = 6 * quantized.BLOCK  # params per piece: the shard spans several pieces and windows
+Q8 = (torch.uint8, torch.uint8)
+
+
+def q8_engine(buffers: Buffers, rem: bool = False, bf16_masters: bool = False) -> WindowedStates:
+    per_param = 12 - 2 * rem + 2  # chunk_bytes counts the window's bytes per param
+    return WindowedStates(
+        buffers.groups(lr_at(1)),
+        lr=1e-3,
+        weight_decay=0.1,
+        betas=BETAS,
+        eps=EPS,
+        window_bytes=SLOTS * per_param * PIECE,
+        moment_dtypes=Q8,
+        remainders=rem,
+        bf16_masters=bf16_masters,
+    )
+
+
+def test_quantize_and_dequantize_are_torchao_8bit_optimizer_states() -> None:
+    """Codes and scales as torchao's OptimState8bit keeps them (signed map for exp_avg,
+    unsigned for exp_avg_sq), and its dequantization."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    g = torch.Generator().manual_seed(0)
+    for signed, values in ((True, torch.randn(4096, generator=g)), (False, torch.rand(4096))):
+        theirs = OptimState8bit.zeros(values.shape, signed=signed, block_size=quantized.BLOCK)
+        theirs.copy_(values)
+        codes = torch.empty(4096, dtype=torch.uint8)
+        scales = torch.empty(4096 // quantized.BLOCK)
+        quantized.quantize(values, codes, scales, signed)
+        assert torch.equal(codes, theirs.codes) and torch.equal(scales, theirs.scale)
+        back = torch.empty(4096)
+        quantized.dequantize(codes, scales, back, signed)
+        assert torch.equal(back, theirs.dequantize())
+        assert (back - values).abs().max() < 0.02 * values.abs().max()
+
+
+class RoundTripReference(Reference):
+    """torch's fused AdamW whose moments, after each step, are what 8-bit storage gives back:
+    quantized and dequantized over the engine's blocks (each piece's, from its start, its last
+    block's tail zero)."""
+
+    pieces: list = []  # the engine's, once planned
+
+    def step(self, step: int, grads: torch.Tensor) -> None:
+        super().step(step, grads)
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            flat = torch.cat([self.opt.state[p][key] for p in self.params])
+            for piece in self.pieces:
+                whole = quantized.blocks(piece.numel) * quantized.BLOCK
+                row = torch.zeros(whole)
+                row[: piece.numel] = flat[piece.start : piece.stop]
+                codes = torch.empty(whole, dtype=torch.uint8)
+                scales = torch.empty(whole // quantized.BLOCK)
+                quantized.quantize(row, codes, scales, signed)
+                quantized.dequantize(codes, scales, row, signed)
+                flat[piece.start : piece.stop] = row[: piece.numel]
+            start = 0
+            for p, n in zip(self.params, SIZES, strict=True):
+                self.opt.state[p][key].copy_(flat[start : start + n])
+                start += n
+
+
+@pytest.mark.parametrize("rem", [False, True], ids=["fp32-masters", "remainders"])
+def test_8bit_moment_update_equals_adamw_over_8bit_stored_moments(rem: bool) -> None:
+    """Through the window the update is torch's fused AdamW on the moments the 8-bit codes
+    held, bit for bit, pieces cut mid-parameter included; 1 B per moment and its block's
+    scale on the host."""
+    buffers = Buffers()
+    eng, ref = q8_engine(buffers, rem=rem), RoundTripReference(buffers)
+    grads = drive(eng, buffers, 1)  # plans the pieces
+    ref.pieces = eng._pieces
+    ref.step(1, grads)
+    assert_matches(fp32_masters(eng, buffers), ref.params, 1)
+    for step in range(2, STEPS + 1):
+        ref.step(step, drive(eng, buffers, step))
+        assert_matches(fp32_masters(eng, buffers), ref.params, step)
+    assert len(eng._pieces) > SLOTS and any(p.numel % quantized.BLOCK for p in eng._pieces)
+    assert eng.host_exp_avg.dtype == eng.host_exp_avg_sq.dtype == torch.uint8
+    assert eng.state_bytes_per_param == (2 if rem else 4) + 2 * (1 + 4 / quantized.BLOCK)
+    eng.close()
+
+
+def test_8bit_moments_learn_what_fp32_moments_learn() -> None:
+    """Over STEPS steps the masters stay within a small distance of fp32 AdamW's."""
+    buffers = Buffers()
+    eng, ref = q8_engine(buffers), Reference(buffers)
+    for step in range(1, STEPS + 1):
+        ref.step(step, drive(eng, buffers, step))
+    for mine, theirs in zip(masters(eng, buffers), ref.params, strict=True):
+        moved = (theirs.detach() - buffers.views[0].float().mean()).abs().mean()
+        assert (mine - theirs.detach()).abs().mean() < 0.05 * moved
+    eng.close()
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours() -> None:
+    torch.manual_seed(0)
+    value = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way to the next bf16
+    out = torch.empty(value.shape, dtype=torch.bfloat16)
+    quantized.round_stochastically(value, out)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(out.float().mean().item() - value[0].item()) < 2e-5
+
+
+def test_bf16_masters_are_the_fp32_update_rounded_stochastically() -> None:
+    """No master on the host (with 8-bit moments: 2.03 B/param in all): each step upcasts the
+    bf16 parameters, updates them in fp32 and rounds them stochastically, piece by piece: the
+    first step gives AdamW's fp32 masters rounded with the same random bits."""
+    buffers, reference = Buffers(), Buffers()
+    eng, ref = q8_engine(buffers, bf16_masters=True), Reference(reference)
+    torch.manual_seed(7)
+    ref.step(1, drive(eng, buffers, 1))
+    assert eng.host_master is None and "master_param" not in eng.state[buffers.views[0]]
+    assert eng.state_bytes_per_param == 2 * (1 + 4 / quantized.BLOCK)
+    flat = torch.cat([p.detach() for p in ref.params])
+    torch.manual_seed(7)
+    for piece in eng._pieces:
+        quantized.round_stochastically(
+            flat[piece.start : piece.stop], reference.param[piece.start : piece.stop]
+        )
+    assert torch.equal(buffers.param, reference.param)
+    assert not torch.equal(buffers.param, flat.to(torch.bfloat16))  # not to nearest
+    for step in range(2, STEPS + 1):  # then within a few bf16 ulps of fp32 AdamW
+        ref.step(step, drive(eng, buffers, step))
+    for view, theirs in zip(buffers.views, ref.params, strict=True):
+        ulp = theirs.detach().abs().clamp(min=1e-3) * 2**-7
+        assert ((view.float() - theirs.detach()).abs() / ulp).mean() < 3.0
+    eng.close()
