@@ -754,6 +754,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.start_at:  # a later call of a suite that a time limit cut: its missing rows first
         first = next(i for i, c in enumerate(cases) if c.name == args.start_at)
         cases = cases[first:] + cases[:first]
+    cases = cases[: args.count or None]
     env = environment()
     if any("cpu_adam" in " ".join(c.overrides) for c in cases):
         cores = len(os.sched_getaffinity(0))
@@ -1615,6 +1616,7 @@ def main() -> int:
     run.add_argument("--iters", type=int, default=ITERS)
     run.add_argument("--rounds", type=int, default=1, help="passes over the cases, interleaved")
     run.add_argument("--start-at", help="the case to start with (the rest follow in turn)")
+    run.add_argument("--count", type=int, default=0, help="run this many cases (0: all)")
     run.add_argument(
         "--jobs",
         type=int,

@@ -10,9 +10,12 @@ from importlib.metadata import PackageNotFoundError, version
 # line with its fix; the import warnings would only come first.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 # Two more at import on the GPU machine (Megatron-Core 0.19.2, TE 2.x): Python compiling a
-# docstring of Megatron-Core's inference code, and TE finding JAX but not its JAX extension.
-# Neither concerns the run; both printed in the terminal twice (the launcher and each rank).
-warnings.filterwarnings("ignore", message="invalid escape sequence", module=r".*megatron[/\\.]")
+# docstring of Megatron-Core's inference code (and of torchao's quantization API, imported for
+# 8-bit moments), and TE finding JAX but not its JAX extension. None concerns the run; each
+# printed in the terminal twice (the launcher and each rank).
+warnings.filterwarnings(
+    "ignore", message="invalid escape sequence", module=r".*(megatron|torchao)[/\\.]"
+)
 warnings.filterwarnings("ignore", message="Detected a Jax installation", category=RuntimeWarning)
 
 
