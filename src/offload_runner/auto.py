@@ -114,7 +114,12 @@ PRECISION_TIERS = (
 STATES_ONLY_TIER = 3  # from here on: state offload of the whole shard
 # What each tier cost in final validation loss against fp32 training, on real text (bench suite
 # `convergence`, the rows of the tiers' names; a test holds these to its results).
-MEASURED_LOSS_COST = {"bf16 moments": 0.0019, "bf16 moments and gradients": 0.0020}
+MEASURED_LOSS_COST = {
+    "bf16 moments": 0.0019,
+    "bf16 moments and gradients": 0.0020,
+    "8bit moments": 0.0059,
+    "8bit moments, sr bf16 masters": 0.0002,
+}
 
 
 def states_ladder() -> list[tuple[str, dict]]:

@@ -39,6 +39,29 @@ def layer_spec(run: RunConfig):
     return get_gpt_layer_local_spec(**kwargs, normalization=m.normalization.value)
 
 
+def initializes_on_cpu(run: RunConfig) -> bool:
+    """Whether the model is built in host memory. Megatron-Core's DDP copies each parameter into
+    its contiguous GPU buffer while the parameter still holds its own memory, so a model built on
+    the GPU holds its weights twice beside the gradient buffer (the whole Qwen3-30B-A3B: 171 GB
+    on a 139 GB H200, suite whole-model). Built on the CPU, DDP copies it up and the GPU holds
+    the buffers alone; taken only where the GPU could not hold both copies (CPU
+    initialization is slower)."""
+    import torch
+
+    from offload_runner.plan import make_plan
+
+    if not torch.cuda.is_available():
+        return False
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    plan = make_plan(run, world)
+    mine = next((r for r in plan.ranks if r.rank == rank), plan.worst)
+    free, _ = torch.cuda.mem_get_info()
+    if run.train.gpu_memory_cap_gb:  # the allocator's cap (train.initialize)
+        free = min(free, run.train.gpu_memory_cap_gb * 1024**3)
+    return 2 * mine.weights + mine.grads > free
+
+
 def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
     """This rank's model chunks (one per virtual pipeline stage, else one), on the GPU, each
     wrapped as Megatron-LM does."""
@@ -54,6 +77,9 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     m = run.model
     chunks = []
     ddp_config = build_ddp_config(run)
+    on_cpu = initializes_on_cpu(run)
+    if on_cpu:
+        transformer_config.use_cpu_initialization = True
     vpp = m.virtual_pipeline_model_parallel_size
     for vp_stage in range(vpp or 1):
         stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
@@ -71,7 +97,8 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             rotary_base=int(m.rotary_base),
             **({"vp_stage": vp_stage} if vpp else {}),
         )
-        model.cuda(torch.cuda.current_device())
+        if not on_cpu:
+            model.cuda(torch.cuda.current_device())
         if m.bf16:
             model = Float16Module(transformer_config, model)
         offloaded = weight.exclude(run, model)
@@ -82,6 +109,8 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             # Megatron-LM: only the first chunk's buckets overlap the param all-gather
             disable_bucketing=vp_stage > 0,
         )
+        if on_cpu:  # DDP has copied the parameters into its GPU buffer: the buffers follow
+            ddp.module.cuda(torch.cuda.current_device())
         ddp.broadcast_params()  # identical start on every data-parallel replica
         ddp.weight_offload = weight.take(run, offloaded, torch.device("cuda"))
         chunks.append(ddp)
