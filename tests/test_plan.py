@@ -937,3 +937,18 @@ def test_the_launcher_hands_its_cpu_adam_rate_to_the_ranks(monkeypatch) -> None:
     cli._pin_cpu_adam_rate(job)
     assert job.run.planner.cpu_adam_params_per_s == 3.3e9
     assert cli._resolved(job)["planner"]["cpu_adam_params_per_s"] == 3.3e9
+
+
+def test_a_model_whose_ddp_copy_cannot_fit_goes_through_the_host(monkeypatch) -> None:
+    """DDP's buffers beside the parameters: the whole model's 2 x 61 GB of weights and 61 GB of
+    bf16 gradients do not fit one H200, the 37-layer slice's do."""
+    import torch
+
+    from offload_runner.mcore.model import through_host
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (139 * 1024**3, 140 * 1024**3))
+    common = ("recipe=qwen3_30b_a3b", "parallel=single", "ddp.grad_reduce_in_fp32=false")
+    assert through_host(compose_run(*common))
+    assert not through_host(compose_run(*common, "model.num_layers=37"))
+    assert through_host(compose_run(*common, "model.num_layers=37", "train.gpu_memory_cap_gb=100"))

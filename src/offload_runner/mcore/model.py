@@ -39,13 +39,16 @@ def layer_spec(run: RunConfig):
     return get_gpt_layer_local_spec(**kwargs, normalization=m.normalization.value)
 
 
-def initializes_on_cpu(run: RunConfig) -> bool:
-    """Whether the model is built in host memory. Megatron-Core's DDP copies each parameter into
-    its contiguous GPU buffer while the parameter still holds its own memory, so a model built on
-    the GPU holds its weights twice beside the gradient buffer (the whole Qwen3-30B-A3B: 171 GB
-    on a 139 GB H200, suite whole-model). Built on the CPU, DDP copies it up and the GPU holds
-    the buffers alone; taken only where the GPU could not hold both copies (CPU
-    initialization is slower)."""
+def through_host(run: RunConfig) -> bool:
+    """Whether the model goes to host memory between its initialization and DDP. Megatron-Core's
+    DDP allocates its parameter and gradient buffers while each parameter still holds its own
+    memory, so a model built on the GPU holds its weights twice beside the gradient buffer (the
+    whole Qwen3-30B-A3B: out of memory asking for its 56.9 GB gradient buffer with 113.8 GB held,
+    suite whole-model). Parked on the host, DDP copies each parameter up into its buffer and the
+    GPU holds the buffers alone. Taken only where the GPU could not hold both copies: the hop
+    costs a copy each way (Megatron-Core's CPU initialization, the other way to get there, is
+    slow: the 3.1B-param proxy reached its first iteration some 150 s into its call,
+    docs/evidence/cpu-init-proxy-16gb-h200.txt)."""
     import torch
 
     from offload_runner.plan import make_plan
@@ -77,9 +80,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     m = run.model
     chunks = []
     ddp_config = build_ddp_config(run)
-    on_cpu = initializes_on_cpu(run)
-    if on_cpu:
-        transformer_config.use_cpu_initialization = True
+    parked = through_host(run)
     vpp = m.virtual_pipeline_model_parallel_size
     for vp_stage in range(vpp or 1):
         stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
@@ -97,10 +98,11 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             rotary_base=int(m.rotary_base),
             **({"vp_stage": vp_stage} if vpp else {}),
         )
-        if not on_cpu:
-            model.cuda(torch.cuda.current_device())
+        model.cuda(torch.cuda.current_device())
         if m.bf16:
             model = Float16Module(transformer_config, model)
+        if parked:
+            model.cpu()
         offloaded = weight.exclude(run, model)
         ddp = DistributedDataParallel(
             config=transformer_config,
@@ -109,7 +111,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
             # Megatron-LM: only the first chunk's buckets overlap the param all-gather
             disable_bucketing=vp_stage > 0,
         )
-        if on_cpu:  # DDP has copied the parameters into its GPU buffer: the buffers follow
+        if parked:  # DDP has copied the parameters into its GPU buffers: the rest follows
             ddp.module.cuda(torch.cuda.current_device())
         ddp.broadcast_params()  # identical start on every data-parallel replica
         ddp.weight_offload = weight.take(run, offloaded, torch.device("cuda"))
