@@ -313,6 +313,7 @@ MEANT_NOT_TO_FIT = (
     "28 layers, no offload",
     "llama3_8b under 48 GB, no weight offload",
     "proxy under 12 GB, no weight offload",
+    "whole model, no offload",
 )
 
 
@@ -628,8 +629,8 @@ WHOLE = (
     "planner.host_memory_gb=125",
 )
 WHOLE_MODEL = [
-    Case("whole model auto", "qwen3_30b_a3b", (*WHOLE, "offload/optimizer=auto"), "none"),
-    Case("none", "qwen3_30b_a3b", WHOLE, "none"),
+    Case("whole model auto", "qwen3_30b_a3b", (*WHOLE, "offload/optimizer=auto"), "whole model"),
+    Case("whole model, no offload", "qwen3_30b_a3b", WHOLE, "whole model"),
 ]
 
 

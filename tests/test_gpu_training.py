@@ -137,6 +137,29 @@ def test_state_offload_matches_baseline_and_moves_the_states(root: str, masters:
     assert run["gpu_peak_step_gb"] <= run["gpu_peak_fwd_bwd_gb"] + window_gb
 
 
+@pytest.mark.parametrize("masters", ["remainders", "bf16"])
+def test_8bit_moments_track_state_offload_and_move_a_byte_each(root: str, masters: str) -> None:
+    """8-bit moments through 1 MiB pieces of the window (the codes and their blocks' scales on
+    the streams): the losses stay near bf16-gradient state offload's, with or without masters
+    (stochastically rounded bf16 parameters), and the host holds 1.016 B per moment."""
+    low = ("offload/optimizer=states", "optimizer.optimizer_state_offload_chunk_size_mb=1")
+    grads = ("ddp.grad_reduce_in_fp32=false",)
+    base = train(Path(root) / "states-bf16-grads", *low, *grads)
+    run = train(
+        Path(root) / f"q8-{masters}",
+        *low,
+        *grads,
+        "optimizer.exp_avg_dtype=q8",
+        "optimizer.exp_avg_sq_dtype=q8",
+        f"optimizer.main_params_dtype={'bf16' if masters == 'bf16' else 'fp32'}",
+    )
+    assert max_delta(run["losses"], base["losses"]) < 0.05
+    assert run["losses"][-1] < run["losses"][0]
+    assert run["states_master_bytes"] == (0 if masters == "bf16" else 2)
+    per_param = run["states_moved_gb"] * 1e9 / run["states_offloaded_params"]
+    assert per_param == pytest.approx(run["states_master_bytes"] + 2 * (1 + 4 / 256))
+
+
 RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")
 WEIGHTS = ("offload/optimizer=states", *RING)
 

@@ -489,6 +489,18 @@ CASES = [
         "8-bit moments and bf16 masters live on the host only",
     ),
     Case(
+        "lowest_precision_beside_weight_offload",
+        (
+            "recipe=tiny",
+            "offload/optimizer=states",
+            "optimizer.exp_avg_dtype=q8",
+            "offload/weight=enabled",
+            "model.cpu_offloading_num_layers=1",
+        ),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=q8"),
+        "weight offload keeps its layers' masters and moments in fp32 or bf16",
+    ),
+    Case(
         "lowest_precision_not_checkpointed",
         (
             "recipe=tiny",

@@ -11,7 +11,12 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-from offload_runner.config.schema import WINDOW_PIECES, RunConfig, states_offloaded
+from offload_runner.config.schema import (
+    WINDOW_PIECES,
+    RunConfig,
+    states_offloaded,
+    states_window_mb,
+)
 
 # --- bytes per parameter ------------------------------------------------------------------------
 
@@ -90,6 +95,21 @@ def window_bytes_per_param(run: RunConfig) -> float:
         DTYPE_BYTES[d.value] for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype) if d.value != "fp32"
     )
     return master + 8 + low
+
+
+# 8-bit moments: what torchao's quantization of one piece allocates beside it on the GPU, per
+# element (int64 codes of its binary search, the gathered map values, the scaled input): fitted
+# to the convergence suite's 8bit row, whose peak stood 0.57 GB above the plan without it.
+Q8_WORKSPACE_BYTES = 51
+
+
+def quantize_workspace_bytes(run: RunConfig, offloaded: float) -> int:
+    """GPU bytes 8-bit moments' quantization takes during the step: Q8_WORKSPACE_BYTES for each
+    element of a window piece (at most the ``offloaded`` params)."""
+    if not (states_offloaded(run) and q8_moments(run)):
+        return 0
+    piece = states_window_mb(run) * 1024**2 / (WINDOW_SLOTS * window_bytes_per_param(run))
+    return int(Q8_WORKSPACE_BYTES * min(piece, offloaded))
 
 
 def stores_param_remainders(run: RunConfig) -> bool:

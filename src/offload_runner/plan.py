@@ -59,6 +59,7 @@ from offload_runner.hardware import (
     cpu_adam_piece_bytes,
     host_state_bytes,
     moment_bytes,
+    quantize_workspace_bytes,
     stores_param_remainders,
     weight_ring_sizes,
     window_bytes_per_param,
@@ -283,6 +284,11 @@ class RankPlan:
     states_moved: int = 0  # bytes of optimizer state copied out and back each step (states)
     recomputed: int = 0  # one checkpointed group rebuilt in backward (full recompute)
     weight_offload_params: int = 0  # params whose weights live on the host (offload/weight)
+    # 8-bit moments' quantization workspace, in the phase their pass runs in: beside the next
+    # forward where one rank holds its whole shard (measured there: suite convergence), else
+    # in the step
+    quantizing: int = 0
+    quantizing_beside_forward: bool = False
 
     @property
     def static(self) -> int:
@@ -291,11 +297,12 @@ class RankPlan:
     @property
     def fwd_bwd_peak(self) -> int:
         # the logits live at the end of forward, a rebuilt group later in backward
-        return self.static + self.activations + max(self.logits, self.recomputed)
+        beside = self.quantizing if self.quantizing_beside_forward else 0
+        return self.static + self.activations + max(self.logits, self.recomputed) + beside
 
     @property
     def step_peak(self) -> int:
-        return self.static + self.optimizer_step_only
+        return self.static + self.optimizer_step_only + self.quantizing
 
     @property
     def gpu_peak(self) -> int:
@@ -494,6 +501,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
         grads=int(grads),
         optimizer_gpu=opt.resident,
         optimizer_step_only=opt.step_only + ring.step_only,
+        quantizing=quantize_workspace_bytes(run, opt.shard),
+        quantizing_beside_forward=layout.dp == 1,
         activations=activations,
         activations_offloaded=offloaded,
         logits=logits,
