@@ -685,6 +685,13 @@ CASES = [
         "dataset.kind=indexed needs dataset.data_path",
     ),
     Case(
+        "data_path_missing",
+        ("recipe=tiny", "data=indexed", "dataset.data_path=[0.5,/nowhere/a,0.5,/nowhere/b]"),
+        ("recipe=tiny", "data=mock"),  # a prepared prefix: test_a_prepared_prefix_is_found
+        "dataset.data_path: no .bin/.idx here for /nowhere/a, /nowhere/b",
+        Environment(te_available=True, launching=True),
+    ),
+    Case(
         "optimizer_dtypes_with_cpu_offload",
         ("recipe=tiny", "offload/optimizer=cpu_100", "optimizer.exp_avg_dtype=bf16"),
         (
@@ -1124,3 +1131,9 @@ def test_a_split_megatron_would_misread_is_refused(split: str) -> None:
     run = compose_run("recipe=tiny", "data=indexed", "dataset.data_path=[/d/text]")
     run = replace(run, dataset=replace(run.dataset, split=split))
     assert "dataset_split_unreadable" in {v.rule for v in errors(validate(run, WITH_TE))}
+
+
+def test_a_prepared_prefix_is_found(prepared) -> None:
+    launching = Environment(te_available=True, launching=True)
+    run = compose_run("recipe=tiny", "data=indexed", f"dataset.data_path=[{prepared}]")
+    assert "data_path_missing" not in {v.rule for v in check_rules(run, launching)}

@@ -39,6 +39,7 @@ from offload_runner.config.schema import (
 )
 from offload_runner.hardware import q8_moments, te_available
 from offload_runner.mcore.data import (
+    parse_blend,
     prepared_eods,
     prepared_metadata,
     split_readable,
@@ -92,6 +93,19 @@ def _cpu_adam_selected(c: RunConfig) -> bool:
 def _precision_aware(c: RunConfig) -> bool:
     """Megatron-Core builds its precision-aware DistributedOptimizer (TE's FusedAdam inside)."""
     return c.optimizer.use_precision_aware_optimizer or states_offloaded(c)
+
+
+def missing_prefixes(c: RunConfig) -> str:
+    """dataset.data_path's prefixes without their .bin and .idx on this machine ("" where all
+    are there, for mock data, or where the blend does not parse: another rule's)."""
+    if c.dataset.kind.value != "indexed" or not c.dataset.data_path:
+        return ""
+    try:
+        prefixes, _ = parse_blend(c.dataset.data_path)
+    except ValueError:
+        return ""
+    missing = [p for p in prefixes if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))]
+    return ", ".join(missing)
 
 
 def prepared_vocab(c: RunConfig) -> int:
@@ -902,7 +916,14 @@ RULES: tuple[Rule, ...] = (
         "indexed_needs_data_path",
         lambda c, e: c.dataset.kind.value == "indexed" and not c.dataset.data_path,
         "dataset.kind=indexed needs dataset.data_path (a .bin/.idx prefix or a blend)",
-        "add dataset.data_path='[/data/my_text_document]', or data=mock",
+        "add dataset.data_path=[/data/my_text_document], or data=mock",
+    ),
+    Rule(
+        "data_path_missing",
+        lambda c, e: bool(missing_prefixes(c)),
+        "dataset.data_path: no .bin/.idx here for {missing_prefixes}",
+        "prepare it (python run_recipe.py --prepare TEXT --output PREFIX), or fix the path",
+        environment=True,
     ),
     Rule(
         "prepared_vocab_exceeds_model",
@@ -1143,6 +1164,7 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         o=run.optimizer,
         te_fusions=", ".join(te_fusions(run)),
         prepared_vocab=prepared_vocab(run),
+        missing_prefixes=missing_prefixes(run),
         prepared_eods=", ".join(map(str, prepared_eods(run))),
         t=run.train,
         c=run,
