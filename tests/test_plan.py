@@ -952,3 +952,11 @@ def test_a_model_whose_ddp_copy_cannot_fit_goes_through_the_host(monkeypatch) ->
     assert through_host(compose_run(*common))
     assert not through_host(compose_run(*common, "model.num_layers=37"))
     assert through_host(compose_run(*common, "model.num_layers=37", "train.gpu_memory_cap_gb=100"))
+
+
+def test_the_plan_says_when_the_model_goes_through_the_host() -> None:
+    common = ("recipe=qwen3_30b_a3b", "parallel=single", "planner.gpu_memory_gb=139")
+    whole = make_plan(compose_run(*common, "ddp.grad_reduce_in_fp32=false"))
+    assert any("goes through host memory" in n for n in whole.notes)
+    sliced = make_plan(compose_run(*common, "model.num_layers=37", "ddp.grad_reduce_in_fp32=false"))
+    assert not any("goes through host memory" in n for n in sliced.notes)

@@ -690,6 +690,13 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
     host = run.planner.host_memory_gb or detect_host_gb()
     host_source = "planner.host_memory_gb" if run.planner.host_memory_gb else "this machine's RAM"
     ranks = [plan_rank(run, layout, r, per_node) for r in range(layout.world)]
+    parked = max((r for r in ranks), key=lambda r: 2 * r.weights + r.grads)
+    if 2 * parked.weights + parked.grads > capacity * GiB:
+        notes.append(
+            f"the model goes through host memory into DDP's buffers (twice its weights and its "
+            f"gradients, {(2 * parked.weights + parked.grads) / GiB:.1f} GB, exceed the GPU): "
+            f"{parked.weights / GiB:.1f} GB of pageable host memory per rank while it starts"
+        )
     return Plan(
         ranks,
         round(capacity, 2),
