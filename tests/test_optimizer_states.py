@@ -40,15 +40,20 @@ from tests.test_cpu_adam import SIZES as ENGINE_SIZES
 PIECE = 1500  # params per piece of the window: the shard spans several pieces and windows
 
 
-def windowed(buffers: Buffers, piece: int = PIECE, rem: bool = False) -> WindowedStates:
+def windowed(
+    buffers: Buffers, piece: int = PIECE, rem: bool = False, low: int = 0, **precision
+) -> WindowedStates:
+    """The engine on ``buffers``, its window ``piece`` params a slot (``low``: bytes per param
+    its moments below fp32 add there; ``precision``: its moment dtypes, bf16 masters)."""
     return WindowedStates(
         buffers.groups(lr_at(1)),
         lr=1e-3,
         weight_decay=0.1,
         betas=BETAS,
         eps=EPS,
-        window_bytes=SLOTS * per_param(rem) * piece,
+        window_bytes=SLOTS * (per_param(rem) + low) * piece,
         remainders=rem,
+        **precision,
     )
 
 

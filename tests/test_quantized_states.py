@@ -10,36 +10,22 @@ from offload_runner.offload import quantized
 from offload_runner.offload.optimizer_states import WindowedStates
 from offload_runner.offload.window import SLOTS
 from tests.test_cpu_adam import (
-    BETAS,
-    EPS,
     SIZES,
     STEPS,
     Buffers,
     Reference,
     assert_matches,
     drive,
-    lr_at,
     masters,
 )
-from tests.test_optimizer_states import fp32_masters
+from tests.test_optimizer_states import fp32_masters, windowed
 
 PIECE = 6 * quantized.BLOCK  # params per piece: the shard spans several pieces and windows
 Q8 = (torch.uint8, torch.uint8)
 
 
 def q8_engine(buffers: Buffers, rem: bool = False, bf16_masters: bool = False) -> WindowedStates:
-    per_param = 12 - 2 * rem + 2  # chunk_bytes counts the window's bytes per param
-    return WindowedStates(
-        buffers.groups(lr_at(1)),
-        lr=1e-3,
-        weight_decay=0.1,
-        betas=BETAS,
-        eps=EPS,
-        window_bytes=SLOTS * per_param * PIECE,
-        moment_dtypes=Q8,
-        remainders=rem,
-        bf16_masters=bf16_masters,
-    )
+    return windowed(buffers, PIECE, rem, low=2, moment_dtypes=Q8, bf16_masters=bf16_masters)
 
 
 def test_quantize_and_dequantize_are_torchao_8bit_optimizer_states() -> None:
