@@ -952,6 +952,8 @@ def test_a_model_whose_ddp_copy_cannot_fit_goes_through_the_host(monkeypatch) ->
     assert through_host(compose_run(*common))
     assert not through_host(compose_run(*common, "model.num_layers=37"))
     assert through_host(compose_run(*common, "model.num_layers=37", "train.gpu_memory_cap_gb=100"))
+    ring = ("offload/weight=enabled", "model.cpu_offloading_num_layers=4")
+    assert not through_host(compose_run(*common, *ring))  # its ring moves the weights itself
 
 
 def test_the_plan_says_when_the_model_goes_through_the_host() -> None:

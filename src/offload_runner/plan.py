@@ -691,7 +691,8 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
     host_source = "planner.host_memory_gb" if run.planner.host_memory_gb else "this machine's RAM"
     ranks = [plan_rank(run, layout, r, per_node) for r in range(layout.world)]
     parked = max((r for r in ranks), key=lambda r: 2 * r.weights + r.grads)
-    if 2 * parked.weights + parked.grads > capacity * GiB:
+    through_host = not run.model.cpu_offloading_weights  # mcore/model.py's through_host
+    if through_host and 2 * parked.weights + parked.grads > capacity * GiB:
         notes.append(
             f"the model goes through host memory into DDP's buffers (twice its weights and its "
             f"gradients, {(2 * parked.weights + parked.grads) / GiB:.1f} GB, exceed the GPU): "

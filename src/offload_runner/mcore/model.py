@@ -48,12 +48,13 @@ def through_host(run: RunConfig) -> bool:
     GPU holds the buffers alone. Taken only where the GPU could not hold both copies: the hop
     costs a copy each way (Megatron-Core's CPU initialization, the other way to get there, is
     slow: the 3.1B-param proxy reached its first iteration some 150 s into its call,
-    docs/evidence/cpu-init-proxy-16gb-h200.txt)."""
+    docs/evidence/cpu-init-proxy-16gb-h200.txt). Never beside weight offload, whose layers'
+    weights leave the GPU by its own ring."""
     import torch
 
     from offload_runner.plan import make_plan
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or run.model.cpu_offloading_weights:
         return False
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
