@@ -34,14 +34,15 @@ def test_quantize_and_dequantize_are_torchao_8bit_optimizer_states() -> None:
     from torchao.optim.subclass_8bit import OptimState8bit
 
     g = torch.Generator().manual_seed(0)
-    for signed, values in ((True, torch.randn(4096, generator=g)), (False, torch.rand(4096))):
+    moments = (torch.randn(1 << 16, generator=g), torch.rand(1 << 16, generator=g) ** 4)
+    for signed, values in zip((True, False), moments, strict=True):
         theirs = OptimState8bit.zeros(values.shape, signed=signed, block_size=quantized.BLOCK)
         theirs.copy_(values)
-        codes = torch.empty(4096, dtype=torch.uint8)
-        scales = torch.empty(4096 // quantized.BLOCK)
+        codes = torch.empty(values.numel(), dtype=torch.uint8)
+        scales = torch.empty(values.numel() // quantized.BLOCK)
         quantized.quantize(values, codes, scales, signed)
         assert torch.equal(codes, theirs.codes) and torch.equal(scales, theirs.scale)
-        back = torch.empty(4096)
+        back = torch.empty(values.numel())
         quantized.dequantize(codes, scales, back, signed)
         assert torch.equal(back, theirs.dequantize())
         assert (back - values).abs().max() < 0.02 * values.abs().max()

@@ -4,8 +4,9 @@
   ``BLOCK`` elements of a moment is kept as uint8 codes into the dynamic quantization map of
   bitsandbytes' 8-bit Adam (signed for exp_avg, unsigned for exp_avg_sq) and the block's absmax
   as an fp32 scale: 1 B + 4 / BLOCK B per element on the host and on the link, fp32 for the math
-  in the window. torchao's ``optim.quant_utils`` quantizes and dequantizes (its Adam8bit's own
-  functions, block-wise with per-block scales: the published form, not a per-tensor FP8 scale).
+  in the window. torchao's ``optim.quant_utils`` gives the map, the block scaling and the
+  dequantization (its Adam8bit's own functions, block-wise with per-block scales: the published
+  form, not a per-tensor FP8 scale); the nearest code is ``torch.bucketize``'s (``quantize``).
 - **bf16 masters** (``optimizer.main_params_dtype=bf16``): no master on the host; Adam updates the
   bf16 parameter upcast to fp32 and rounds it back stochastically (torchao's
   ``bf16_stochastic_round``), so updates smaller than half a bf16 ulp still move it on average.
@@ -49,11 +50,23 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+@functools.cache
+def midpoints(signed: bool, device):
+    """Half-way between neighbouring map values: a value's nearest code is where it falls."""
+    values = qmap(signed, device)
+    return (values[1:] + values[:-1]) / 2
+
+
 def quantize(values, codes, scales, signed: bool) -> None:
-    """fp32 ``values`` (a multiple of BLOCK long) into uint8 ``codes`` and fp32 ``scales``."""
-    q = _quant_utils()
-    scaled, scale = q.scale_tensor(values, BLOCK)
-    codes.copy_(q.quantize_8bit_with_qmap(scaled, qmap(signed, values.device)))
+    """fp32 ``values`` (a multiple of BLOCK long) into uint8 ``codes`` and fp32 ``scales``: each
+    block scaled by its absmax (torchao's ``scale_tensor``), then the nearest code, ties up. That
+    is torchao's ``quantize_8bit_with_qmap`` (a test holds the codes equal); its branchless
+    binary search runs ~50 kernels a call, ``torch.bucketize`` over the map's midpoints one
+    (4.7x faster on this project's 2-core CI machine, 1M elements; the GPU is unmeasured)."""
+    import torch
+
+    scaled, scale = _quant_utils().scale_tensor(values, BLOCK)
+    codes.copy_(torch.bucketize(scaled, midpoints(signed, values.device), right=True))
     scales.copy_(scale)
 
 
