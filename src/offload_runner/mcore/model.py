@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 from offload_runner.config.schema import RunConfig, TransformerImpl
 from offload_runner.hardware import te_available
 from offload_runner.model_size import padded_vocab_size
+
+log = logging.getLogger("offload_runner")
 
 
 def use_transformer_engine(run: RunConfig) -> bool:
@@ -58,7 +61,11 @@ def through_host(run: RunConfig) -> bool:
         return False
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    plan = make_plan(run, world)
+    try:
+        plan = make_plan(run, world)
+    except Exception as err:  # noqa: BLE001 - the plan only chooses the route; never fatal
+        log.warning("no plan for the model's build (%s): built on the GPU", err)
+        return False
     mine = next((r for r in plan.ranks if r.rank == rank), plan.worst)
     free, _ = torch.cuda.mem_get_info()
     if run.train.gpu_memory_cap_gb:  # the allocator's cap (train.initialize)
