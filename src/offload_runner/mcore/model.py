@@ -109,8 +109,9 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
         model.cuda(torch.cuda.current_device())
         if m.bf16:
             model = Float16Module(transformer_config, model)
-        if parked:
+        if parked:  # DDP's buffers are whole blocks: the parameters' cached ones go back
             model.cpu()
+            torch.cuda.empty_cache()
         offloaded = weight.exclude(run, model)
         ddp = DistributedDataParallel(
             config=transformer_config,
