@@ -39,7 +39,7 @@ from offload_runner.config.schema import (
 )
 from offload_runner.hardware import q8_moments, te_available
 from offload_runner.mcore.data import (
-    parse_blend,
+    data_prefixes,
     prepared_eods,
     prepared_metadata,
     split_readable,
@@ -98,14 +98,9 @@ def _precision_aware(c: RunConfig) -> bool:
 def missing_prefixes(c: RunConfig) -> str:
     """dataset.data_path's prefixes without their .bin and .idx on this machine ("" where all
     are there, for mock data, or where the blend does not parse: another rule's)."""
-    if c.dataset.kind.value != "indexed" or not c.dataset.data_path:
-        return ""
-    try:
-        prefixes, _ = parse_blend(c.dataset.data_path)
-    except ValueError:
-        return ""
-    missing = [p for p in prefixes if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))]
-    return ", ".join(missing)
+    return ", ".join(
+        p for p in data_prefixes(c) if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))
+    )
 
 
 def prepared_vocab(c: RunConfig) -> int:

@@ -25,18 +25,24 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     return items[1::2], weights
 
 
-def prepared_metadata(run: RunConfig) -> list[dict]:
-    """What --prepare wrote beside each of dataset.data_path's prefixes (prefixes made
-    elsewhere have none; mock data has no prefixes)."""
-    from offload_runner.prepare import read_metadata
-
-    if run.dataset.kind != DatasetKind.indexed:
+def data_prefixes(run: RunConfig) -> list[str]:
+    """dataset.data_path's prefixes (none for mock data, or where the blend does not parse:
+    a rule's to say)."""
+    if run.dataset.kind != DatasetKind.indexed or not run.dataset.data_path:
         return []
     try:
         prefixes, _ = parse_blend(run.dataset.data_path)
     except ValueError:
         return []
-    return [m for m in map(read_metadata, prefixes) if m is not None]
+    return prefixes
+
+
+def prepared_metadata(run: RunConfig) -> list[dict]:
+    """What --prepare wrote beside each of dataset.data_path's prefixes (prefixes made
+    elsewhere have none; mock data has no prefixes)."""
+    from offload_runner.prepare import read_metadata
+
+    return [m for m in map(read_metadata, data_prefixes(run)) if m is not None]
 
 
 def prepared_eods(run: RunConfig) -> list[int]:
