@@ -301,6 +301,12 @@ class RankPlan:
         return self.static + self.activations + max(self.logits, self.recomputed) + beside
 
     @property
+    def ddp_build(self) -> int:
+        """GPU bytes while Megatron-Core's DDP allocates its buffers beside a model built on the
+        GPU: the weights twice and the gradients (mcore/model.py's through_host)."""
+        return 2 * self.weights + self.grads
+
+    @property
     def step_peak(self) -> int:
         return self.static + self.optimizer_step_only + self.quantizing
 
@@ -690,12 +696,12 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
     host = run.planner.host_memory_gb or detect_host_gb()
     host_source = "planner.host_memory_gb" if run.planner.host_memory_gb else "this machine's RAM"
     ranks = [plan_rank(run, layout, r, per_node) for r in range(layout.world)]
-    parked = max((r for r in ranks), key=lambda r: 2 * r.weights + r.grads)
+    parked = max(ranks, key=lambda r: r.ddp_build)
     through_host = not run.model.cpu_offloading_weights  # mcore/model.py's through_host
-    if through_host and 2 * parked.weights + parked.grads > capacity * GiB:
+    if through_host and parked.ddp_build > capacity * GiB:
         notes.append(
             f"the model goes through host memory into DDP's buffers (twice its weights and its "
-            f"gradients, {(2 * parked.weights + parked.grads) / GiB:.1f} GB, exceed the GPU): "
+            f"gradients, {parked.ddp_build / GiB:.1f} GB, exceed the GPU): "
             f"{parked.weights / GiB:.1f} GB of pageable host memory per rank while it starts"
         )
     return Plan(

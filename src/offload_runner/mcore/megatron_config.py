@@ -87,9 +87,10 @@ def optimizer_config_kwargs(optimizer: OptimizerConfig, model: ModelConfig) -> d
     values["params_dtype"] = torch.bfloat16 if model.bf16 else torch.float32
     # state offload's bf16 masters and 8-bit moments are its engine's own: Megatron-Core builds
     # its usual fp32 ones, which that engine replaces before they are allocated
-    lowest = {"main_params_dtype": OptimizerDtype.bf16}
-    for key in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if values[key] in (OptimizerDtype.q8, lowest.get(key)):
+    if values["main_params_dtype"] == OptimizerDtype.bf16:
+        values["main_params_dtype"] = OptimizerDtype.fp32
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if values[key] == OptimizerDtype.q8:
             values[key] = OptimizerDtype.fp32
     if optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
         # Megatron-Core builds its precision-aware DistributedOptimizer (no fp32 masters on the

@@ -70,7 +70,7 @@ def through_host(run: RunConfig) -> bool:
     free, _ = torch.cuda.mem_get_info()
     if run.train.gpu_memory_cap_gb:  # the allocator's cap (train.initialize)
         free = min(free, run.train.gpu_memory_cap_gb * 1024**3)
-    return 2 * mine.weights + mine.grads > free
+    return mine.ddp_build > free
 
 
 def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
