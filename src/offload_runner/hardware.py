@@ -97,9 +97,11 @@ def window_bytes_per_param(run: RunConfig) -> float:
     return master + 8 + low
 
 
-# 8-bit moments: what torchao's quantization of one piece allocates beside it on the GPU, per
-# element (int64 codes of its binary search, the gathered map values, the scaled input): fitted
-# to the convergence suite's 8bit row, whose peak stood 0.57 GB above the plan without it.
+# 8-bit moments: what quantizing one piece allocates beside it on the GPU, per element (the
+# scaled input, the int64 codes, the dequantized map values): fitted to the convergence suite's
+# 8bit row, whose peak stood 0.57 GB above the plan without it. That row ran torchao's binary
+# search, whose int64 temporaries bucketize (quantized.quantize) no longer makes: an upper bound
+# until a GPU run measures it again.
 Q8_WORKSPACE_BYTES = 51
 
 

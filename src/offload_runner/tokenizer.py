@@ -19,6 +19,7 @@ from typing import Any
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 TRAINED_EOD = "<|endoftext|>"
 FILES_EXTRA = "pip install 'offload-runner[tokenizer-files]'"
+FILE_KINDS = "give a tokenizer.json, a SentencePiece .model, a tiktoken file, or a BPE folder"
 
 
 class TokenizerError(ValueError):
@@ -88,13 +89,12 @@ class TextTokenizer:
 
 def load(path: Path) -> TextTokenizer:
     """The tokenizer at ``path``; TokenizerError where none loads."""
-    fix = "give a tokenizer.json, a SentencePiece .model, a tiktoken file, or a BPE folder"
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if path.is_dir() and any((path / f[0]).is_file() for f in BPE_FILES):
         return _huggingface(path, "huggingface")
     if not path.is_file():
-        raise TokenizerError(f"--tokenizer {path}: no tokenizer there", fix)
+        raise TokenizerError(f"--tokenizer {path}: no tokenizer there", FILE_KINDS)
     head = path.read_bytes()[:256]
     if path.suffix == ".json" or head.lstrip().startswith(b"{"):
         return _huggingface(path, "huggingface")
@@ -102,7 +102,7 @@ def load(path: Path) -> TextTokenizer:
         return _tiktoken(path)
     if path.suffix == ".model":
         return _sentencepiece(path)
-    raise TokenizerError(f"--tokenizer {path}: not a tokenizer file this reads", fix)
+    raise TokenizerError(f"--tokenizer {path}: not a tokenizer file this reads", FILE_KINDS)
 
 
 def train(corpus: Callable[[], Iterator[str]], vocab_size: int) -> TextTokenizer:
@@ -244,7 +244,7 @@ def _unloadable(path: Path, err: Exception) -> TokenizerError:
     lines = str(err).strip().splitlines() or [type(err).__name__]
     return TokenizerError(
         f"--tokenizer {path} does not load: {lines[0]}",
-        "give a tokenizer.json, a SentencePiece .model, a tiktoken file, or a BPE folder",
+        FILE_KINDS,
     )
 
 
