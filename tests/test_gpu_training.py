@@ -156,8 +156,9 @@ def test_8bit_moments_track_state_offload_and_move_a_byte_each(root: str, master
     assert max_delta(run["losses"], base["losses"]) < 0.05
     assert run["losses"][-1] < run["losses"][0]
     assert run["states_master_bytes"] == (0 if masters == "bf16" else 2)
-    per_param = run["states_moved_gb"] * 1e9 / run["states_offloaded_params"]
-    assert per_param == pytest.approx(run["states_master_bytes"] + 2 * (1 + 4 / 256))
+    per_param = run["states_host_gb"] * 1024**3 / run["states_offloaded_params"]
+    # blocks start at each piece: a piece's last block is partial but keeps a whole scale
+    assert per_param == pytest.approx(run["states_master_bytes"] + 2 * (1 + 4 / 256), abs=5e-3)
 
 
 RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -97,6 +98,18 @@ def test_torchrun_arguments_multi_node(tmp_path: Path) -> None:
     assert pairs["--nnodes"] == "4" and pairs["--node-rank"] == "2"
     assert pairs["--rdzv-endpoint"] == "node0:29400" and pairs["--rdzv-backend"] == "c10d"
     assert nodes(LauncherConfig(nnodes="2:4")) is None and nodes(launcher) == 4
+
+
+def test_worker_environment_sizes_te_and_torch_but_the_users_settings_win(monkeypatch) -> None:
+    """The whole Qwen3-30B-A3B on one rank needs more TE tensor handles than TE's default pool
+    (its gradient clip failed at the first step on an H200, results-whole-model.json)."""
+    from offload_runner.launch import worker_environment
+
+    monkeypatch.delenv("NVTE_TENSOR_HANDLE_POOL_SIZE_MB", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    worker_environment()
+    assert int(os.environ["NVTE_TENSOR_HANDLE_POOL_SIZE_MB"]) > 20
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
 def test_rank_detection() -> None:

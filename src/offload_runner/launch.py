@@ -96,6 +96,18 @@ def torchrun_args(launcher: LauncherConfig, nproc_per_node: int, run_dir: Path) 
     return [*args, "--module", WORKER_MODULE, "--run-dir", str(run_dir)]
 
 
+def worker_environment() -> None:
+    """The environment the ranks need before they import torch's CUDA or Transformer Engine; the
+    user's own settings win."""
+    # torch's cache grows segments in place instead of keeping freed blocks of fixed sizes: at
+    # the edge of a GPU's memory its slack is what runs out (3.4 GiB cached, unallocated, when
+    # the full model ran out on two H200)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # TE's multi-tensor kernels (the gradient-norm clip) take a handle per tensor: the whole
+    # Qwen3-30B-A3B on one rank holds more than TE's default pool's 20,321 (20 MiB)
+    os.environ.setdefault("NVTE_TENSOR_HANDLE_POOL_SIZE_MB", "64")
+
+
 def launch(
     run: RunConfig,
     resolved: Mapping[str, Any],
@@ -106,6 +118,7 @@ def launch(
     """Train ``run`` into ``run_dir`` (``unique``: a new folder, see create_run_dir); returns the
     process exit code. The run directory gets a status.json either way (``ok``, ``oom`` or
     ``failed``, with the rank that failed)."""
+    worker_environment()
     if in_torchrun():
         from offload_runner.worker import train_in_place
 
@@ -123,10 +136,6 @@ def launch(
         f"run directory [bold]{run_dir}[/]"
     )
     os.environ[LAUNCHED_AT_ENV] = str(time.time())  # workers count time to first step from here
-    # torch's cache grows segments in place instead of keeping freed blocks of fixed sizes: at
-    # the edge of a GPU's memory its slack is what runs out (3.4 GiB cached, unallocated, when
-    # the full model ran out on two H200); the user's own setting wins
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         torchrun(parse_args(torchrun_args(run.launcher, nproc, run_dir)))
     except ChildFailedError as err:
