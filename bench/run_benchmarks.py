@@ -619,6 +619,18 @@ Q8_MOMENTS = (
     "optimizer.exp_avg_sq_dtype=q8",
     "ddp.grad_reduce_in_fp32=false",
 )
+# Issue 56: the expert-delayed mode where it is offered (experts split over ranks), beside its own
+# reference on the same two GPUs
+CONVERGENCE_EP2 = [
+    Case("reference EP2", CONVERGENCE_RECIPE, (*REAL_TEXT, "parallel=ep2"), "reference", nproc=2),
+    Case(
+        "cpu_adam_delayed_experts EP2",
+        CONVERGENCE_RECIPE,
+        (*REAL_TEXT, "parallel=ep2", "offload/optimizer=cpu_adam_delayed_experts"),
+        "reference EP2",
+        nproc=2,
+    ),
+]
 # Issue 58: the whole Qwen3-30B-A3B (48 layers) on one H200, auto's offload against none.
 WHOLE = (
     "parallel=single",
@@ -641,6 +653,7 @@ SUITES: dict[str, list[Case]] = {
     "throughput-16": _throughput_cases(),
     "throughput-37": THROUGHPUT_37,
     "convergence": _convergence_cases(),
+    "convergence-ep2": CONVERGENCE_EP2,
     "whole-model": WHOLE_MODEL,
     "profile-55": PROFILE_55,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},

@@ -31,6 +31,18 @@ def test_rows_are_held_to_the_bar_of_their_kind() -> None:
     assert abs(convergence.gap(rows, "cpu_adam_delayed") - 0.04) < 1e-12
 
 
+def test_a_row_on_other_gpus_is_held_to_its_own_reference() -> None:
+    rows = {
+        "reference": _row(5.0),
+        "reference EP2": {**_row(5.5), "baseline": "reference"},
+        "cpu_adam_delayed_experts EP2": {**_row(5.555), "baseline": "reference EP2"},
+    }
+    assert abs(convergence.gap(rows, "cpu_adam_delayed_experts EP2") - 0.01) < 1e-12
+    assert abs(convergence.gap(rows, "reference EP2") - 0.1) < 1e-12
+    assert convergence.verdicts(rows) == {"cpu_adam_delayed_experts EP2": True}
+    assert convergence.table(rows)[2][2] == "+1.00% (vs reference EP2)"
+
+
 def test_the_recorded_suite_renders_with_every_row() -> None:
     files = sorted((PROJECT_ROOT / "bench/results").glob("results-convergence-*.json"))
     rows, _ = convergence.load(files)
