@@ -161,6 +161,21 @@ def test_8bit_moments_track_state_offload_and_move_a_byte_each(root: str, master
     assert per_param == pytest.approx(run["states_master_bytes"] + 2 * (1 + 4 / 256), abs=5e-3)
 
 
+@pytest.mark.parametrize("masters", ["fp32", "bf16"])
+def test_8bit_moments_resume_bit_for_bit(root: str, masters: str) -> None:
+    """8-bit moments (with remainders, or with stochastically rounded bf16 masters) saved as
+    they are, their scales and the random state beside them: the resumed run's losses are the
+    uninterrupted run's exactly."""
+    q8 = (
+        "offload/optimizer=states",
+        "ddp.grad_reduce_in_fp32=false",
+        "optimizer.exp_avg_dtype=q8",
+        "optimizer.exp_avg_sq_dtype=q8",
+        f"optimizer.main_params_dtype={masters}",
+    )
+    assert_resume_continues(root, q8, tolerance=0.0)
+
+
 RING = ("offload/weight=enabled", "model.cpu_offloading_num_layers=2")
 WEIGHTS = ("offload/optimizer=states", *RING)
 
@@ -432,9 +447,11 @@ def test_resume_continues_the_uninterrupted_run(root: str, offload: tuple[str, .
     assert_resume_continues(root, offload)
 
 
-def assert_resume_continues(root: str, offload: tuple[str, ...], recipe: str = "tiny") -> None:
+def assert_resume_continues(
+    root: str, offload: tuple[str, ...], recipe: str = "tiny", tolerance: float = RESUME_TOLERANCE
+) -> None:
     """Half the run, saved; resumed from there: the second half's losses are the uninterrupted
-    run's within RESUME_TOLERANCE."""
+    run's within ``tolerance``."""
     name = "-".join(o.split("=")[-1] for o in offload) or "plain"
     name = f"{recipe}-{name}" if recipe != "tiny" else name
     ckpt = Path(root) / f"ckpt-{name}"
@@ -455,7 +472,7 @@ def assert_resume_continues(root: str, offload: tuple[str, ...], recipe: str = "
     assert resumed["iterations"] == ITERS - half
     delta = max_delta(resumed["losses"], full["losses"][half:])
     print(f"{name}, resumed vs uninterrupted: max |Δloss| {delta:.2e}")
-    assert delta < RESUME_TOLERANCE
+    assert delta <= tolerance
 
 
 @pytest.mark.parametrize(

@@ -139,3 +139,50 @@ def test_bf16_masters_are_the_fp32_update_rounded_stochastically() -> None:
         ulp = theirs.detach().abs().clamp(min=1e-3) * 2**-7
         assert ((view.float() - theirs.detach()).abs() / ulp).mean() < 3.0
     eng.close()
+
+
+@pytest.mark.parametrize("masters", ["remainders", "bf16"])
+def test_a_resumed_engine_continues_the_uninterrupted_one_bit_for_bit(masters: str) -> None:
+    """A checkpoint of 8-bit moments holds the host arrays as they are (codes, remainders; the
+    parameters stand in for bf16 masters) in Megatron-Core's keys, the blocks' scales and the
+    random state beside them (checkpoint.py): an engine loaded from them on other buffers, the
+    parameters copied as the model's checkpoint would, steps as the uninterrupted one does."""
+    import copy
+
+    from offload_runner import checkpoint
+
+    bf16 = masters == "bf16"
+    buffers = Buffers()
+    eng = q8_engine(buffers, rem=not bf16, bf16_masters=bf16)
+    for step in range(1, 4):
+        drive(eng, buffers, step)
+    with eng.fp32_masters():  # what checkpoint.save_checkpoint hands Megatron-Core
+        saved = copy.deepcopy(eng.state_dict())
+    scales, rng = copy.deepcopy(eng.quantized_state()), torch.get_rng_state()
+    params = buffers.param.clone()  # the model's checkpoint
+    assert checkpoint._engine_precision(eng) == (
+        f"exp_avg q8, exp_avg_sq q8, {0 if bf16 else 2} B masters"
+    )
+    assert saved["state"][0]["exp_avg"].dtype == torch.uint8 and len(scales) == 2
+    assert "master_param" in saved["state"][0]  # outside the context bf16 masters keep none:
+    assert ("master_param" in eng.state[buffers.views[0]]) != bf16
+    for step in range(4, 7):
+        drive(eng, buffers, step)
+    resumed_buffers = Buffers(seed=1)
+    resumed_buffers.param.copy_(params)
+    resumed = q8_engine(resumed_buffers, rem=not bf16, bf16_masters=bf16)
+    with resumed.fp32_masters():
+        resumed.load_state_dict(saved)
+        resumed.restore_after_load()
+    resumed.load_quantized_state(scales)
+    torch.set_rng_state(rng)
+    assert torch.equal(resumed_buffers.param, params)
+    for step in range(4, 7):
+        drive(resumed, resumed_buffers, step)
+    assert torch.equal(resumed_buffers.param, buffers.param)
+    assert torch.equal(resumed.host_exp_avg, eng.host_exp_avg)
+    assert torch.equal(resumed.host_exp_avg_sq, eng.host_exp_avg_sq)
+    mine, theirs = resumed.quantized_state(), eng.quantized_state()
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    eng.close()
+    resumed.close()

@@ -20,6 +20,7 @@ from offload_runner.validation import (
 WITH_TE = Environment(te_available=True, launching=True)
 # metadata --prepare wrote for the shipped sample (4096 and 2048 ids; .bin/.idx not kept)
 PREPARED = PROJECT_ROOT / "tests/data/prepared"
+LOAD = f"checkpoint.load={PREPARED}"
 ACT = ("offload/activation=enabled",)
 WEIGHT = ("offload/weight=enabled",)
 
@@ -500,16 +501,14 @@ CASES = [
         ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=q8"),
         "weight offload keeps its layers' masters and moments in fp32 or bf16",
     ),
-    Case(
-        "lowest_precision_not_checkpointed",
-        (
-            "recipe=tiny",
-            "offload/optimizer=states",
-            "optimizer.exp_avg_sq_dtype=q8",
-            "checkpoint.save=/tmp/ckpt",
-        ),
-        ("recipe=tiny", "offload/optimizer=states", "checkpoint.save=/tmp/ckpt"),
-        "checkpoints of 8-bit moments and bf16 masters are not written yet",
+    Case(  # a folder with files in it and no precision file: an fp32-layout checkpoint
+        "checkpoint_precision_differs",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_sq_dtype=q8", LOAD),
+        ("recipe=tiny", "offload/optimizer=states", LOAD),
+        f"checkpoint.load={PREPARED} holds the optimizer states as Megatron-Core's layout with "
+        "fp32 masters, which every engine loads, this run keeps exp_avg fp32, exp_avg_sq q8, "
+        "2 B masters",
+        Environment(te_available=True, launching=True),
     ),
     Case(
         "states_fraction_range",

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 LATEST = "latest_checkpointed_iteration.txt"
+# 8-bit moments' block scales and the random state stochastic rounding draws from, per rank
+QUANTIZED_FILE = "quantized_states_rank{rank}.pt"
+PRECISION_FILE = "optimizer_precision.json"  # the precision of a native checkpoint's states
 # Megatron-LM's default layout for the distributed optimizer's state (reshardable over DP); the
 # older default, fully_sharded_model_space, is refused by megatron-core 0.19's dist_checkpointing.
 OPTIMIZER_METADATA = {
@@ -104,6 +107,7 @@ def save_checkpoint(
         state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
         dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
     _save_weight_offload(path, model)
+    _save_quantized(path, optimizer)
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(root) / LATEST).write_text(str(iteration))
@@ -130,6 +134,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
         hybrid_optimizer.restore_after_load(optimizer)
         for engine in host_adam.engines(optimizer):  # CPU Adam and windowed state offload
             engine.restore_after_load()
+        _load_quantized(load_dir, optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
 
@@ -179,3 +184,82 @@ def _load_weight_offload(load_dir: Path, model: list) -> None:
                 load_dir,
                 file.name,
             )
+
+
+def precision(run) -> str | None:
+    """The precision a native checkpoint of ``run`` holds its host states in (None: an fp32
+    checkpoint in HybridDeviceOptimizer's layout, which every other engine loads)."""
+    from offload_runner.hardware import bf16_masters, master_bytes, q8_moments
+
+    if not (q8_moments(run) or bf16_masters(run)):
+        return None
+    o = run.optimizer
+    return _label(o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value, master_bytes(run))
+
+
+def _engine_precision(engine) -> str:
+    import torch
+
+    names = {torch.uint8: "q8", torch.float32: "fp32", torch.bfloat16: "bf16"}
+    master = engine.host_master
+    return _label(
+        *(names[d] for d in engine.moment_dtypes), 0 if master is None else master.element_size()
+    )
+
+
+def _label(exp_avg: str, exp_avg_sq: str, master_bytes: int) -> str:
+    return f"exp_avg {exp_avg}, exp_avg_sq {exp_avg_sq}, {master_bytes} B masters"
+
+
+def saved_precision(path: str | Path) -> str | None:
+    """What ``precision`` was when the checkpoint at ``path`` was saved (None: fp32 layout, or
+    no checkpoint there)."""
+    import json
+
+    if not has_checkpoint(path):
+        return None
+    found = resolve_load_dir(path) / PRECISION_FILE
+    return json.loads(found.read_text())["precision"] if found.is_file() else None
+
+
+def _native_engines(optimizer) -> list:
+    from offload_runner.offload import host_adam
+
+    return [e for e in host_adam.engines(optimizer) if e.native_checkpoint]
+
+
+def _save_quantized(path: Path, optimizer) -> None:
+    """Each rank's block scales and random state (bf16 masters round with it), and on rank 0
+    the precision, beside a native checkpoint."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    engines = _native_engines(optimizer)
+    if not engines:
+        return
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state = {"scales": [e.quantized_state() for e in engines], "rng": rng}
+    torch.save(state, path / QUANTIZED_FILE.format(rank=dist.get_rank()))
+    if dist.get_rank() == 0:
+        said = _engine_precision(engines[0])
+        (path / PRECISION_FILE).write_text(json.dumps({"precision": said}))
+
+
+def _load_quantized(load_dir: Path, optimizer) -> None:
+    """The scales and the random state back (validation has checked the precision)."""
+    import torch
+    import torch.distributed as dist
+
+    engines = _native_engines(optimizer)
+    if not engines:
+        return
+    saved = torch.load(load_dir / QUANTIZED_FILE.format(rank=dist.get_rank()), weights_only=True)
+    for engine, scales in zip(engines, saved["scales"], strict=True):
+        engine.load_quantized_state(scales)
+    torch.set_rng_state(saved["rng"]["cpu"])
+    if "cuda" in saved["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["rng"]["cuda"])

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from offload_runner.checkpoint import has_checkpoint, precision, saved_precision
 from offload_runner.config.checks import Level, Violation
 from offload_runner.config.schema import (
     TE_FUSIONS,
@@ -103,6 +104,15 @@ def missing_prefixes(c: RunConfig) -> str:
     )
 
 
+def loaded_precision(c: RunConfig) -> str:
+    """The precision of checkpoint.load's optimizer states, as ``run_precision`` says it."""
+    return saved_precision(c.checkpoint.load) or FP32_LAYOUT
+
+
+def run_precision(c: RunConfig) -> str:
+    return precision(c) or FP32_LAYOUT
+
+
 def prepared_vocab(c: RunConfig) -> int:
     """The largest vocabulary among dataset.data_path's prefixes that --prepare wrote (0: none
     of them, or mock data)."""
@@ -133,6 +143,7 @@ def _lowest_precision(c: RunConfig) -> bool:
     return q8_moments(c) or (o.main_params_dtype.value == "bf16" and c.model.bf16)
 
 
+FP32_LAYOUT = "Megatron-Core's layout with fp32 masters, which every engine loads"
 DEPRECATED_CUDA_GRAPH_FLAGS = {
     "enable_cuda_graph": "local",
     "external_cuda_graph": "transformer_engine",
@@ -718,11 +729,14 @@ RULES: tuple[Rule, ...] = (
         "use bf16 moments beside offload/weight, or drop offload/weight",
     ),
     Rule(
-        "lowest_precision_not_checkpointed",
-        lambda c, e: _lowest_precision(c) and bool(c.checkpoint.save or c.checkpoint.load),
-        "checkpoints of 8-bit moments and bf16 masters are not written yet: a checkpoint would "
-        "hold the codes without their scales",
-        "drop checkpoint.save / checkpoint.load, or use bf16 moments and fp32 masters",
+        "checkpoint_precision_differs",
+        lambda c, e: has_checkpoint(c.checkpoint.load) and loaded_precision(c) != run_precision(c),
+        "checkpoint.load={c.checkpoint.load} holds the optimizer states as {loaded_precision}, "
+        "this run keeps {run_precision}: 8-bit moments and bf16 masters are saved as they are "
+        "and load into the same precision only",
+        "resume with the optimizer.exp_avg_dtype, exp_avg_sq_dtype and main_params_dtype it was "
+        "saved with",
+        environment=True,
     ),
     Rule(
         "states_fraction_range",
@@ -1159,6 +1173,8 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         o=run.optimizer,
         te_fusions=", ".join(te_fusions(run)),
         prepared_vocab=prepared_vocab(run),
+        loaded_precision=loaded_precision(run),
+        run_precision=run_precision(run),
         missing_prefixes=missing_prefixes(run),
         prepared_eods=", ".join(map(str, prepared_eods(run))),
         t=run.train,

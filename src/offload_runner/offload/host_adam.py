@@ -356,8 +356,8 @@ class HostAdam(HybridDeviceOptimizer):
         own = self._views(p)
         for key in STATE_KEYS:
             value = loaded.get(key)
-            if value is None or value is own[key]:
-                continue
+            if value is None or key not in own or value is own[key]:
+                continue  # (no master of bf16 masters: the model's checkpoint holds it)
             if own[key].dtype == value.dtype or key != "master_param":
                 own[key].copy_(value.reshape(-1))
             else:  # an fp32 master into a remainder: the parameter rounded as it rounds it
@@ -402,14 +402,42 @@ class HostAdam(HybridDeviceOptimizer):
         if self.remainders:
             self.host_master.zero_()  # each master is its parameter
 
+    @property
+    def native_checkpoint(self) -> bool:
+        """8-bit moments or bf16 masters: a checkpoint holds the host arrays as they are (codes,
+        remainders; the blocks' scales in checkpoint.py's file beside them), exact and without
+        the fp32 copies a whole model's host could not hold; only the same precision loads it."""
+        return self.host_master is None or any(s is not None for s in self.host_scales)
+
+    def quantized_state(self) -> list:
+        """What Megatron-Core's layout cannot carry: the 8-bit moments' block scales."""
+        return [s for s in self.host_scales if s is not None]
+
+    def load_quantized_state(self, saved: list) -> None:
+        mine = self.quantized_state()
+        if [s.numel() for s in saved] != [s.numel() for s in mine]:
+            raise ValueError(
+                f"the checkpoint's 8-bit moments have {[s.numel() for s in saved]} block scales, "
+                f"this rank's shard {[s.numel() for s in mine]}: resume with the layout (model, "
+                "parallelism, offload) it was saved with"
+            )
+        for own, scales in zip(mine, saved, strict=True):
+            own.copy_(scales)
+
     @contextlib.contextmanager
     def fp32_masters(self):
         """For a checkpoint's save or load: ``state[p]["master_param"]`` an fp32 host array (the
         masters rebuilt from the parameters and remainders), HybridDeviceOptimizer's layout, so
         a checkpoint moves between the engines; the remainders' views again after (a load's
-        masters went through ``_adopt``). Host memory for 4 B/param meanwhile."""
+        masters went through ``_adopt``). Host memory for 4 B/param meanwhile. A native
+        checkpoint keeps the arrays as they are (bf16 masters: the parameters stand in)."""
         import torch
 
+        if self.native_checkpoint:
+            self.finish()
+            with self._parameters_as_masters():
+                yield
+            return
         if not self.remainders:
             yield
             return
@@ -428,6 +456,21 @@ class HostAdam(HybridDeviceOptimizer):
             for _, p in self.offloaded:
                 if self.state[p].get("master_param") is not self._own[id(p)]["master_param"]:
                     self.state[p] = self._views(p)
+
+    @contextlib.contextmanager
+    def _parameters_as_masters(self):
+        """Without masters (bf16 ones) ``state[p]["master_param"]`` is the parameter itself, the
+        key Megatron-Core's checkpoint layout asks for; the engine's own views again after."""
+        if self.host_master is not None:
+            yield
+            return
+        for _, p in self.offloaded:
+            self.state[p] = {**self._views(p), "master_param": p.detach().view(-1)}
+        try:
+            yield
+        finally:
+            for _, p in self.offloaded:
+                self.state[p] = self._views(p)
 
     def close(self) -> None:
         self.finish()
