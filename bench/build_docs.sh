@@ -326,9 +326,10 @@ PY
   echo
   echo "The planner's answer for Qwen3-30B-A3B at GBS 8, MB 1, with \`offload/optimizer=auto\` on"
   echo "139 GB GPUs and 125 GB of RAM per GPU: the largest slice (\`--plan --largest\`) and the whole"
-  echo "model. Measured: 37 layers on one H200 (suite \`capacity-auto-37\`; 31, suite \`capacity-auto-31\`,"
-  echo "before state offload kept each master as its 2 B remainder) and the whole model on two"
-  echo "(suite \`two-gpu-full\`, whose no-offload run ran out of GPU memory)."
+  echo "model. Measured: the whole model on one H200 with 8-bit moments (suite \`whole-model\`), 37"
+  echo "layers before them (suite \`capacity-auto-37\`; 31, suite \`capacity-auto-31\`, before state"
+  echo "offload kept each master as its 2 B remainder) and the whole model on two (suite"
+  echo "\`two-gpu-full\`); the no-offload runs of both whole-model suites ran out of GPU memory."
   echo
   echo "| box | layout | largest slice | whole model (48 layers) |"
   echo "|---|---|---|---|"

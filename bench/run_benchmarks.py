@@ -1336,6 +1336,8 @@ HEADLINE = [
     ("capacity-auto-28", "28 layers, auto"),
     ("capacity-auto-31", "31 layers, auto"),
     ("capacity-auto-37", "37 layers, auto"),
+    ("whole-model", "whole model, no offload"),
+    ("whole-model", "whole model auto"),
     ("two-gpu-full-1", "full EP2 no offload"),
     ("two-gpu-full-2", "full EP2 auto"),
     ("two-gpu-engines", "proxy DP2 GBS8 cpu_adam"),

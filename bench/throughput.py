@@ -49,6 +49,7 @@ class Row:
 
     name: str
     runs: list[dict] = field(default_factory=list)  # results, in round order
+    calibrated: set[str] = field(default_factory=set)  # the files that ran the fitted rows too
 
     def values(self, key: str) -> list[float]:
         return [r["summary"][key] for r in self.runs if r["status"] == "ok" and key in r["summary"]]
@@ -59,6 +60,24 @@ class Row:
     def spread(self, key: str = "step_time_s_median") -> tuple[float, float]:
         found = self.values(key)
         return min(found), max(found)
+
+    def step_in(self, sources: set[str]) -> list[float]:
+        """Its runs' steps in the calls (files) ``sources``."""
+        return [
+            r["summary"]["step_time_s_median"]
+            for r in self.runs
+            if r["status"] == "ok" and r["source"] in sources
+        ]
+
+    @property
+    def sources(self) -> set[str]:
+        return {r["source"] for r in self.runs}
+
+    def model_median(self) -> float | None:
+        """The median step of the runs the model is held to: those of calls that ran the
+        fitted rows too (a call without them cannot tell its host's speed from the fit's)."""
+        found = self.step_in(self.calibrated)
+        return statistics.median(found) if found else None
 
     @property
     def held_out(self) -> bool:
@@ -85,11 +104,14 @@ def load(files: list[Path]) -> tuple[list[Row], dict]:
         commits = [*env.get("commits", []), data["environment"]["commit"]]
         env = {**(env or data["environment"]), "commits": list(dict.fromkeys(commits))}
         for result in data["results"]:
-            result = {**result, "environment": data["environment"]}
+            result = {**result, "environment": data["environment"], "source": path.name}
             rows.setdefault(result["case"]["name"], Row(result["case"]["name"])).runs.append(result)
     first = json.loads(sorted(files)[0].read_text())["results"]
     order = list(dict.fromkeys(c["case"]["name"] for c in first))
     ordered = [rows[n] for n in order if n in rows] + [r for n, r in rows.items() if n not in order]
+    fitted = {run["source"] for r in ordered if not r.held_out for run in r.runs}
+    for row in ordered:
+        row.calibrated = fitted
     return ordered, env
 
 
@@ -167,7 +189,7 @@ def table(rows: list[Row]) -> list[list[str]]:
     for row in rows:
         step = row.median("step_time_s_median")
         low, high = row.spread()
-        model = row.model_step_s
+        model, held_to = row.model_step_s, row.model_median()
         out.append(
             [
                 row.name,
@@ -178,18 +200,17 @@ def table(rows: list[Row]) -> list[list[str]]:
                 f"{row.median('tflops_per_gpu_median'):.0f}",
                 f"{row.median('gpu_peak_allocated_gb'):.1f}",
                 f"{model:.3f}",
-                f"{(model - step) / step:+.0%}",
+                f"{(model - held_to) / held_to:+.0%}" if held_to else "",
                 "fitted" if not row.held_out else "held out",
             ]
         )
     return out
 
 
-def inside_spread(a: Row, b: Row) -> bool:
+def inside_spread(a: list[float], b: list[float]) -> bool:
     """Whether two rows' step times overlap: a difference between them is then within the
     host's noise."""
-    (a_low, a_high), (b_low, b_high) = a.spread(), b.spread()
-    return a_low <= b_high and b_low <= a_high
+    return min(a) <= max(b) and min(b) <= max(a)
 
 
 # Per suite: its title, what it ran, and its comparisons (row, against row, what it says).
@@ -235,13 +256,18 @@ SUITES = {
 
 
 def comparisons(rows: list[Row], pairs: list[tuple[str, str, str]]) -> list[str]:
-    """The suite's ratios, each said to be outside or inside the spread."""
+    """The suite's ratios, each over the calls that ran both rows and said to be outside or
+    inside their spread."""
     by = {r.name: r for r in rows}
     lines = []
     for fast, slow, what in pairs:
         if fast in by and slow in by:
-            ratio = by[fast].median("step_time_s_median") / by[slow].median("step_time_s_median")
-            noise = "inside the spread" if inside_spread(by[fast], by[slow]) else "outside it"
+            both = by[fast].sources & by[slow].sources
+            a, b = by[fast].step_in(both), by[slow].step_in(both)
+            if not a or not b:
+                continue
+            ratio = statistics.median(a) / statistics.median(b)
+            noise = "inside the spread" if inside_spread(a, b) else "outside it"
             lines.append(f"- {what}: {1 / ratio:.2f}x tokens/s, {ratio:.2f}x the step ({noise})")
     return lines
 
@@ -250,11 +276,10 @@ def misses(rows: list[Row]) -> list[str]:
     """The held-out rows the model misses by more than TOLERANCE, with what their runs show."""
     lines = []
     for row in rows:
-        step = row.median("step_time_s_median")
-        model = row.model_step_s
-        if not row.held_out or abs(model - step) / step < TOLERANCE:
+        step, model = row.model_median(), row.model_step_s
+        if not row.held_out or not step or abs(model - step) / step < TOLERANCE:
             continue
-        runs = ", ".join(f"{v:.2f}" for v in row.values("step_time_s_median"))
+        runs = ", ".join(f"{v:.2f}" for v in row.step_in(row.calibrated))
         lines.append(f"- {row.name}: the model {model:.2f} s against runs of {runs} s")
     return ["Held-out rows the model misses by more than 15%:", *lines, ""] if lines else []
 
@@ -312,7 +337,9 @@ def render(files: list[Path], plots: Path | None) -> str:
         "call or across calls; step is the median over rounds of each run's median step, with "
         "the rounds' spread; a ratio is inside the spread where the two rows' runs overlap. The "
         "model column is gpu_time.py's step for the same command line (fitted on four rows of "
-        "`throughput-16`, every other row held out). `python bench/throughput.py report`.",
+        "`throughput-16`, every other row held out); its error is against the runs of calls "
+        "that ran the fitted rows too: a call without them cannot tell its host's speed from "
+        "the fit's (identical runs moved 25% between calls). `python bench/throughput.py report`.",
         "",
     ]
     for suite in SUITES:
