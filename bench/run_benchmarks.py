@@ -1496,7 +1496,7 @@ def render(files: list[Path]) -> str:
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
 # bench/throughput.py's and bench/convergence.py's.
-IN_REPORTS = {*throughput.SUITES, "convergence"}
+IN_REPORTS = {*throughput.SUITES, "convergence", "convergence-ep2"}
 
 
 def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:
