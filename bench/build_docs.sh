@@ -139,7 +139,7 @@ text = {n: pathlib.Path(f"docs/evidence/host-drift-probe{n}-h100.txt").read_text
 spans = [re.search(rf"^{k}: ([\d.]+)-([\d.]+) ms over (\d+) rounds, max/min ([\d.]+)x", t, re.M)
          for t in text.values() for k in ("launches", "python loop")]
 steal = sorted({float(x) for x in re.findall(r"steal\s+([\d.]+)%", text["-steal"])})
-print("The host alone drifts by more than any of these ratios. `python bench/host_drift_probe.py` "
+print("The host alone drifts by more than any of these ratios. `python bench/probes/host_drift_probe.py` "
       "(docs/evidence/host-drift-probe-h100.txt, -steal-h100.txt), nothing else running on one "
       "H100 machine, timed 20,000 launches of a small kernel from one thread (what bounds the "
       "proxy's forward+backward at MB 1) and a plain Python loop every 10 s for 4 and 3 minutes: "
@@ -318,9 +318,9 @@ PY
   grep -E "^(fits|does not fit)" docs/evidence/plan-28-none.txt docs/evidence/plan-28-states.txt | sed 's|docs/evidence/||'
   echo '```'
   echo
-  echo "The suite's table above has the runs (no offload: out of memory; state offload of 75% of the"
-  echo "states with bf16 moments and a bf16 gradient buffer: trained, the loss falling), and the planner"
-  echo "table below sets their GPU peak and pinned host memory against \`--plan\`."
+  echo "[What fits](benchmarks/capacity.md) has the runs (no offload: out of memory; state offload of"
+  echo "75% of the states with bf16 moments and a bf16 gradient buffer: trained), and the planner table"
+  echo "below sets their GPU peak and pinned host memory against \`--plan\`."
   echo
   echo "## What fits on one and two H200 boxes, from \`--plan\`"
   echo
@@ -430,7 +430,7 @@ PY
   echo
   echo "Exact CPU Adam moves 4 B/param each way and leaves the link mostly idle, while fused CPU"
   echo "AdamW is bound by the host's memory bandwidth, which the copy engines share. Outside the"
-  echo "engine (\`OMP_WAIT_POLICY=PASSIVE python bench/cpu_gpu_split_probe.py\`, one H200,"
+  echo "engine (\`OMP_WAIT_POLICY=PASSIVE python bench/probes/cpu_gpu_split_probe.py\`, one H200,"
   echo "docs/evidence/cpu-gpu-split-probe.txt: 1e9 params, the CPU's share as the engine moves it,"
   echo "the rest's masters and moments through a GPU window of four 64 MiB pieces, both at once):"
   echo
@@ -467,7 +467,7 @@ PY2
   echo "(\`step_cost.exact_update_seconds\`, \`hardware.CPU_ADAM_RATE_BESIDE_STREAMS\` from the probe above)."
   echo
   echo "What takes the CPU's rate inside exact mode's update, outside the engine (one H200,"
-  echo "\`OMP_WAIT_POLICY=PASSIVE python bench/cpu_adam_copy_probe.py\`,"
+  echo "\`OMP_WAIT_POLICY=PASSIVE python bench/probes/cpu_adam_copy_probe.py\`,"
   echo "docs/evidence/cpu-adam-copy-probe.txt: 1e9 params in 64 MiB pieces):"
   echo
   grep -E '^[0-9]+ threads' docs/evidence/cpu-adam-copy-probe.txt | sed 's/^/- /'
@@ -476,7 +476,7 @@ PY2
   echo "less; a Python thread busy beside it, holding the GIL between its Adam calls, nine tenths."
   echo
   echo "Neither the host pages nor the GIL take the rate inside the engine (two-H200 host, 16"
-  echo "threads, \`OMP_WAIT_POLICY=PASSIVE THREADS=16 python bench/cpu_adam_pages_probe.py\`,"
+  echo "threads, \`OMP_WAIT_POLICY=PASSIVE THREADS=16 python bench/probes/cpu_adam_pages_probe.py\`,"
   echo "docs/evidence/cpu-adam-pages-probe.txt: 5e8 params):"
   echo
   grep -E '^(torch|arena|pin_memory)' docs/evidence/cpu-adam-pages-probe.txt | sed 's/^/- /'
@@ -499,7 +499,7 @@ PY2
   echo "side stream under the next forward+backward, their masters, moments and gradients (which"
   echo "went down during the backward) up, masters and moments back, while the CPU updates the rest;"
   echo "the share is balanced each step against the link's whole load (the window's 16 B/param and"
-  echo "every piece's landing). Outside the engine first (\`python bench/delayed_share_probe.py\`, one"
+  echo "every piece's landing). Outside the engine first (\`python bench/probes/delayed_share_probe.py\`, one"
   echo "H200, 1e9 params beside bf16 matmuls standing in for forward+backward,"
   echo "docs/evidence/delayed-share-probe.txt):"
   echo
@@ -882,7 +882,7 @@ print("every parameter end outside the baseline's spread across seeds: they are 
 print("falls fastest. The \"experts only\" runs, which kept the embedding and the first layers exact,")
 print("end within it (the verdict per configuration is in the suite's section above). The experts")
 print("alone delayed (offload/optimizer=cpu_adam_delayed_experts, with expert parallelism) are the")
-print("next section. On a toy transformer on the CPU (`python bench/delayed_update_toy.py`,")
+print("next section. On a toy transformer on the CPU (`python bench/probes/delayed_update_toy.py`,")
 print("docs/evidence/delayed-update-toy.txt) one update of staleness costs less and prediction recovers")
 print("exact mode's curve; on the MoE proxy prediction recovers part of the lag.")
 PY

@@ -364,7 +364,7 @@ def host() -> str:
     came = re.search(r"\(([\d.]+) GB and ([\d.]+) GB of states\)", ab_grow)
     grown = {"ca": fell[1], "st": fell[2], "in": came[1], "in_states": came[2]}
     return (
-        "What the host could give the update (`python bench/host_memory_probe.py`, "
+        "What the host could give the update (`python bench/probes/host_memory_probe.py`, "
         "docs/evidence/host-memory-probe-h100.txt, one H100 machine): fused AdamW on fp32 "
         f"arrays ran {cpu:.2f} G params/s alone and {beside:.2f} while the link copied both ways, "
         f"the link then {up:.1f} GB/s each way ({alone[1]} alone). With the CPU part at that rate "
@@ -380,7 +380,7 @@ def host() -> str:
         f"{grads['bf16 gradients, upcast in blocks of 1024K']} G params/s against "
         f"{grads['fp32 gradients, fused AdamW']} on fp32 gradients and "
         f"{grads['bf16 gradients, upcast in blocks of 4096K']} in 4M blocks "
-        "(`python bench/grad_dtype_probe.py`, docs/evidence/grad-dtype-probe-h100.txt); the "
+        "(`python bench/probes/grad_dtype_probe.py`, docs/evidence/grad-dtype-probe-h100.txt); the "
         "engines now upcast 4M-element blocks into arrays each thread reuses. The proxy's rows "
         f"keep fp32 gradients (the default: {pinned:.0f} B/param page-locked, master, gradients "
         "and both moments), so this is not their gap: at that change `gbs-4-pairs-2` ran the CPU "
@@ -593,7 +593,7 @@ def _before_gaps(found: list[Suite]) -> list[str]:
             "compute stream; whether that copy waited behind the pass's copies, or the forward's "
             "thread waited elsewhere, is for the profile of device step `beside-probe` (iterations "
             "6-7, the forward's waits annotated, the copies' waits listed) and for "
-            "bench/copy_queue_probe.py to say. They said the copy: a copy engine runs one stream's "
+            "bench/probes/copy_queue_probe.py to say. They said the copy: a copy engine runs one stream's "
             "ready copies back to back and yields to other streams' copies in the same direction "
             "only where a kernel stands between them (torchrec's copy-engine studies found that "
             "too). Since commit 5336bf0 each copy of the window is followed by a one-element kernel "
@@ -708,7 +708,7 @@ def gaps() -> str:
     lines += [
         "",
         (
-            "What the gaps change, without the model (`python bench/copy_queue_probe.py`, "
+            "What the gaps change, without the model (`python bench/probes/copy_queue_probe.py`, "
             "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
             "copy down on the default stream, each waited for, beside another stream's copies kept "
             "4 deep each way. Beside 128 MiB copies the batch copy waited "
@@ -776,7 +776,7 @@ def _forward_held(traces: dict[str, str]) -> dict[str, float]:
 
 
 def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
-    """bench/copy_queue_probe.py's first table (8 hardware queues), and the rows of later runs
+    """bench/probes/copy_queue_probe.py's first table (8 hardware queues), and the rows of later runs
     it lacks: per run, (batch up ms median, 4 B down ms median, side GB/s)."""
     rows: dict[str, tuple[str, str, str]] = {}
     for line in path.read_text().splitlines():

@@ -1495,8 +1495,17 @@ def render(files: list[Path]) -> str:
 
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
-# bench/throughput.py's and bench/convergence.py's.
-IN_REPORTS = {*throughput.SUITES, "convergence", "convergence-ep2"}
+# bench/throughput.py's, bench/convergence.py's and bench/capacity.py's.
+CAPACITY = {"capacity-28", "capacity-auto-28", "capacity-auto-31", "capacity-auto-37"}
+IN_REPORTS = {
+    *throughput.SUITES,
+    "convergence",
+    "convergence-ep2",
+    *CAPACITY,
+    "whole-model",
+    "two-gpu-full-1",
+    "two-gpu-full-2",
+}
 
 
 def _suite_section(suite: str, group: list[tuple[Path, dict]]) -> list[str]:

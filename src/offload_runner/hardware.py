@@ -199,7 +199,7 @@ EXACT = (ADAM_BYTES, CPU_ADAM_COPY_BYTES, 0)
 LATE = (LATE_BYTES, 0, CPU_ADAM_COPY_BYTES)
 
 # A copy and an extrapolation per param beside fused AdamW: the CPU step's time with weight
-# prediction over its time without (`python bench/delayed_update_toy.py --cost`, in
+# prediction over its time without (`python bench/probes/delayed_update_toy.py --cost`, in
 # docs/evidence/delayed-update-toy.txt).
 WEIGHT_PREDICTION_CPU_FACTOR = 1.84
 

@@ -17,7 +17,7 @@ Start-up: ``cudaHostRegister`` faults in every page it has not seen on one threa
 time. Each arena is therefore advised transparent huge pages and written once by torch's
 intra-op threads (``zero_``) before it is registered: 8 GB took 0.37 s that way against 3.12 s
 registered untouched, and the GPU's copies into it ran at the same 54 GB/s (one H100,
-docs/evidence/host-pinning-probe-h100.txt, ``bench/host_pinning_probe.py``).
+docs/evidence/host-pinning-probe-h100.txt, ``bench/probes/host_pinning_probe.py``).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ def _copy_all(pairs, gap) -> None:
     kernel on ``gap`` after each. A copy engine runs one stream's ready copies back to back, so
     without a kernel between them the training stream's copies in the same direction (a batch
     up, a layer's tokens per expert down) wait for all of them; at each kernel the engine yields
-    and those slip in (bench/copy_queue_probe.py measures both; torchrec's copy-engine studies
-    found the same)."""
+    and those slip in (bench/probes/copy_queue_probe.py measures both; torchrec's copy-engine
+    studies found the same)."""
     for dst, src in pairs:
         dst.copy_(src, non_blocking=True)
         gap.neg_()

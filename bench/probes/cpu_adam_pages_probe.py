@@ -9,7 +9,8 @@
    CUDA kernels without pause (a training thread), or spins in pure Python; one fused call per
    piece against one call per 8 pieces.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/cpu_adam_pages_probe.py   # one GPU; N=5e8, THREADS=16
+    # one GPU; N=5e8, THREADS=16
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/cpu_adam_pages_probe.py
 
 Prints the host's transparent-huge-page settings, then one line per case: seconds and rate of
 the Adam calls against the reference. Needs CUDA for the registered cases and the launching

@@ -6,7 +6,7 @@ upcast done by THREADS Python threads each on its own contiguous share, in block
 to stay in the caches, every op single-threaded (torch.set_num_threads(1): each op's block is
 one thread's).
 
-    OMP_WAIT_POLICY=PASSIVE python bench/bf16_moments_probe.py   # N=64M params by default
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/bf16_moments_probe.py   # N=64M params by default
 
 Prints G params/s per case (median of 5 steps after one warm-up). fp32 gradients, as the
 engines get them with ddp.grad_reduce_in_fp32 (the default).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grad_dtype_probe  # noqa: E402
 

@@ -4,7 +4,7 @@
 arrays) at several block sizes, and against upcasting each block into a new array (the engines
 before), on all of torch's intra-op threads.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/grad_dtype_probe.py     # N=256M params by default
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/grad_dtype_probe.py     # N=256M params by default
 
 Prints G params/s per case (median of 5 steps after one warm-up).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from offload_runner.offload import host_adam  # noqa: E402
 
 N = int(float(os.environ.get("N", str(256 * 1024**2))))

@@ -5,7 +5,8 @@ the masters going up behind it, with both (the engine's exact update), and with 
 more Python thread stays busy (the training thread); against one call on pageable arrays (how
 the bench's reference, ``cpu_adam.fused_adamw_rate``, runs). At each OpenMP team size given.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/cpu_adam_copy_probe.py   # one GPU; N=1e9, THREADS=16,14
+    # one GPU; N=1e9, THREADS=16,14
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/cpu_adam_copy_probe.py
 
 Prints one line per case: the CPU's Adam seconds and its rate against the pageable reference.
 Needs CUDA.

@@ -11,7 +11,7 @@ page at a time on one thread. This times, for ``GB`` of arrays in ``ARRAYS`` pie
 
 and, for each, a 1 GiB copy from the GPU into the array (the DMA the engine relies on).
 
-    GB=8 python bench/host_pinning_probe.py     # one GPU
+    GB=8 python bench/probes/host_pinning_probe.py     # one GPU
 
 Prints one line per case: seconds to map, fault, register and zero, the total's rate, the
 huge pages granted and the copy's rate.

@@ -3,7 +3,7 @@
 (what bounds the proxy's forward and backward at micro-batch 1) and a pure-Python loop, timed
 again and again with nothing else running.
 
-    SECONDS_TOTAL=240 python bench/host_drift_probe.py     # one GPU
+    SECONDS_TOTAL=240 python bench/probes/host_drift_probe.py     # one GPU
 
 Prints one line per round (every ``EVERY`` s): the launches' and the loop's time and the share
 of the CPUs' time the hypervisor gave to others meanwhile (``steal`` in /proc/stat), and at the

@@ -10,8 +10,8 @@ is the previous one plus one) with AdamW, a 20-step warmup and global-norm clipp
 - ``predict``: the same, but the forward runs on those weights extrapolated by their own last
   change, w + (w - w_prev), as offload/optimizer=cpu_adam_delayed lands them.
 
-    python bench/delayed_update_toy.py            # two seeds each, about 3 minutes on 2 cores
-    python bench/delayed_update_toy.py --cost     # what prediction adds to the CPU step
+    python bench/probes/delayed_update_toy.py         # two seeds each, ~3 minutes on 2 cores
+    python bench/probes/delayed_update_toy.py --cost  # what prediction adds to the CPU step
 
 Prints the mean loss of each 20-iteration window; ``--cost`` times torch's fused AdamW alone and
 with the engine's weight prediction around it (a copy before, an extrapolation after, in

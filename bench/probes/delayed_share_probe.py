@@ -6,7 +6,7 @@ in per param (master, moments, gradient) and 12 B out, through a window of 4 pie
 a side stream, all beside a stand-in for forward+backward (bf16 matmuls on the compute stream);
 the CPU runs fused AdamW on the rest in the engine's pieces on a worker thread.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/delayed_share_probe.py   # one GPU; N=1e9 by default
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/delayed_share_probe.py   # one GPU; N=1e9 by default
 
 Prints the stand-in alone, the CPU's update alone, then one line per GPU share: the update's
 wall time beside the stand-in, the CPU's rate, and how much the stand-in slowed. Needs CUDA.

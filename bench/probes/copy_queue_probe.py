@@ -9,7 +9,8 @@ streams, at most DEPTH queued per direction, while the main thread, every 20 ms,
 up (four 32 KiB tensors) and a 4-byte value down and waits for each. It prints, per chunk size
 and depth, the small copies' latency (median and largest) and what the side traffic moved:
 
-    python bench/copy_queue_probe.py [--runs 0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1] [--seconds 4]
+    python bench/probes/copy_queue_probe.py \
+        [--runs 0x0,128x4,128x4k,16x4,16x4k,2x4k,128x1] [--seconds 4]
 
 Run 0x0 is no side traffic (the small copies' own latency). If the small copies wait about
 DEPTH chunks' time, the copy engines take the streams' copies in order; if they wait far longer,

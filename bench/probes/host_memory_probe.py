@@ -10,7 +10,7 @@ Each case runs for ``SECONDS`` on all of torch's intra-op threads:
 - each CPU case again while the link runs; and the copy alone at a quarter and half the threads
   (a rate that stops growing with threads is the memory's, not the cores').
 
-    OMP_WAIT_POLICY=PASSIVE python bench/host_memory_probe.py     # one GPU
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/host_memory_probe.py     # one GPU
 
 Prints one line per case, then the host memory's traffic (CPU + both link directions) alone
 and beside each other.

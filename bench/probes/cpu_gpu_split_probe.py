@@ -4,7 +4,7 @@ when the CPU runs fused AdamW on a share of them (gradients down and masters up 
 the engine moves them) while the other share's masters and moments stream through a GPU window
 of 4 pieces for GPU Adam (12 B/param each way), both at once.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/cpu_gpu_split_probe.py   # one GPU; N=1e9 by default
+    OMP_WAIT_POLICY=PASSIVE python bench/probes/cpu_gpu_split_probe.py   # one GPU; N=1e9 by default
 
 Prints one line per CPU share: the update's wall time, the CPU's rate on its share against its
 rate alone (the planner's CPU_ADAM_RATE_BESIDE_STREAMS is read from the balanced rows), and the
