@@ -1495,7 +1495,7 @@ def render(files: list[Path]) -> str:
 
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
-# bench/throughput.py's, bench/convergence.py's and bench/capacity.py's.
+# bench/throughput.py's, convergence.py's, capacity.py's and weight_offload.py's.
 CAPACITY = {"capacity-28", "capacity-auto-28", "capacity-auto-31", "capacity-auto-37"}
 IN_REPORTS = {
     *throughput.SUITES,
@@ -1505,6 +1505,10 @@ IN_REPORTS = {
     "whole-model",
     "two-gpu-full-1",
     "two-gpu-full-2",
+    "weight-offload",
+    "weight-offload-caps",
+    "weight-offload-caps-proxy",
+    "weight-offload-caps-reference",
 }
 
 

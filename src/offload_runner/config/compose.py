@@ -72,18 +72,29 @@ def normalize_recipe_name(name: str) -> str:
     return name.removesuffix(RECIPE_ALIAS_SUFFIX)
 
 
+_registered: dict[str, object] = {}  # what this process last registered, and from what
+
+
 def register_recipes(extra: Sequence[Path] = ()) -> None:
-    """Offer every recipe YAML to Hydra as an option of the ``recipe`` group (package _global_)."""
+    """Offer every recipe YAML to Hydra as an option of the ``recipe`` group (package _global_);
+    again only where the files (or their modification times) changed since the last call."""
+    paths = recipe_paths(extra)
+    key = [(name, path, path.stat().st_mtime_ns) for name, path in paths.items()]
+    if _registered.get("recipes") == key:
+        return
     store = ConfigStore.instance()
     store.repo.pop("recipe", None)  # forget recipes of an earlier call in this process
-    for name, path in recipe_paths(extra).items():
+    for name, path in paths.items():
         store.store(group="recipe", name=name, node=OmegaConf.load(path), package="_global_")
+    _registered["recipes"] = key
 
 
 def register_configs() -> None:
     """Register the schema (with the installed Megatron-Core's fields) for conf/config.yaml's
-    defaults list."""
-    ConfigStore.instance().store(name="run_schema", node=run_schema())
+    defaults list, once a process (structuring it takes a quarter of a compose)."""
+    if "schema" not in _registered:
+        ConfigStore.instance().store(name="run_schema", node=run_schema())
+        _registered["schema"] = True
 
 
 def register_all(extra_recipe_dirs: Sequence[Path] = ()) -> None:

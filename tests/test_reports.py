@@ -1,4 +1,5 @@
-"""bench/capacity.py: the largest runs beside their no-offload lines and against their plans."""
+"""The topic reports of docs/benchmarks that bench/capacity.py and bench/weight_offload.py
+render from the recorded results."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from conftest import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "bench"))
 import capacity  # noqa: E402
+import weight_offload  # noqa: E402
 
 RESULTS = PROJECT_ROOT / "bench/results"
 FILES = sorted(
@@ -44,3 +46,20 @@ def test_every_largest_run_is_within_10_percent_of_its_plan_and_each_no_offload_
     text = capacity.render(FILES, plot=None)
     assert all(f"| {r.name} (`{r.suite}`) |" in text for r in rows)
     assert "| whole model auto (`whole-model`) | 1 | 48 | ok |" in text
+
+
+def test_weight_offload_lowers_every_peak_and_each_row_is_reported() -> None:
+    files = sorted(RESULTS.glob("results-weight-offload*.json"))
+    results = weight_offload.load(files)
+    by_name = {r["case"]["name"]: r for r in results}
+    pairs = [
+        (r["summary"], by_name[r["case"]["baseline"]]["summary"])
+        for r in results
+        if r["status"] == "ok" and "weights of" in r["case"]["name"]
+    ]
+    assert len(pairs) >= 4
+    for ran, base in pairs:  # a capped baseline ran out of memory: nothing to set beside
+        assert not base or ran["gpu_peak_allocated_gb"] < base["gpu_peak_allocated_gb"]
+    text = weight_offload.render(files, plot=None)
+    assert all(f"| {r['case']['name']} (`{r['suite']}`) |" in text for r in results)
+    assert "Weight offload against its link bound" in text
