@@ -200,7 +200,12 @@ def precision(run) -> str | None:
 def _engine_precision(engine) -> str:
     import torch
 
-    names = {torch.uint8: "q8", torch.float32: "fp32", torch.bfloat16: "bf16"}
+    names = {
+        torch.uint8: "q8",
+        torch.float32: "fp32",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+    }
     master = engine.host_master
     return _label(
         *(names[d] for d in engine.moment_dtypes), 0 if master is None else master.element_size()
