@@ -346,11 +346,7 @@ PY
   echo
   echo "## Memory planner against the measured peaks"
   echo
-  echo "Every run above, planned from its own command line by \`--plan\` arithmetic"
-  echo "(\`python bench/calibrate_planner.py bench/results/*.json\`; tests/test_plan.py holds the"
-  echo "error under 10%). GB are GiB."
-  echo
-  python bench/calibrate_planner.py bench/results/*.json
+  echo "Every run, planned from its own command line: [its report](benchmarks/planner.md)."
   echo
   echo "## Step-time model against the measured steps"
   echo

@@ -6,6 +6,8 @@ planner's GPU peak for the same command line next to the run's torch.cuda.max_me
     python bench/calibrate_planner.py --max-error 0.10 bench/results/*.json  # exit 1 if worse
     python bench/calibrate_planner.py --steps bench/results/*.json          # the step-time model
     python bench/calibrate_planner.py --engine-rates bench/results/*.json   # its two factors
+    python bench/calibrate_planner.py --report docs/benchmarks/planner.png bench/results/*.json \\
+        > docs/benchmarks/planner.md                                          # the topic report
 
 Runs on any machine (the planner needs no GPU). Runs below ``--min-gb`` are listed but not held to
 the error bound: there fixed allocator and library overheads, not the model, set the peak.
@@ -493,6 +495,76 @@ def render(rows: list[Calibration], min_gb: float) -> str:
     return "\n".join(table)
 
 
+def render_report(rows: list[Calibration], min_gb: float, plot: Path | None) -> str:
+    """docs/benchmarks/planner.md: the planner's error per suite, its worst, and a scatter of
+    every run's planned against measured peak."""
+    import statistics
+
+    held = [r for r in rows if r.measured_gb >= min_gb]
+    out = [r for r in held if r.held_out]
+    worst = max(held, key=lambda r: abs(r.error))
+    suites: dict[str, list[Calibration]] = {}
+    for r in held:
+        suites.setdefault(r.suite, []).append(r)
+    lines = [
+        "# Memory planner against measured peaks",
+        "",
+        f"Every run of bench/results ({len(rows)}), planned from its own command line by "
+        "`--plan`'s arithmetic, against its `torch.cuda.max_memory_allocated()` (the worst "
+        f"rank's); runs under {min_gb} GB are left out (fixed allocator and library overheads "
+        "set them). The activation model was read from four runs (`FITTED_ON`); every other run "
+        "is held out, and tests/test_plan.py holds every run within 10%. GB are GiB. "
+        "`python bench/calibrate_planner.py --report docs/benchmarks/planner.png "
+        "bench/results/*.json`.",
+        "",
+        f"- worst: {worst.error:+.1%} ({worst.suite} / {worst.case}); held out: "
+        f"{max(abs(r.error) for r in out):.1%} over {len(out)} runs",
+        f"- within 5%: {sum(abs(r.error) <= 0.05 for r in held) / len(held):.0%} of "
+        f"{len(held)} runs; median |error| {statistics.median(abs(r.error) for r in held):.1%}",
+        "",
+        *markdown_table(
+            ["suite", "runs", "GPUs", "largest peak GB", "worst error", "median error"],
+            [
+                [
+                    suite,
+                    str(len(group)),
+                    ",".join(sorted({str(r.nproc) for r in group})),
+                    fmt(max(r.measured_gb for r in group)),
+                    f"{max((r.error for r in group), key=abs):+.1%}",
+                    f"{statistics.median(r.error for r in group):+.1%}",
+                ]
+                for suite, group in sorted(suites.items())
+            ],
+        ),
+        "",
+    ]
+    if plot is not None:
+        _draw(held, plot)
+        lines += [f"![planned against measured GPU peak]({plot.name})", ""]
+    return "\n".join(lines)
+
+
+def _draw(rows: list[Calibration], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    top = max(max(r.measured_gb, r.planned_gb) for r in rows) * 1.05
+    ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="0.9", label="within 10%")
+    for held_out, label in ((True, "held out"), (False, "fitted on")):
+        chosen = [r for r in rows if r.held_out == held_out]
+        ax.scatter(
+            [r.measured_gb for r in chosen], [r.planned_gb for r in chosen], s=12, label=label
+        )
+    ax.set(xlabel="measured GPU peak GB", ylabel="planned GB", xlim=(0, top), ylim=(0, top))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
@@ -504,7 +576,11 @@ def main() -> int:
         action="store_true",
         help="exact CPU Adam's CPU and link rates beside each other",
     )
+    parser.add_argument("--report", type=Path, default=None, help="the report, with this PNG")
     args = parser.parse_args()
+    if args.report:
+        print(render_report(calibrate(args.files), args.min_gb, args.report))
+        return 0
     if args.engine_rates:
         print(render_engine_rates(engine_rates(args.files)))
         return 0

@@ -116,7 +116,7 @@ def draw(results: list[dict], out: Path) -> None:
         and r["case"]["baseline"] != r["case"]["name"]
         and r["case"]["baseline"] in by_name
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 0.6 * len(pairs) + 1.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.6 * len(pairs) + 1.6), sharey=True)
     y = list(range(len(pairs)))
     for ax, key, what in (
         (axes[0], "gpu_peak_allocated_gb", "GPU peak GB"),
@@ -124,7 +124,8 @@ def draw(results: list[dict], out: Path) -> None:
     ):
         base = [(b["summary"] or {}).get(key, 0) for _, b in pairs]  # 0: it ran out of memory
         ax.barh([i - 0.2 for i in y], base, height=0.4, label="baseline (0: out of memory)")
-        ax.barh([i + 0.2 for i in y], [r["summary"][key] for r, _ in pairs], height=0.4)
+        ours = [r["summary"][key] for r, _ in pairs]
+        ax.barh([i + 0.2 for i in y], ours, height=0.4, label="with weight offload")
         ax.set(xlabel=what)
     axes[0].set_yticks(y, [r["case"]["name"] for r, _ in pairs], fontsize=7)
     axes[0].legend(fontsize=7)

@@ -457,12 +457,14 @@ def test_planner_matches_every_measured_peak_within_10_percent() -> None:
     import sys
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from calibrate_planner import calibrate
+    from calibrate_planner import calibrate, render_report
 
     rows = calibrate(sorted((ROOT / "bench" / "results").glob("*.json")))
     assert len(rows) >= 20
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) < 0.10, f"{worst.suite}/{worst.case}: {worst.error:+.1%}"
+    report = render_report(rows, 0.1, plot=None)  # docs/benchmarks/planner.md: a line a suite
+    assert all(f"| {suite} |" in report for suite in {r.suite for r in rows if r.measured_gb > 1})
     # the spread (dense and MoE, micro-batch 1-4, sequence 2k-32k, recompute, every optimizer
     # offload mode, four GPUs): the runs the activation model was not read from, within 10%
     held_out = [r for r in rows if r.held_out and r.suite.startswith(("spread", "full-4gpu"))]
