@@ -545,12 +545,9 @@ def render_report(rows: list[Calibration], min_gb: float, plot: Path | None) -> 
 
 
 def _draw(rows: list[Calibration], out: Path) -> None:
-    import matplotlib
+    from plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig, ax = pyplot().subplots(figsize=(6, 5))
     top = max(max(r.measured_gb, r.planned_gb) for r in rows) * 1.05
     ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="0.9", label="within 10%")
     for held_out, label in ((True, "held out"), (False, "fitted on")):
@@ -560,9 +557,7 @@ def _draw(rows: list[Calibration], out: Path) -> None:
         )
     ax.set(xlabel="measured GPU peak GB", ylabel="planned GB", xlim=(0, top), ylim=(0, top))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out)
 
 
 def main() -> int:

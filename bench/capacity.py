@@ -8,7 +8,6 @@ without offload and against what `--plan` promised (auto's own line of the run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from plots import commands_block, pyplot, report_main, save  # noqa: E402
 
 from offload_runner.report import markdown_table  # noqa: E402
 
@@ -151,18 +152,12 @@ def render(files: list[Path], plot: Path | None) -> str:
     if plot is not None:
         draw(rows, plot)
         lines += [f"![measured against planned memory]({plot.name})", ""]
-    lines += ["<details><summary>commands</summary>", ""]
-    lines += [f"- {r.name}: `{r.command}`" for r in rows]
-    return "\n".join([*lines, "", "</details>", ""])
+    return "\n".join([*lines, commands_block({r.name: r.command for r in rows})])
 
 
 def draw(rows: list[Row], out: Path) -> None:
     """GPU peak and host memory of each auto run, measured beside planned."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ran = [r for r in rows if r.status == "ok" and r.planned]
     fig, axes = plt.subplots(1, 2, figsize=(9, 0.5 * len(ran) + 1.6), sharey=True)
     y = range(len(ran))
@@ -176,19 +171,8 @@ def draw(rows: list[Row], out: Path) -> None:
         ax.set(xlabel=what)
     axes[0].set_yticks(list(y), labels, fontsize=8)
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--plot", type=Path, default=None, help="the PNG to write")
-    args = parser.parse_args()
-    print(render(args.files, args.plot))
-    return 0
+    save(fig, out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report_main(__doc__, render))

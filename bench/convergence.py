@@ -12,7 +12,6 @@ two runs that differ in initialisation and batch order alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -21,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from plots import commands_block, pyplot, report_main, save  # noqa: E402
 
 from offload_runner.report import markdown_table  # noqa: E402
 
@@ -140,9 +141,7 @@ def render(files: list[Path], plot: Path | None) -> str:
     if plot is not None:
         draw(rows, plot)
         lines += [f"![validation loss against iteration]({plot.name})", ""]
-    lines += ["<details><summary>commands</summary>", ""]
-    lines += [f"- {name}: `{command(rows[name])}`" for name in ordered(rows)]
-    return "\n".join([*lines, "", "</details>", ""])
+    return "\n".join([*lines, commands_block({n: command(rows[n]) for n in ordered(rows)})])
 
 
 def command(summary: dict) -> str:
@@ -153,11 +152,7 @@ def command(summary: dict) -> str:
 
 def draw(rows: dict[str, dict], out: Path) -> None:
     """The validation curves, the reference's thick."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name in ordered(rows):
         s = rows[name]
@@ -166,19 +161,8 @@ def draw(rows: dict[str, dict], out: Path) -> None:
     ax.set(xlabel="iteration", ylabel="validation loss", title="qwen3_moe_small on real text")
     ax.set_ylim(top=min(s["validation_losses"][0][1] for s in rows.values()) + 0.2)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--plot", type=Path, default=None, help="PNG of the validation curves")
-    args = parser.parse_args()
-    print(render(args.files, args.plot))
-    return 0
+    save(fig, out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report_main(__doc__, render))

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,9 +31,34 @@ def _pyplot():
     return plt
 
 
-def _save(fig, out: str) -> None:
+def save(fig, out: str | Path, dpi: int = 110) -> None:
+    """Lay ``fig`` out, write it to ``out`` and free it."""
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=dpi)
+    pyplot().close(fig)
+
+
+def commands_block(commands: dict[str, str]) -> str:
+    """A report's last lines: each run's command line, folded."""
+    lines = [f"- {name}: `{command}`" for name, command in commands.items()]
+    return "\n".join(["<details><summary>commands</summary>", "", *lines, "", "</details>", ""])
+
+
+def report_main(doc: str, render) -> int:
+    """A topic report's command line: result files in, its Markdown on stdout, ``--plot`` the
+    PNG beside it (``render(files, plot)``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--plot", type=Path, default=None, help="the PNG to write")
+    args = parser.parse_args()
+    print(render(args.files, args.plot))
+    return 0
+
+
+def _save(fig, out: str) -> None:
+    save(fig, out, dpi=120)
     print(f"wrote {out}")
 
 
@@ -68,7 +94,7 @@ def points(files: list[Path]) -> dict[tuple[str, str], list[tuple[float, float, 
 
 
 def sweep(out: str, *files: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     data = points([Path(f) for f in files])
     fig, (slow, peak) = plt.subplots(1, 2, figsize=(10, 4))
     colors = dict(zip(ENGINES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
@@ -121,7 +147,7 @@ def curves(path: Path) -> list[tuple[str, list[float]]]:
 
 
 def losses(out: str, *files: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     every = [(name, values) for path in files for name, values in curves(Path(path))]
     for name, values in every:

@@ -9,7 +9,6 @@ the link's bound for what it moves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from plots import commands_block, pyplot, report_main, save  # noqa: E402
 from run_benchmarks import _weight_offload_lines  # noqa: E402
 
 from offload_runner.report import markdown_table  # noqa: E402
@@ -96,18 +96,13 @@ def render(files: list[Path], plot: Path | None) -> str:
     if plot is not None:
         draw(results, plot)
         lines += [f"![GPU peak and step beside the baseline]({plot.name})", ""]
-    lines += ["<details><summary>commands</summary>", ""]
-    lines += [f"- {r['case']['name']}: `{' '.join(r['command'])}`" for r in results]
-    return "\n".join([*lines, "", "</details>", ""])
+    commands = {r["case"]["name"]: " ".join(r["command"]) for r in results}
+    return "\n".join([*lines, commands_block(commands)])
 
 
 def draw(results: list[dict], out: Path) -> None:
     """Each weight-offload run's GPU peak and step beside its baseline's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     by_name = {r["case"]["name"]: r for r in results}
     pairs = [
         (r, by_name[r["case"]["baseline"]])
@@ -129,19 +124,8 @@ def draw(results: list[dict], out: Path) -> None:
         ax.set(xlabel=what)
     axes[0].set_yticks(y, [r["case"]["name"] for r, _ in pairs], fontsize=7)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--plot", type=Path, default=None, help="the PNG to write")
-    args = parser.parse_args()
-    print(render(args.files, args.plot))
-    return 0
+    save(fig, out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(report_main(__doc__, render))
