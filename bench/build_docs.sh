@@ -350,33 +350,8 @@ PY
   echo
   echo "## Step-time model against the measured steps"
   echo
-  echo "What \`--plan\` and \`auto\` price an exact host engine at (all of Adam offloaded:"
-  echo "\`step_cost.StepCost\`), added to the no-offload step of the run's own suite file, with that"
-  echo "suite's fused CPU AdamW rate at the run's thread count and each rank's share of the node's"
-  echo "link (\`python bench/calibrate_planner.py --steps bench/results/*.json\`). The model takes"
-  echo "exact CPU Adam's CPU and link rates beside each other from the engine's own runs (below); the"
-  echo "no-offload step is the mean of the suite's no-offload runs, and the rows' spread beyond the"
-  echo "model is as wide as theirs (section \"Where exact offload's forward+backward time goes\")."
-  echo "The model prices the update; it takes forward+backward to be no offload's. The last two"
-  echo "columns hand it the run's own forward+backward instead (less the forward's wait for CPU Adam's"
-  echo "landings, which is the engine's): what is left is the model's own error on the update."
-  python - <<'PY'
-import json, pathlib
-data = json.loads(pathlib.Path("bench/results/results-bf16-moments.json").read_text())
-s = {r["case"]["name"]: r["summary"] for r in data["results"]}["cpu_adam, bf16 moments"]
-print("`cpu_adam, bf16 moments` ran before the model knew bf16 moments' slower CPU Adam: its "
-      "deterministic GPU share was balanced as for fp32 moments, and the forward waited "
-      f"{s['cpu_adam_forward_wait_s_median']:.2f} s for the CPU.")
-PY
-  echo
-  python bench/calibrate_planner.py --steps bench/results/*.json
-  echo
-  echo "Exact CPU Adam with a GPU share, its CPU Adam rate over fused AdamW alone at the same threads"
-  echo "and the link's rate during its pass (the share's states and the CPU part's landings), the"
-  echo "model's hardware.CPU_ADAM_RATE_BESIDE_STREAMS and LINK_BESIDE_CPU_ADAM (\`python"
-  echo "bench/calibrate_planner.py --engine-rates bench/results/*.json\`):"
-  echo
-  python bench/calibrate_planner.py --engine-rates bench/results/*.json
+  echo "What \`--plan\` and \`auto\` price an exact host engine's step at, against every run:"
+  echo "[its report](benchmarks/step-model.md)."
   echo
   echo "## Sweep: HybridDeviceOptimizer fraction on the Qwen3-30B-A3B proxy (one H200)"
   echo

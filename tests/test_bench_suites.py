@@ -70,6 +70,8 @@ def test_the_step_model_prices_the_exact_update_within_10_percent_on_the_cost_su
         assert abs(row.update_error) <= bound, (row.suite, row.case, row.update_error)
         given = row.predicted_s + row.fwd_bwd_drift_s
         assert row.update_error == pytest.approx((given - row.measured_s) / row.measured_s)
+    report = calibrate_planner.render_step_report(files[:2], plot=None)  # step-model.md's form
+    assert report.startswith("# Step-time model") and "| gbs-" in report
 
 
 def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> None:
