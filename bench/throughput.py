@@ -51,8 +51,15 @@ class Row:
     runs: list[dict] = field(default_factory=list)  # results, in round order
     calibrated: set[str] = field(default_factory=set)  # the files that ran the fitted rows too
 
-    def values(self, key: str) -> list[float]:
-        return [r["summary"][key] for r in self.runs if r["status"] == "ok" and key in r["summary"]]
+    def values(self, key: str, sources: set[str] | None = None) -> list[float]:
+        """``key`` of its ok runs (of the calls, files, ``sources`` only where given)."""
+        return [
+            r["summary"][key]
+            for r in self.runs
+            if r["status"] == "ok"
+            and key in r["summary"]
+            and (sources is None or r["source"] in sources)
+        ]
 
     def median(self, key: str) -> float:
         return statistics.median(self.values(key))
@@ -61,14 +68,6 @@ class Row:
         found = self.values(key)
         return min(found), max(found)
 
-    def step_in(self, sources: set[str]) -> list[float]:
-        """Its runs' steps in the calls (files) ``sources``."""
-        return [
-            r["summary"]["step_time_s_median"]
-            for r in self.runs
-            if r["status"] == "ok" and r["source"] in sources
-        ]
-
     @property
     def sources(self) -> set[str]:
         return {r["source"] for r in self.runs}
@@ -76,7 +75,7 @@ class Row:
     def model_median(self) -> float | None:
         """The median step of the runs the model is held to: those of calls that ran the
         fitted rows too (a call without them cannot tell its host's speed from the fit's)."""
-        found = self.step_in(self.calibrated)
+        found = self.values("step_time_s_median", self.calibrated)
         return statistics.median(found) if found else None
 
     @property
@@ -263,7 +262,7 @@ def comparisons(rows: list[Row], pairs: list[tuple[str, str, str]]) -> list[str]
     for fast, slow, what in pairs:
         if fast in by and slow in by:
             both = by[fast].sources & by[slow].sources
-            a, b = by[fast].step_in(both), by[slow].step_in(both)
+            a, b = (by[n].values("step_time_s_median", both) for n in (fast, slow))
             if not a or not b:
                 continue
             ratio = statistics.median(a) / statistics.median(b)
@@ -279,7 +278,7 @@ def misses(rows: list[Row]) -> list[str]:
         step, model = row.model_median(), row.model_step_s
         if not row.held_out or not step or abs(model - step) / step < TOLERANCE:
             continue
-        runs = ", ".join(f"{v:.2f}" for v in row.step_in(row.calibrated))
+        runs = ", ".join(f"{v:.2f}" for v in row.values("step_time_s_median", row.calibrated))
         lines.append(f"- {row.name}: the model {model:.2f} s against runs of {runs} s")
     return ["Held-out rows the model misses by more than 15%:", *lines, ""] if lines else []
 

@@ -72,7 +72,7 @@ def normalize_recipe_name(name: str) -> str:
     return name.removesuffix(RECIPE_ALIAS_SUFFIX)
 
 
-_registered: dict[str, object] = {}  # what this process last registered, and from what
+_registered: dict[str, list] = {}  # the files the recipe group was last registered from
 
 
 def register_recipes(extra: Sequence[Path] = ()) -> None:
@@ -89,12 +89,11 @@ def register_recipes(extra: Sequence[Path] = ()) -> None:
     _registered["recipes"] = key
 
 
+@cache
 def register_configs() -> None:
     """Register the schema (with the installed Megatron-Core's fields) for conf/config.yaml's
     defaults list, once a process (structuring it takes a quarter of a compose)."""
-    if "schema" not in _registered:
-        ConfigStore.instance().store(name="run_schema", node=run_schema())
-        _registered["schema"] = True
+    ConfigStore.instance().store(name="run_schema", node=run_schema())
 
 
 def register_all(extra_recipe_dirs: Sequence[Path] = ()) -> None:
