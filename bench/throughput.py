@@ -3,7 +3,7 @@
 median over its interleaved rounds, the GPU step-time model fitted on the calibration rows of
 ``throughput-16`` and held to the rest, and the report.
 
-    python bench/throughput.py fit bench/results/results-throughput-16-r*.json
+    python bench/throughput.py fit bench/results/results-throughput-16-r[1-3].json
     python bench/throughput.py report bench/results/results-{throughput,engines}-*-r*.json \\
         --plots docs/benchmarks > docs/benchmarks/throughput.md
 
@@ -32,7 +32,7 @@ from offload_runner.auto import choose_offload, with_overrides  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
 from offload_runner.config.schema import RunConfig, te_fusions  # noqa: E402
 from offload_runner.gpu_time import Predicted, predict  # noqa: E402
-from offload_runner.hardware import GPU_RATES  # noqa: E402
+from offload_runner.hardware import GPU_RATES, GpuRates  # noqa: E402
 from offload_runner.model_size import count_parameters, training_flops_per_token  # noqa: E402
 from offload_runner.plan import Layout, make_plan, rank_micro_batches  # noqa: E402
 from offload_runner.report import markdown_table  # noqa: E402
@@ -49,7 +49,8 @@ class Row:
 
     name: str
     runs: list[dict] = field(default_factory=list)  # results, in round order
-    calibrated: set[str] = field(default_factory=set)  # the files that ran the fitted rows too
+    # per call (results file) that ran two fitted rows of its kernels: their rates refit there
+    call_rates: dict[str, GpuRates] = field(default_factory=dict)
 
     def values(self, key: str, sources: set[str] | None = None) -> list[float]:
         """``key`` of its ok runs (of the calls, files, ``sources`` only where given)."""
@@ -72,11 +73,16 @@ class Row:
     def sources(self) -> set[str]:
         return {r["source"] for r in self.runs}
 
-    def model_median(self) -> float | None:
-        """The median step of the runs the model is held to: those of calls that ran the
-        fitted rows too (a call without them cannot tell its host's speed from the fit's)."""
-        found = self.values("step_time_s_median", self.calibrated)
-        return statistics.median(found) if found else None
+    def call_errors(self) -> list[tuple[float, float]]:
+        """Per call that refit the rates: the model's step at that call's rates, and the
+        median step of this row's runs there (the host's launch speed moved 25% between
+        calls; the model's shape is what a call holds it to)."""
+        out = []
+        for source, gpu in sorted(self.call_rates.items()):
+            found = self.values("step_time_s_median", {source})
+            if found:
+                out.append((predicted(self.run, gpu).step_s, statistics.median(found)))
+        return out
 
     @property
     def held_out(self) -> bool:
@@ -101,16 +107,26 @@ def load(files: list[Path]) -> tuple[list[Row], dict]:
     for path in sorted(files):
         data = json.loads(path.read_text())
         commits = [*env.get("commits", []), data["environment"]["commit"]]
+        dates = sorted({*env.get("dates", []), data["environment"]["date"][:10]})
         env = {**(env or data["environment"]), "commits": list(dict.fromkeys(commits))}
+        env["dates"] = dates
         for result in data["results"]:
             result = {**result, "environment": data["environment"], "source": path.name}
             rows.setdefault(result["case"]["name"], Row(result["case"]["name"])).runs.append(result)
     first = json.loads(sorted(files)[0].read_text())["results"]
     order = list(dict.fromkeys(c["case"]["name"] for c in first))
     ordered = [rows[n] for n in order if n in rows] + [r for n, r in rows.items() if n not in order]
-    fitted = {run["source"] for r in ordered if not r.held_out for run in r.runs}
+    per_call = {
+        source: fit(ordered, {source})["rates"]
+        for source in {r["source"] for row in ordered for r in row.runs}
+    }
     for row in ordered:
-        row.calibrated = fitted
+        kernels = "fused" if te_fusions(row.run) else "plain"
+        row.call_rates = {
+            source: gpu_rates(rates[kernels])
+            for source, rates in per_call.items()
+            if kernels in rates and source in row.sources
+        }
     return ordered, env
 
 
@@ -129,26 +145,34 @@ def run_of(result: dict) -> RunConfig:
     return run
 
 
-def predicted(run: RunConfig) -> Predicted:
-    """The model's step for a recorded run's config (its offload's cost from StepCost)."""
+def predicted(run: RunConfig, gpu: GpuRates | None = None) -> Predicted:
+    """The model's step for a recorded run's config (its offload's cost from StepCost), at
+    ``gpu``'s rates (default hardware.GPU_RATES)."""
     plan = make_plan(run)
     cost = step_cost(run)
-    return predict(run, max(cost.seconds(run, r) for r in plan.ranks))
+    return predict(run, max(cost.seconds(run, r) for r in plan.ranks), gpu=gpu)
+
+
+def gpu_rates(fitted: dict) -> GpuRates:
+    """A fit's rates as the model takes them (the dense layer's fixed time is not fitted)."""
+    dense = GPU_RATES["plain"].dense_layer_s
+    return GpuRates(flops=fitted["flops"], dense_layer_s=dense, expert_s=fitted["expert_s"])
 
 
 # --- the fit --------------------------------------------------------------------------------------
 
 
-def fit(rows: list[Row]) -> dict:
-    """Least squares over the calibration rows, per kernel set: forward+backward = expert_s x
+def fit(rows: list[Row], sources: set[str] | None = None) -> dict:
+    """Least squares over the calibration rows (their runs in the calls ``sources``, default
+    all), per kernel set with two of them or more: forward+backward = expert_s x
     (micro-batches x layers x local experts) + step FLOPs / flops, after each layer's dense
     fixed time; and the GPU's Adam seconds per param from every no-offload row's optimizer
     phase."""
     samples: dict[str, list[tuple[float, float, float]]] = {}
     adam = []
     for row in rows:
-        run = row.run
-        if not row.held_out:
+        run, fwd_bwd = row.run, row.values("fwd_bwd_time_s_median", sources)
+        if not row.held_out and fwd_bwd:
             layout = Layout.of(run)
             n, m = rank_micro_batches(run, layout), run.model
             dense = n * m.num_layers * GPU_RATES["plain"].dense_layer_s
@@ -156,13 +180,13 @@ def fit(rows: list[Row]) -> dict:
             flops = training_flops_per_token(m) * run.train.global_batch_size * m.seq_length
             kernels = "fused" if te_fusions(run) else "plain"
             samples.setdefault(kernels, []).append(
-                (experts, flops, row.median("fwd_bwd_time_s_median") - dense)
+                (experts, flops, statistics.median(fwd_bwd) - dense)
             )
         if not (run.optimizer.optimizer_cpu_offload or run.optimizer.offload_optimizer_states):
             params = count_parameters(run.model).total
-            adam += [s / params for s in row.values("optimizer_time_s_median")]
-    rates = {k: _least_squares(v) for k, v in samples.items()}
-    return {"rates": rates, "gpu_adam_s_per_param": statistics.median(adam)}
+            adam += [s / params for s in row.values("optimizer_time_s_median", sources)]
+    rates = {k: _least_squares(v) for k, v in samples.items() if len(v) > 1}
+    return {"rates": rates, "gpu_adam_s_per_param": statistics.median(adam) if adam else None}
 
 
 def _least_squares(samples: list[tuple[float, float, float]]) -> dict:
@@ -188,7 +212,7 @@ def table(rows: list[Row]) -> list[list[str]]:
     for row in rows:
         step = row.median("step_time_s_median")
         low, high = row.spread()
-        model, held_to = row.model_step_s, row.model_median()
+        errors = [f"{(model - ran) / ran:+.0%}" for model, ran in row.call_errors()]
         out.append(
             [
                 row.name,
@@ -198,8 +222,8 @@ def table(rows: list[Row]) -> list[list[str]]:
                 f"{row.median('tokens_per_s_median'):,.0f}",
                 f"{row.median('tflops_per_gpu_median'):.0f}",
                 f"{row.median('gpu_peak_allocated_gb'):.1f}",
-                f"{model:.3f}",
-                f"{(model - held_to) / held_to:+.0%}" if held_to else "",
+                f"{row.model_step_s:.3f}",
+                ", ".join(errors) if row.held_out else "",
                 "fitted" if not row.held_out else "held out",
             ]
         )
@@ -275,12 +299,17 @@ def misses(rows: list[Row]) -> list[str]:
     """The held-out rows the model misses by more than TOLERANCE, with what their runs show."""
     lines = []
     for row in rows:
-        step, model = row.model_median(), row.model_step_s
-        if not row.held_out or not step or abs(model - step) / step < TOLERANCE:
+        found = row.call_errors()
+        if not row.held_out or not found or abs(median_error(found)) < TOLERANCE:
             continue
-        runs = ", ".join(f"{v:.2f}" for v in row.values("step_time_s_median", row.calibrated))
-        lines.append(f"- {row.name}: the model {model:.2f} s against runs of {runs} s")
+        said = ", ".join(f"{model:.2f} s against {ran:.2f} s" for model, ran in found)
+        lines.append(f"- {row.name}: at each call's rates the model said {said}")
     return ["Held-out rows the model misses by more than 15%:", *lines, ""] if lines else []
+
+
+def median_error(found: list[tuple[float, float]]) -> float:
+    """The median over calls of (model - measured) / measured."""
+    return statistics.median((model - ran) / ran for model, ran in found)
 
 
 HEADER = [
@@ -292,7 +321,7 @@ HEADER = [
     "TFLOP/s/GPU",
     "GPU peak GB",
     "model s",
-    "model error",
+    "error at each call's rates",
     "",
 ]
 
@@ -308,7 +337,8 @@ def section(suite: str, files: list[Path], plots: Path | None) -> list[str]:
         f"## {title} (suite `{suite}`)",
         "",
         f"{what} One {env['gpu']}; megatron-core {env['megatron.core']}, transformer-engine "
-        f"{env['transformer_engine']}; commits {', '.join(env['commits'])}; {env['date'][:10]}.",
+        f"{env['transformer_engine']}; commits {', '.join(env['commits'])}; "
+        f"{', '.join(env['dates'])}.",
         "",
         *markdown_table(HEADER, table(rows)),
         "",
@@ -335,10 +365,12 @@ def render(files: list[Path], plots: Path | None) -> str:
         "Each row ran once per round, rounds interleaved (A B C ... A B C ...) within a device "
         "call or across calls; step is the median over rounds of each run's median step, with "
         "the rounds' spread; a ratio is inside the spread where the two rows' runs overlap. The "
-        "model column is gpu_time.py's step for the same command line (fitted on four rows of "
-        "`throughput-16`, every other row held out); its error is against the runs of calls "
-        "that ran the fitted rows too: a call without them cannot tell its host's speed from "
-        "the fit's (identical runs moved 25% between calls). `python bench/throughput.py report`.",
+        "model column is gpu_time.py's step for the same command line (hardware.GPU_RATES, "
+        "fitted on four rows of `throughput-16` in its first three calls; every other row held "
+        "out). Identical runs moved 25% between calls, and with them the launch-bound fixed "
+        "time: each call that ran two fitted rows of a kernel set refits the rates on those "
+        "alone, and a held-out row's error is the model at that call's rates against its runs "
+        "there, one figure per call. `python bench/throughput.py report`.",
         "",
     ]
     for suite in SUITES:

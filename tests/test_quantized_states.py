@@ -172,6 +172,10 @@ def test_a_resumed_engine_continues_the_uninterrupted_one_bit_for_bit(masters: s
     resumed_buffers.param.copy_(params)
     resumed = q8_engine(resumed_buffers, rem=not bf16, bf16_masters=bf16)
     with resumed.fp32_masters():
+        # DistributedOptimizer.sharded_state_dict(is_loading=True) reloads the engine's own
+        # state before it lays out the checkpoint's: the masters' key must survive that
+        resumed.load_state_dict(resumed.state_dict())
+        assert "master_param" in resumed.state[resumed_buffers.views[0]]
         resumed.load_state_dict(saved)
         resumed.restore_after_load()
     resumed.load_quantized_state(scales)

@@ -29,17 +29,20 @@ def rates(run: RunConfig) -> GpuRates:
     return GPU_RATES["fused" if te_fusions(run) else "plain"]
 
 
-def layer_fixed_seconds(run: RunConfig, layout: Layout) -> float:
+def layer_fixed_seconds(run: RunConfig, layout: Layout, gpu: GpuRates | None = None) -> float:
     """One layer's fixed time per micro-batch (forward and backward): a MoE layer's grows with
     the experts one rank holds."""
-    m, r = run.model, rates(run)
+    m, r = run.model, gpu or rates(run)
     if not m.num_moe_experts:
         return r.dense_layer_s
     return r.dense_layer_s + r.expert_s * m.num_moe_experts / layout.ep
 
 
-def forward_backward_seconds(run: RunConfig, world: int | None = None) -> float:
-    """One step's forward+backward on the busiest rank."""
+def forward_backward_seconds(
+    run: RunConfig, world: int | None = None, gpu: GpuRates | None = None
+) -> float:
+    """One step's forward+backward on the busiest rank (at ``gpu``'s rates, default the
+    fitted ones of ``run``'s kernels)."""
     m, t = run.model, run.train
     layout = Layout.of(run, world)
     n = rank_micro_batches(run, layout)
@@ -52,7 +55,7 @@ def forward_backward_seconds(run: RunConfig, world: int | None = None) -> float:
         else 1.0
     )
     per_micro_batch = recompute * (
-        layers * layer_fixed_seconds(run, layout) + flops / rates(run).flops
+        layers * layer_fixed_seconds(run, layout, gpu) + flops / (gpu or rates(run)).flops
     )
     bubble = 1 + (layout.pp - 1) / n
     return n * per_micro_batch * bubble
@@ -91,9 +94,10 @@ class Predicted:
         return self.tokens / self.step_s
 
 
-def predict(run: RunConfig, offload_s: float, world: int | None = None) -> Predicted:
+def predict(
+    run: RunConfig, offload_s: float, world: int | None = None, gpu: GpuRates | None = None
+) -> Predicted:
     """``run``'s predicted step, given what its optimizer offload adds (StepCost.seconds)."""
     tokens = run.train.global_batch_size * run.model.seq_length
-    return Predicted(
-        forward_backward_seconds(run, world), gpu_adam_seconds(run, world), offload_s, tokens
-    )
+    fwd_bwd = forward_backward_seconds(run, world, gpu)
+    return Predicted(fwd_bwd, gpu_adam_seconds(run, world), offload_s, tokens)

@@ -234,10 +234,11 @@ class GpuRates:
 
 # Fitted on the Qwen3-30B-A3B proxy (4 MoE layers of 128 experts, GBS 16) at micro-batch 1 and 4,
 # each kernel set, on one H200 (suite throughput-16, three interleaved calls:
-# `python bench/throughput.py fit bench/results/results-throughput-16-r*.json`). The fused kernels
-# raise the matrix work's rate (272 -> 416 TFLOP/s), not the fixed time (0.029 s a layer per
-# micro-batch). The dense layer's fixed time is not separable on that model: about a hundred
-# launches of ~10 us each (an estimate).
+# `python bench/throughput.py fit bench/results/results-throughput-16-r[1-3].json`; later
+# calls test them). The fused kernels raise the matrix work's rate (272 -> 416 TFLOP/s), not
+# the fixed time (0.029 s a layer per micro-batch), which is the launching host's and moves
+# with it from call to call. The dense layer's fixed time is not separable on that model: about
+# a hundred launches of ~10 us each (an estimate).
 GPU_RATES = {
     "plain": GpuRates(flops=271e12, dense_layer_s=1e-3, expert_s=2.25e-4),
     "fused": GpuRates(flops=416e12, dense_layer_s=1e-3, expert_s=2.29e-4),

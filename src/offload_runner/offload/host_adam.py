@@ -92,6 +92,7 @@ class HostAdam(HybridDeviceOptimizer):
         self._spans: PieceSpans | None = None  # the pieces' bytes in the parameter buffer
         self._needs: dict[int, int] = {}  # id(module) -> the last piece holding its parameters
         self._own: dict[int, dict] = {}  # id(param) -> its views of the engine's arrays
+        self._params_as_masters = False  # bf16 masters: the params stand in (checkpoints)
         self._flat: dict[int, int] = {}  # id(param) -> its start in the flat host arrays
 
         everything = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
@@ -347,8 +348,12 @@ class HostAdam(HybridDeviceOptimizer):
             p.detach().view(-1).copy_(self.host_master[a : a + p.numel()])
 
     def _views(self, p) -> dict:
-        """``p``'s master and moments in the engine's own arrays (a fresh dict)."""
-        return dict(self._own[id(p)])
+        """``p``'s master and moments in the engine's own arrays (a fresh dict); inside
+        ``_parameters_as_masters`` the parameter stands in for an absent master."""
+        views = dict(self._own[id(p)])
+        if self._params_as_masters:
+            views["master_param"] = p.detach().view(-1)
+        return views
 
     def _adopt(self, p, loaded: dict) -> None:
         """Copy loaded tensors of ``p`` (any device) into the engine's arrays; its state becomes
@@ -464,11 +469,13 @@ class HostAdam(HybridDeviceOptimizer):
         if self.host_master is not None:
             yield
             return
-        for _, p in self.offloaded:
-            self.state[p] = {**self._views(p), "master_param": p.detach().view(-1)}
+        self._params_as_masters = True  # also through a load (DistributedOptimizer's first
+        for _, p in self.offloaded:  # reloads the state dict before it lays out a checkpoint)
+            self.state[p] = self._views(p)
         try:
             yield
         finally:
+            self._params_as_masters = False
             for _, p in self.offloaded:
                 self.state[p] = self._views(p)
 
