@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# docs/BENCHMARKS.md from the recorded GPU results (no GPU needed):
+# docs/benchmarks/notebook.md (the findings not yet in a topic report of docs/benchmarks) and
+# docs/BENCHMARKS.md (the index) from the recorded GPU results (no GPU needed):
 #   bash bench/build_docs.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-trap 'rm -f docs/BENCHMARKS.md.new' EXIT  # a part that failed leaves the last BENCHMARKS alone
+NOTEBOOK=docs/benchmarks/notebook.md
+trap 'rm -f $NOTEBOOK.new' EXIT  # a part that failed leaves the last notebook alone
 {
-  python bench/run_benchmarks.py report bench/results/*.json
+  echo "# Lab notebook: findings not yet in a topic report"
+  echo
+  echo "What the earlier suites found, section by section, as they were written; each moves into"
+  echo "a topic report of this folder in turn. A suite's runs in full:"
+  echo "\`python bench/run_benchmarks.py report --suite SUITE bench/results/*.json\`."
+  echo
   echo "## Exact offload against the global batch (suites \`gbs-N\`, \`gbs-N-pairs\`, \`gbs-N-grown\`, \`gbs-N-beside\`)"
   echo
   echo "The Qwen3-30B-A3B proxy (3.11B params), MB 1, each global batch in one call on one GPU"
@@ -1018,5 +1025,6 @@ PY
   echo "when offload/optimizer=states still moved whole tensors):"
   echo
   for f in docs/evidence/verify-*.md; do sed 's/^# /### /' "$f"; echo; done
-} > docs/BENCHMARKS.md.new
-mv docs/BENCHMARKS.md.new docs/BENCHMARKS.md
+} > $NOTEBOOK.new
+mv $NOTEBOOK.new $NOTEBOOK
+python bench/run_benchmarks.py report bench/results/*.json > docs/BENCHMARKS.md

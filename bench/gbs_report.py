@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""docs/BENCHMARKS.md's section "Exact offload against the global batch", from suites ``gbs-N``
+"""docs/benchmarks/notebook.md's "Exact offload against the global batch", from ``gbs-N``
 (H200: no offload twice, the exact engines, HDO and delayed mode), ``gbs-N-pairs`` (no
 offload and the exact engines in turn) and ``gbs-N-grown`` (gbs-N's rows again, one H100, after
 the state windows grow during the last backward):

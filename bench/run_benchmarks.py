@@ -1469,30 +1469,48 @@ def _reports() -> list[str]:
     return ["## Reports", "", *lines, ""] if lines else []
 
 
-def render(files: list[Path]) -> str:
+def render(files: list[Path], suite: str | None = None) -> str:
+    """docs/BENCHMARKS.md: the reports, the headline and a line per suite; with ``suite``, that
+    suite's runs in full instead (their tables, bounds, commands and loss curves)."""
+    families = _families(files)
+    if suite is not None:
+        return "\n".join(_suite_section(suite, families[suite]))
     lines = [
         "# Benchmarks",
         "",
-        "Produced by `bench/run_benchmarks.py` from real training runs (never edited by hand).",
-        "Step time is the median over iterations 3..N (the first two include allocation and",
-        "optimizer-state creation); peak GPU memory is `torch.cuda.max_memory_allocated()` over",
-        "the whole run (per phase, forward+backward and optimizer step, where recorded);",
-        "GB are GiB (2^30 bytes); max |Δloss| compares the per-iteration global loss with the",
-        "baseline run of the same suite (same seed, same data).",
-        "",
-        "Regenerate:",
+        "Real training runs, recorded by `bench/run_benchmarks.py` in `bench/results/` and read",
+        "here (never edited by hand). Step time is the median over iterations 3..N; peak GPU",
+        "memory is `torch.cuda.max_memory_allocated()`; GB are GiB.",
         "",
         "    python bench/run_benchmarks.py run --suite SUITE --out results-SUITE.json   # GPU",
         "    python bench/run_benchmarks.py report bench/results/*.json > docs/BENCHMARKS.md",
+        "    python bench/run_benchmarks.py report --suite SUITE bench/results/*.json  # its runs",
         "",
         *_reports(),
         *_headline(files),
+        *_suite_index(families),
     ]
-    for suite, group in _families(files).items():
-        own = [(path, d) for path, d in group if d["suite"] not in IN_REPORTS]
-        if own:
-            lines += _suite_section(suite, own)
     return "\n".join(lines)
+
+
+def _suite_index(families: dict[str, list[tuple[Path, dict]]]) -> list[str]:
+    """A row per suite whose findings no report holds: its calls, GPU, rows and dates (its runs
+    in full: ``report --suite``)."""
+    rows = []
+    for suite, group in sorted(families.items()):
+        if all(d["suite"] in IN_REPORTS for _, d in group):
+            continue
+        envs = [d["environment"] for _, d in group]
+        name = "{} x{}"
+        gpus = sorted(
+            {name.format(e["gpu"].removeprefix("NVIDIA "), e.get("gpu_count", 1)) for e in envs}
+        )
+        dates = sorted(e["date"][:10] for e in envs)
+        cases = {r["case"]["name"] for _, d in group for r in d["results"]}
+        span = dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1][5:]}"
+        rows.append([f"`{suite}`", str(len(group)), ", ".join(gpus), str(len(cases)), span])
+    head = ["suite", "calls", "GPU", "rows", "dates"]
+    return ["## Every other suite", "", *markdown_table(head, rows), ""] if rows else []
 
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
@@ -1661,10 +1679,16 @@ def main() -> int:
     )
     report = sub.add_parser("report", help="Markdown from result files")
     report.add_argument("files", nargs="+", type=Path)
+    report.add_argument("--suite", help="one suite's runs in full (its tables and commands)")
     args = parser.parse_args()
     if args.command == "run":
         return cmd_run(args)
-    print(render(args.files))
+    families = _families(args.files)
+    if args.suite is not None and args.suite not in families:
+        known = ", ".join(sorted(families))
+        print(f"error: no results of suite {args.suite!r}; one of: {known}", file=sys.stderr)
+        return 2
+    print(render(args.files, args.suite))
     return 0
 
 

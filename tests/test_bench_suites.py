@@ -78,10 +78,10 @@ def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> Non
     """gbs-4-beside ran at 14a2ce5 and again at a93c243 on a slower host: every row names its call,
     and each CPU-Adam run's speed-up over HybridDeviceOptimizer uses the HDO run of its call."""
     results = PROJECT_ROOT / "bench" / "results"
-    text = run_benchmarks.render(
-        [results / "results-gbs-4-beside-14a2ce5.json", results / "results-gbs-4-beside.json"]
+    section = run_benchmarks.render(
+        [results / "results-gbs-4-beside-14a2ce5.json", results / "results-gbs-4-beside.json"],
+        suite="gbs-4-beside",
     )
-    section = text.split("## Suite `gbs-4-beside`", 1)[1]
     assert "| cost GBS4 no offload (repeat) (gbs-4-beside-14a2ce5) |" in section
     for call, hdo_s, step_s in (
         ("gbs-4-beside-14a2ce5", 3.984, 1.298),
@@ -116,3 +116,15 @@ def test_readme_states_what_the_whole_model_run_measured() -> None:
     assert f"{s['gpu_peak_allocated_gb']:.1f} GB against {planned[1]} planned" in readme
     assert f"{host:.1f} GB above idle against {planned[2]} planned" in readme
     assert none["status"] == "OOM" and "out of GPU memory" in readme
+
+
+def test_benchmarks_is_an_index_of_reports_headline_and_suites() -> None:
+    """docs/BENCHMARKS.md from every committed result: at most 150 lines, a link per report,
+    a row per suite no report holds, and no run's own table (those: ``report --suite``)."""
+    files = sorted((PROJECT_ROOT / "bench" / "results").glob("*.json"))
+    text = run_benchmarks.render(files)
+    assert len(text.splitlines()) <= 150
+    for report in (PROJECT_ROOT / "docs" / "benchmarks").glob("*.md"):
+        assert f"(benchmarks/{report.name})" in text
+    assert "| `gbs-4-beside` | 2 |" in text and "`throughput`" not in text
+    assert "loss curves" not in text and "## Suite `" not in text
