@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""docs/benchmarks/notebook.md's "Exact offload against the global batch", from ``gbs-N``
+"""docs/benchmarks/optimizer-offload.md: exact offload against the global batch, from ``gbs-N``
 (H200: no offload twice, the exact engines, HDO and delayed mode), ``gbs-N-pairs`` (no
 offload and the exact engines in turn) and ``gbs-N-grown`` (gbs-N's rows again, one H100, after
 the state windows grow during the last backward):
@@ -14,6 +14,8 @@ the state windows grow during the last backward):
     python bench/gbs_report.py gaps    # ... with and without a kernel after each window copy
     python bench/gbs_report.py share   # exact CPU Adam's GPU share started with the step
     python bench/gbs_report.py phases FILE...  # each run's phases in any results files (A/B calls)
+    python bench/gbs_report.py report --plot docs/benchmarks/optimizer-offload.png \\
+        > docs/benchmarks/optimizer-offload.md   # all of these in bench/templates' report
 """
 
 from __future__ import annotations
@@ -861,18 +863,60 @@ def phases(paths: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+PARTS = {
+    "cost": cost,
+    "ends": ends,
+    "asks": asks,
+    "pairs": pairs,
+    "host": host,
+    "remainders": remainders,
+    "beside": beside,
+    "gaps": gaps,
+    "share": share,
+}
+TEMPLATE = Path(__file__).resolve().parent / "templates" / "optimizer-offload.md"
+
+
+def report(plot: Path | None = None) -> str:
+    """The template's words with each ``{{part}}`` filled in; the plot drawn where asked."""
+    text = TEMPLATE.read_text()
+    for name, part in PARTS.items():
+        if f"{{{{{name}}}}}" in text:
+            text = text.replace(f"{{{{{name}}}}}", part())
+    if plot is not None:
+        draw(plot)
+    return text
+
+
+def draw(out: Path) -> None:
+    """Each exact engine's step over its call's no-offload step, against the global batch (a
+    point per run), beside the issue's bars."""
+    from plots import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for engine, colour in (("cpu_adam 100%", "tab:blue"), ("states", "tab:orange")):
+        points = [
+            (gbs, r["step_time_s_median"] / s.base)
+            for gbs in BARS
+            for s in suites(gbs)
+            for name, r in s.runs
+            if name == engine
+        ]
+        ax.scatter(*zip(*points, strict=True), color=colour, alpha=0.6, label=engine)
+    ax.plot(list(BARS), list(BARS.values()), "k--", label="the bar")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(BARS), [str(g) for g in BARS])
+    ax.set_xlabel("global batch (micro-batch 1)")
+    ax.set_ylabel("step over no offload's")
+    ax.legend(fontsize=8)
+    save(fig, out)
+
+
 if __name__ == "__main__":
-    print(
-        {
-            "cost": cost,
-            "ends": ends,
-            "asks": asks,
-            "pairs": pairs,
-            "host": host,
-            "remainders": remainders,
-            "beside": beside,
-            "gaps": gaps,
-            "share": share,
-            "phases": phases,
-        }[sys.argv[1]]()
-    )
+    if sys.argv[1] == "report":
+        plot = Path(sys.argv[3]) if sys.argv[2:3] == ["--plot"] else None
+        print(report(plot))
+    else:
+        print({**PARTS, "phases": phases}[sys.argv[1]]())

@@ -1514,9 +1514,17 @@ def _suite_index(families: dict[str, list[tuple[Path, dict]]]) -> list[str]:
 
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
-# bench/throughput.py's, convergence.py's, capacity.py's and weight_offload.py's.
+# bench/throughput.py's, convergence.py's, capacity.py's, weight_offload.py's, gbs_report.py's.
 CAPACITY = {"capacity-28", "capacity-auto-28", "capacity-auto-31", "capacity-auto-37"}
+GBS_CALLS = ("", "-beside", "-grown", "-pairs", "-pairs-2", "-pairs-3", "-pairs-4")
+OPTIMIZER_OFFLOAD = {  # gbs_report.py's
+    "beside-4-ab",
+    "exact-4-ab",
+    *(f"remainders-{n}" for n in (4, 8, 32)),
+    *(f"gbs-{n}{call}" for n in (4, 8, 32) for call in GBS_CALLS),
+}
 IN_REPORTS = {
+    *OPTIMIZER_OFFLOAD,
     *throughput.SUITES,
     "convergence",
     "convergence-ep2",

@@ -126,5 +126,17 @@ def test_benchmarks_is_an_index_of_reports_headline_and_suites() -> None:
     assert len(text.splitlines()) <= 150
     for report in (PROJECT_ROOT / "docs" / "benchmarks").glob("*.md"):
         assert f"(benchmarks/{report.name})" in text
-    assert "| `gbs-4-beside` | 2 |" in text and "`throughput`" not in text
+    assert "| `cpu-adam` | 2 |" in text and "`throughput`" not in text and "`gbs-4`" not in text
     assert "loss curves" not in text and "## Suite `" not in text
+
+
+def test_the_optimizer_offload_report_fills_its_template() -> None:
+    """bench/gbs_report.py report: the template's words with every part filled in, under 300
+    lines, as committed in docs/benchmarks."""
+    import gbs_report
+
+    text = gbs_report.report()
+    assert "{{" not in text and len(text.splitlines()) <= 300
+    assert "| 32 | `gbs-32-beside" in text
+    committed = PROJECT_ROOT / "docs" / "benchmarks" / "optimizer-offload.md"
+    assert committed.read_text().strip() == text.strip()
