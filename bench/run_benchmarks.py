@@ -1381,8 +1381,10 @@ def _medians(calls: list[dict], key: tuple[str, str]) -> dict:
     return {**runs[-1], **{k: statistics.median(s[k] for s in runs) for k in MEDIAN_KEYS}}
 
 
-def _gpus(n: int) -> str:
-    return f" x{n}" if n > 1 else ""
+def _gpu_label(call: dict, result: dict) -> str:
+    """The GPU a run used, and how many where more than one ("H200 x2")."""
+    n = result["case"].get("nproc", 1)
+    return call["environment"]["gpu"].replace("NVIDIA ", "") + (f" x{n}" if n > 1 else "")
 
 
 def _headline(files: list[Path]) -> list[str]:
@@ -1414,7 +1416,7 @@ def _headline(files: list[Path]) -> list[str]:
             [
                 r["case"]["name"],
                 f"`{key[0]}` {d['environment']['commit'][:7]}",
-                d["environment"]["gpu"].replace("NVIDIA ", "") + _gpus(r["case"].get("nproc", 1)),
+                _gpu_label(d, r),
                 r["status"],
                 fmt(step * 1000 if step else None, ".0f"),
                 fmt(ratio(step, base.get("step_time_s_median")), ".2f", "x"),
@@ -1500,12 +1502,8 @@ def _suite_index(families: dict[str, list[tuple[Path, dict]]]) -> list[str]:
     for suite, group in sorted(families.items()):
         if all(d["suite"] in IN_REPORTS for _, d in group):
             continue
-        envs = [d["environment"] for _, d in group]
-        name = "{} x{}"
-        gpus = sorted(
-            {name.format(e["gpu"].removeprefix("NVIDIA "), e.get("gpu_count", 1)) for e in envs}
-        )
-        dates = sorted(e["date"][:10] for e in envs)
+        gpus = sorted({_gpu_label(d, r) for _, d in group for r in d["results"]})
+        dates = sorted(d["environment"]["date"][:10] for _, d in group)
         cases = {r["case"]["name"] for _, d in group for r in d["results"]}
         span = dates[0] if dates[0] == dates[-1] else f"{dates[0]}..{dates[-1][5:]}"
         rows.append([f"`{suite}`", str(len(group)), ", ".join(gpus), str(len(cases)), span])

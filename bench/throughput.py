@@ -30,8 +30,8 @@ from calibrate_planner import as_it_ran  # noqa: E402
 
 from offload_runner.auto import choose_offload, with_overrides  # noqa: E402
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
-from offload_runner.config.schema import RunConfig, te_fusions  # noqa: E402
-from offload_runner.gpu_time import Predicted, predict  # noqa: E402
+from offload_runner.config.schema import RunConfig  # noqa: E402
+from offload_runner.gpu_time import Predicted, kernels, predict  # noqa: E402
 from offload_runner.hardware import GPU_RATES, GpuRates  # noqa: E402
 from offload_runner.model_size import count_parameters, training_flops_per_token  # noqa: E402
 from offload_runner.plan import Layout, make_plan, rank_micro_batches  # noqa: E402
@@ -108,8 +108,11 @@ def load(files: list[Path]) -> tuple[list[Row], dict]:
         data = json.loads(path.read_text())
         commits = [*env.get("commits", []), data["environment"]["commit"]]
         dates = sorted({*env.get("dates", []), data["environment"]["date"][:10]})
-        env = {**(env or data["environment"]), "commits": list(dict.fromkeys(commits))}
-        env["dates"] = dates
+        env = {
+            **(env or data["environment"]),
+            "commits": list(dict.fromkeys(commits)),
+            "dates": dates,
+        }
         for result in data["results"]:
             result = {**result, "environment": data["environment"], "source": path.name}
             rows.setdefault(result["case"]["name"], Row(result["case"]["name"])).runs.append(result)
@@ -121,11 +124,11 @@ def load(files: list[Path]) -> tuple[list[Row], dict]:
         for source in {r["source"] for row in ordered for r in row.runs}
     }
     for row in ordered:
-        kernels = "fused" if te_fusions(row.run) else "plain"
+        own = kernels(row.run)
         row.call_rates = {
-            source: gpu_rates(rates[kernels])
+            source: gpu_rates(rates[own])
             for source, rates in per_call.items()
-            if kernels in rates and source in row.sources
+            if own in rates and source in row.sources
         }
     return ordered, env
 
@@ -178,8 +181,7 @@ def fit(rows: list[Row], sources: set[str] | None = None) -> dict:
             dense = n * m.num_layers * GPU_RATES["plain"].dense_layer_s
             experts = n * m.num_layers * (m.num_moe_experts or 0) / layout.ep
             flops = training_flops_per_token(m) * run.train.global_batch_size * m.seq_length
-            kernels = "fused" if te_fusions(run) else "plain"
-            samples.setdefault(kernels, []).append(
+            samples.setdefault(kernels(run), []).append(
                 (experts, flops, statistics.median(fwd_bwd) - dense)
             )
         if not (run.optimizer.optimizer_cpu_offload or run.optimizer.offload_optimizer_states):

@@ -24,9 +24,14 @@ from offload_runner.plan import Layout, rank_micro_batches
 RECOMPUTE_FACTOR = 4 / 3  # full recompute: the layer's forward (a third of its work) again
 
 
+def kernels(run: RunConfig) -> str:
+    """``run``'s kernel set, a key of GPU_RATES: fused (conf/speed/fused.yaml) or plain."""
+    return "fused" if te_fusions(run) else "plain"
+
+
 def rates(run: RunConfig) -> GpuRates:
     """The rates of ``run``'s kernels: fused (conf/speed/fused.yaml) or Megatron-Core's plain."""
-    return GPU_RATES["fused" if te_fusions(run) else "plain"]
+    return GPU_RATES[kernels(run)]
 
 
 def layer_fixed_seconds(run: RunConfig, layout: Layout, gpu: GpuRates | None = None) -> float:
@@ -54,9 +59,8 @@ def forward_backward_seconds(
         if m.recompute_granularity is not None and m.recompute_granularity.value == "full"
         else 1.0
     )
-    per_micro_batch = recompute * (
-        layers * layer_fixed_seconds(run, layout, gpu) + flops / (gpu or rates(run)).flops
-    )
+    r = gpu or rates(run)
+    per_micro_batch = recompute * (layers * layer_fixed_seconds(run, layout, r) + flops / r.flops)
     bubble = 1 + (layout.pp - 1) / n
     return n * per_micro_batch * bubble
 

@@ -469,8 +469,10 @@ class HostAdam(HybridDeviceOptimizer):
         if self.host_master is not None:
             yield
             return
-        self._params_as_masters = True  # also through a load (DistributedOptimizer's first
-        for _, p in self.offloaded:  # reloads the state dict before it lays out a checkpoint)
+        # kept through a load too: DistributedOptimizer reloads the engine's own state dict
+        # before it lays out the checkpoint's
+        self._params_as_masters = True
+        for _, p in self.offloaded:
             self.state[p] = self._views(p)
         try:
             yield
