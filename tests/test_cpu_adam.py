@@ -1169,33 +1169,70 @@ def test_the_train_step_lets_the_backwards_copies_finish_before_the_clipping() -
     assert calls == ["copies taken", "optimizer.step", "clipped by 2.5"]
 
 
+def _adam_case(n: int, grad_dtype, moment_dtype):
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=g)
+    grad = (torch.randn(n, generator=g) * 1e-3).to(grad_dtype)
+    m = (torch.randn(n, generator=g) * 1e-3).to(moment_dtype)
+    v = (torch.rand(n, generator=g) * 1e-6).to(moment_dtype)
+    return master, grad, m, v
+
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+
+
 def test_upcast_blocks_reuse_the_threads_arrays_and_match_fp32_adam(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """host_adam.adamw on bf16 gradients and moments in blocks smaller than the tensor: the
-    update is fused AdamW's on their fp32 upcasts, across the blocks' edges, and every block
-    upcasts into the same three fp32 arrays of the thread (no new array per block)."""
-    from offload_runner.offload import host_adam
+    """host_adam.adamw without the host kernel, on bf16 gradients and moments in blocks smaller
+    than the tensor: the update is fused AdamW's on their fp32 upcasts, across the blocks'
+    edges, and every block upcasts into the same three fp32 arrays of the thread."""
+    from offload_runner.offload import host_adam, host_kernel
 
     monkeypatch.setattr(host_adam, "UPCAST_BLOCK", 1024)
-    g = torch.Generator().manual_seed(0)
-    n = 4500  # four whole blocks and a part
-    master = torch.randn(n, generator=g)
-    grad = (torch.randn(n, generator=g) * 1e-3).bfloat16()
-    m = (torch.randn(n, generator=g) * 1e-3).bfloat16()
-    v = (torch.rand(n, generator=g) * 1e-6).bfloat16()
+    monkeypatch.setattr(host_kernel, "load", lambda: None)
+    master, grad, m, v = _adam_case(4500, torch.bfloat16, torch.bfloat16)  # 4 blocks and a part
     ref_master, ref_m, ref_v = master.clone(), m.float(), v.float()
-    fused = host_adam.torch_adamw(
-        torch.tensor(3.0), dict(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
-    )
-    fused([ref_master], [grad.float()], [ref_m], [ref_v])
-    host_adam.adamw([master], [grad], [m], [v], fused)
+    steps = torch.tensor(3.0)
+    host_adam.torch_adamw(steps, HYPER)([ref_master], [grad.float()], [ref_m], [ref_v])
+    host_adam.adamw([master], [grad], [m], [v], steps, HYPER)
     assert torch.equal(master, ref_master)
     assert torch.equal(m, ref_m.bfloat16()) and torch.equal(v, ref_v.bfloat16())
     arrays = host_adam._SCRATCH.arrays
     ptrs = [a.data_ptr() for a in arrays]
-    host_adam.adamw([master], [grad], [m], [v], fused)
+    host_adam.adamw([master], [grad], [m], [v], steps, HYPER)
     assert host_adam._SCRATCH.arrays is arrays and [a.data_ptr() for a in arrays] == ptrs
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, moment_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+def test_host_kernel_matches_fused_adamw_on_upcasts(grad_dtype, moment_dtype) -> None:
+    """The compiled one-pass kernel (split over threads) against torch's fused AdamW on fp32
+    upcasts, a clip factor included: masters and moments bit for bit (as the engines' tests
+    hold, <= 0.1% of elements may differ: torch's tail loop rounds otherwise), fp32 gradients
+    unscaled in place as torch's kernel leaves them."""
+    from offload_runner.offload import host_adam, host_kernel
+
+    kernel = host_kernel.load()
+    assert kernel is not None, "the CI machine has a C compiler: the kernel must build"
+    master, grad, m, v = _adam_case(100_003, grad_dtype, moment_dtype)
+    ref_master, ref_grad, ref_m, ref_v = (t.float().clone() for t in (master, grad, m, v))
+    steps, scale = torch.tensor(7.0), torch.tensor(2.0)
+    host_adam.torch_adamw(steps, HYPER, scale)([ref_master], [ref_grad], [ref_m], [ref_v])
+    assert host_kernel.supports(master, grad, m, v)
+    with torch.inference_mode():
+        torch.set_num_threads(2)
+        host_adam.adamw([master], [grad], [m], [v], steps, HYPER, scale)
+    for got, want in ((master, ref_master), (m, ref_m), (v, ref_v)):
+        assert (got != want.to(got.dtype)).sum() <= got.numel() // 1000
+    if grad_dtype == torch.float32:
+        assert torch.equal(grad, ref_grad)
 
 
 def test_attach_says_what_it_built(caplog: pytest.LogCaptureFixture) -> None:

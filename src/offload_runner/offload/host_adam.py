@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-from offload_runner.offload import quantized, remainders
+from offload_runner.offload import host_kernel, quantized, remainders
 from offload_runner.offload.host_memory import HostArenas, aligned
 
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
@@ -297,7 +297,8 @@ class HostAdam(HybridDeviceOptimizer):
                 [g for _, _, g in items],
                 [s["exp_avg"] for _, s, _ in items],
                 [s["exp_avg_sq"] for _, s, _ in items],
-                torch_adamw(steps, hypers[gi]),
+                steps,
+                hypers[gi],
             )
             torch._foreach_copy_([p.view(-1) for p, _, _ in items], masters)
 
@@ -514,30 +515,37 @@ def torch_adamw(steps, h: dict, grad_scale=None):
     return run
 
 
-def adamw(masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, fp32_adam) -> None:
-    """AdamW through ``fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)`` (a kernel on fp32
-    lists) for fp32 masters whose gradients or moments may be bf16: those are upcast to fp32 in
-    blocks, updated, and the moments rounded back (to nearest even), as Transformer Engine's
-    FusedAdam does with bf16 moments: fp32 math, bf16 storage. On the CPU the blocks are large
-    and upcast into fp32 arrays the thread reuses: each block wakes the engines' passive OpenMP
-    team twice, and a new array per block costs its page faults (1M-element blocks into new
-    arrays ran at 0.57x fused AdamW on fp32 gradients on one H100 host, 4M ones at 0.76x:
-    docs/evidence/grad-dtype-probe-h100.txt)."""
+def adamw(
+    masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps, h: dict, grad_scale=None
+) -> None:
+    """torch's fused AdamW at ``steps`` with ``h``'s hyperparameters, for fp32 masters whose
+    gradients or moments may be bf16: fp32 math, bf16 storage rounded to nearest even, as
+    Transformer Engine's FusedAdam does with bf16 moments. On the CPU such a mix takes
+    host_kernel's one-pass loop where a C compiler built it (fused AdamW takes one dtype), else
+    the blocks: upcast into fp32 arrays the thread reuses, updated, the moments rounded back
+    (each block wakes the engines' passive OpenMP team twice, and a new array per block costs
+    its page faults: docs/evidence/grad-dtype-probe-h100.txt). On the GPU whole tensors are
+    upcast."""
     import torch
 
-    fp32 = torch.float32
+    fp32, fused = torch.float32, torch_adamw(steps, h, grad_scale)
     if all(t.dtype == fp32 for t in (*grads, *exp_avgs, *exp_avg_sqs)):
-        fp32_adam(masters, grads, exp_avgs, exp_avg_sqs)
+        fused(masters, grads, exp_avgs, exp_avg_sqs)
         return
     for master, grad, m, v in zip(masters, grads, exp_avgs, exp_avg_sqs, strict=True):
         on_cpu = master.device.type == "cpu"
+        kernel = host_kernel.load() if on_cpu else None
+        if kernel is not None and host_kernel.supports(master, grad, m, v):
+            scale = 1.0 if grad_scale is None else float(grad_scale)
+            host_kernel.adamw(kernel, master, grad, m, v, h, float(steps), scale)
+            continue
         block = UPCAST_BLOCK if on_cpu else max(master.numel(), 1)
         for a in range(0, master.numel(), block):
             b = min(a + block, master.numel())
             g32, m32, v32 = (
                 _fp32(t[a:b], i if on_cpu else None) for i, t in enumerate((grad, m, v))
             )
-            fp32_adam([master[a:b]], [g32], [m32], [v32])
+            fused([master[a:b]], [g32], [m32], [v32])
             if m.dtype != fp32:
                 m[a:b].copy_(m32)
             if v.dtype != fp32:

@@ -24,7 +24,6 @@ from offload_runner.offload.host_adam import (
     adamw,
     grad_of,
     main_grad_views,
-    torch_adamw,
 )
 from offload_runner.offload.window import StatesWindow
 
@@ -395,14 +394,16 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             del self.history[2:-HISTORY]
 
     def _adam(self, a: int, b: int, h: dict, steps, grad_scale=None) -> None:
-        """torch's fused AdamW on elements [a, b) of the host arrays (the gradients divided by
+        """AdamW on elements [a, b) of the host arrays (the gradients divided by
         ``grad_scale`` first, where given)."""
         adamw(
             [self.host_master[a:b]],
             [self.host_grad[a:b]],
             [self.host_exp_avg[a:b]],
             [self.host_exp_avg_sq[a:b]],
-            torch_adamw(steps, h, grad_scale),
+            steps,
+            h,
+            grad_scale,
         )
 
     def finish(self) -> None:
