@@ -889,9 +889,8 @@ def test_two_ranks_keep_room_for_nccl_and_share_the_hosts_link() -> None:
 
 def test_bf16_moments_move_the_balanced_gpu_share() -> None:
     """With bf16 moments the GPU share's states move 8 B/param, not 12, and the engine's CPU Adam
-    runs at BF16_MOMENTS_CPU_FACTOR of its fp32-moment rate (suite bf16-moments: under
-    model.deterministic_mode the share, balanced as for fp32 moments, left the forward waiting
-    1.15 s for the CPU), so the balance moves towards the GPU."""
+    runs at BF16_MOMENTS_CPU_FACTOR of its fp32-moment rate, so the balance moves towards the
+    GPU."""
     from offload_runner.hardware import BF16_MOMENTS_CPU_FACTOR
     from offload_runner.hardware import CPU_ADAM_RATE_BESIDE_STREAMS as K
     from offload_runner.hardware import LINK_BESIDE_CPU_ADAM as L

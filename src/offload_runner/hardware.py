@@ -185,9 +185,10 @@ CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloade
 # kept 0.73 (docs/evidence/cpu-gpu-split-probe.txt).
 CPU_ADAM_RATE_BESIDE_STREAMS = 0.58
 LINK_BESIDE_CPU_ADAM = 0.88
-# ... and with bf16 moments (upcast, updated and rounded back block by block) the CPU rate over the
-# fp32 moments' (the same script: 0.22 of fused AdamW alone, suite bf16-moments, against 0.58)
-BF16_MOMENTS_CPU_FACTOR = 0.38
+# ... and with bf16 moments the CPU rate over the fp32 moments': host_kernel's one pass ran at
+# fused AdamW's rate on fp32 moments here (1.68 against 1.64 G params/s, 2 cores; the blocks it
+# replaces ran at 0.38 inside the engine: suite bf16-moments, 0.22 of fused AdamW alone)
+BF16_MOMENTS_CPU_FACTOR = 1.0
 
 
 # Delayed mode's late passes bring each piece's fp32 gradients up with its states (they went

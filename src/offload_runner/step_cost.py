@@ -143,8 +143,8 @@ class StepCost:
     launch_slowdown: float = 0.0  # planner.cpu_adam_launch_slowdown
 
     def exact_rate(self, run: RunConfig) -> float:
-        """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact (bf16 moments
-        upcast and rounded back block by block: BF16_MOMENTS_CPU_FACTOR)."""
+        """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact (with bf16
+        moments at BF16_MOMENTS_CPU_FACTOR of it)."""
         engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
         low = BF16_MOMENTS_CPU_FACTOR if low_moments(run) else 1.0
         return self.cpu_adam_params_per_s * (low if engine else HDO_RATE_SHARE)

@@ -76,7 +76,7 @@ def load():
 def _build():
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() != "Linux":
-        log.info("host kernel: no C compiler; bf16 moments take the blocked upcast")
+        log.warning("host kernel: no C compiler (set CC); bf16 moments take the slower blocks")
         return None
     key = hashlib.sha256((SOURCE + " ".join(FLAGS) + _cpu_id()).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload-runner"
@@ -91,7 +91,9 @@ def _build():
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 os.replace(out, target)  # atomic: ranks may build at once
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("host kernel: %s failed (%s); bf16 moments take the blocks", compiler, e)
+            log.warning(
+                "host kernel: %s failed (%s); bf16 moments take the slower blocks", compiler, e
+            )
             return None
     lib = ctypes.CDLL(str(target))
     for name in ("adamw_g32_m16", "adamw_g16_m16", "adamw_g16_m32"):
