@@ -563,6 +563,24 @@ PROFILE_55 = [
 ]
 
 
+# Issue 55's miss: the state stream at MB 8 against the same shape without offload (no cap:
+# it fits one H200 whole), run interleaved.
+MB8_STATES = [
+    Case(
+        "MB8 fused",
+        PROXY_RECIPE,
+        ("train.global_batch_size=16", "train.micro_batch_size=8"),
+        "MB8 fused",
+    ),
+    Case(
+        "MB8 fused states",
+        PROXY_RECIPE,
+        (*T16, "train.micro_batch_size=8", "offload/optimizer=states"),
+        "MB8 fused",
+    ),
+]
+
+
 # Issue 56: what each precision and delay step costs in learning, on real text. The corpus:
 #   python tools/fetch_corpus.py corpus/text
 #   python run_recipe.py --prepare corpus/text --output corpus/prose --vocab-size 16384
@@ -657,6 +675,7 @@ SUITES: dict[str, list[Case]] = {
     "convergence-ep2": CONVERGENCE_EP2,
     "whole-model": WHOLE_MODEL,
     "profile-55": PROFILE_55,
+    "mb8-states": MB8_STATES,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)
     **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
@@ -1359,7 +1378,7 @@ HEADLINE = [
 
 
 # Suites run in interleaved rounds over several calls: the headline takes each row's medians.
-INTERLEAVED = {"throughput-16", "throughput-37", "engines-4", "engines-8"}
+INTERLEAVED = {"throughput-16", "throughput-37", "engines-4", "engines-8", "mb8-states"}
 MEDIAN_KEYS = (
     "step_time_s_median",
     "fwd_bwd_time_s_median",
