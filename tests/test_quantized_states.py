@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_runner.offload import quantized
+from offload_runner.offload import quantized, window
 from offload_runner.offload.optimizer_states import WindowedStates
 from offload_runner.offload.window import SLOTS
 from tests.test_cpu_adam import (
@@ -107,10 +107,9 @@ def test_8bit_moments_learn_what_fp32_moments_learn() -> None:
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours() -> None:
-    torch.manual_seed(0)
     value = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way to the next bf16
     out = torch.empty(value.shape, dtype=torch.bfloat16)
-    quantized.round_stochastically(value, out)
+    quantized.round_stochastically(value, out, torch.Generator().manual_seed(0))
     assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert abs(out.float().mean().item() - value[0].item()) < 2e-5
 
@@ -118,7 +117,8 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours() -> None:
 def test_bf16_masters_are_the_fp32_update_rounded_stochastically() -> None:
     """No master on the host (with 8-bit moments: 2.03 B/param in all): each step upcasts the
     bf16 parameters, updates them in fp32 and rounds them stochastically, piece by piece: the
-    first step gives AdamW's fp32 masters rounded with the same random bits."""
+    first step gives AdamW's fp32 masters rounded with the same random bits: the engine's own
+    generator's, whatever the default generator draws meanwhile."""
     buffers, reference = Buffers(), Buffers()
     eng, ref = q8_engine(buffers, bf16_masters=True), Reference(reference)
     torch.manual_seed(7)
@@ -126,10 +126,10 @@ def test_bf16_masters_are_the_fp32_update_rounded_stochastically() -> None:
     assert eng.host_master is None and "master_param" not in eng.state[buffers.views[0]]
     assert eng.state_bytes_per_param == 2 * (1 + 4 / quantized.BLOCK)
     flat = torch.cat([p.detach() for p in ref.params])
-    torch.manual_seed(7)
+    rounding = torch.Generator().manual_seed(window.ROUNDING_SEED)
     for piece in eng._pieces:
         quantized.round_stochastically(
-            flat[piece.start : piece.stop], reference.param[piece.start : piece.stop]
+            flat[piece.start : piece.stop], reference.param[piece.start : piece.stop], rounding
         )
     assert torch.equal(buffers.param, reference.param)
     assert not torch.equal(buffers.param, flat.to(torch.bfloat16))  # not to nearest
@@ -145,8 +145,9 @@ def test_bf16_masters_are_the_fp32_update_rounded_stochastically() -> None:
 def test_a_resumed_engine_continues_the_uninterrupted_one_bit_for_bit(masters: str) -> None:
     """A checkpoint of 8-bit moments holds the host arrays as they are (codes, remainders; the
     parameters stand in for bf16 masters) in Megatron-Core's keys, the blocks' scales and the
-    random state beside them (checkpoint.py): an engine loaded from them on other buffers, the
-    parameters copied as the model's checkpoint would, steps as the uninterrupted one does."""
+    random states beside them (checkpoint.py; bf16 masters' rounding generator too): an engine
+    loaded from them on other buffers, the parameters copied as the model's checkpoint would,
+    steps as the uninterrupted one does."""
     import copy
 
     from offload_runner import checkpoint
@@ -159,6 +160,8 @@ def test_a_resumed_engine_continues_the_uninterrupted_one_bit_for_bit(masters: s
     with eng.fp32_masters():  # what checkpoint.save_checkpoint hands Megatron-Core
         saved = copy.deepcopy(eng.state_dict())
     scales, rng = copy.deepcopy(eng.quantized_state()), torch.get_rng_state()
+    rounding = eng.rounding_state()  # bf16 masters' own generator (None with remainders)
+    assert (rounding is None) != bf16
     params = buffers.param.clone()  # the model's checkpoint
     assert checkpoint._engine_precision(eng) == (
         f"exp_avg q8, exp_avg_sq q8, {0 if bf16 else 2} B masters"
@@ -179,6 +182,7 @@ def test_a_resumed_engine_continues_the_uninterrupted_one_bit_for_bit(masters: s
         resumed.load_state_dict(saved)
         resumed.restore_after_load()
     resumed.load_quantized_state(scales)
+    resumed.load_rounding_state(rounding)
     torch.set_rng_state(rng)
     assert torch.equal(resumed_buffers.param, params)
     for step in range(4, 7):

@@ -234,8 +234,8 @@ def _native_engines(optimizer) -> list:
 
 
 def _save_quantized(path: Path, optimizer) -> None:
-    """Each rank's block scales and random state (bf16 masters round with it), and on rank 0
-    the precision, beside a native checkpoint."""
+    """Each rank's block scales and random states (bf16 masters round with their engine's),
+    and on rank 0 the precision, beside a native checkpoint."""
     import json
 
     import torch
@@ -248,6 +248,7 @@ def _save_quantized(path: Path, optimizer) -> None:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     state = {"scales": [e.quantized_state() for e in engines], "rng": rng}
+    state["rounding"] = [e.rounding_state() for e in engines]
     torch.save(state, path / QUANTIZED_FILE.format(rank=dist.get_rank()))
     if dist.get_rank() == 0:
         said = _engine_precision(engines[0])
@@ -255,7 +256,7 @@ def _save_quantized(path: Path, optimizer) -> None:
 
 
 def _load_quantized(load_dir: Path, optimizer) -> None:
-    """The scales and the random state back (validation has checked the precision)."""
+    """The scales and the random states back (validation has checked the precision)."""
     import torch
     import torch.distributed as dist
 
@@ -263,8 +264,10 @@ def _load_quantized(load_dir: Path, optimizer) -> None:
     if not engines:
         return
     saved = torch.load(load_dir / QUANTIZED_FILE.format(rank=dist.get_rank()), weights_only=True)
-    for engine, scales in zip(engines, saved["scales"], strict=True):
+    rounding = saved.get("rounding", [None] * len(engines))
+    for engine, scales, state in zip(engines, saved["scales"], rounding, strict=True):
         engine.load_quantized_state(scales)
+        engine.load_rounding_state(state)
     torch.set_rng_state(saved["rng"]["cpu"])
     if "cuda" in saved["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["rng"]["cuda"])

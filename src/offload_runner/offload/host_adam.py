@@ -419,6 +419,16 @@ class HostAdam(HybridDeviceOptimizer):
         """What Megatron-Core's layout cannot carry: the 8-bit moments' block scales."""
         return [s for s in self.host_scales if s is not None]
 
+    def rounding_state(self):
+        """The state of the bf16 masters' rounding generator (None without one)."""
+        rounding = getattr(getattr(self, "_window", None), "rounding", None)
+        return None if rounding is None else rounding.get_state()
+
+    def load_rounding_state(self, state) -> None:
+        rounding = getattr(getattr(self, "_window", None), "rounding", None)
+        if rounding is not None and state is not None:
+            rounding.set_state(state)
+
     def load_quantized_state(self, saved: list) -> None:
         mine = self.quantized_state()
         if [s.numel() for s in saved] != [s.numel() for s in mine]:

@@ -19,6 +19,7 @@ log = logging.getLogger("offload_runner")
 BYTES_PER_PARAM = ADAM_BYTES  # fp32 master + exp_avg + exp_avg_sq
 SLOTS = WINDOW_SLOTS  # pieces in the window: one in Adam, one going out, one or two coming in
 HISTORY = 500  # steps kept for the metrics
+ROUNDING_SEED = 0x5EED  # bf16 masters' rounding noise: the same on every rank (their own shards)
 
 
 def _copy_all(pairs, gap) -> None:
@@ -156,6 +157,10 @@ class StatesWindow:
         self._gaps = [torch.zeros(1, device=device) for _ in range(2)] if on_cuda else None
         self._adam = adam  # Transformer Engine's multi-tensor Adam (te_adam), else torch's
         self._bf16_masters = host[0] is None
+        # bf16 masters round stochastically from this generator (a checkpoint keeps its state)
+        self.rounding = None
+        if self._bf16_masters:
+            self.rounding = torch.Generator(device).manual_seed(ROUNDING_SEED)
         self._remainders = not self._bf16_masters and host[0].dtype == torch.int16
         # the moments kept in bf16 on the host: they travel at 2 B and are upcast for Adam; those
         # kept as 8-bit codes travel with their scales and are dequantized for Adam
@@ -576,7 +581,7 @@ class StatesWindow:
             staged[i].copy_(slot[i])
         self._quantize(index)
         if self._bf16_masters:
-            quantized.round_stochastically(master, piece.param)
+            quantized.round_stochastically(master, piece.param, self.rounding)
         elif not (late or self._remainders):
             piece.param.copy_(master)
 
