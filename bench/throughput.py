@@ -4,7 +4,7 @@ median over its interleaved rounds, the GPU step-time model fitted on the calibr
 ``throughput-16`` and held to the rest, and the report.
 
     python bench/throughput.py fit bench/results/results-throughput-16-r[1-3].json
-    python bench/throughput.py report bench/results/results-{throughput,engines}-*-r*.json \\
+    python bench/throughput.py report bench/results/results-{throughput,engines,mb8}-*-r*.json \\
         --plots docs/benchmarks > docs/benchmarks/throughput.md
 
 ``fit`` prints the rates hardware.GPU_RATES and GPU_ADAM_S_PER_PARAM take (least squares over
@@ -265,7 +265,9 @@ SUITES = {
         f"engines-{gbs}": (
             f"The CPU-Adam engine's modes at GBS {gbs}",
             f"The proxy, GBS {gbs}, MB 1, fused kernels: exact `cpu_adam`, `cpu_adam_delayed` "
-            "(delayed after two exact steps) and exact `cpu_adam` with bf16 moments.",
+            "(delayed after two exact steps) and exact `cpu_adam` with bf16 moments (from "
+            "commit c8d7f82 on, their CPU Adam one pass of host_kernel's compiled loop, not "
+            "fp32 blocks upcast and rounded back).",
             [
                 (f"GBS{gbs} cpu_adam_delayed", f"GBS{gbs} cpu_adam", "delayed over exact"),
                 (
@@ -277,12 +279,19 @@ SUITES = {
         )
         for gbs in (4, 8)
     },
+    "mb8-states": (
+        "State offload at MB 8: its stream against the same shape without offload",
+        "The proxy, GBS 16, MB 8, fused kernels: no offload (no cap: it takes 85 GB) and "
+        "`offload/optimizer=states` (under the 79 GB cap, as in `throughput-16`).",
+        [("MB8 fused", "MB8 fused states", "no offload over state offload")],
+    ),
 }
 
 
 def comparisons(rows: list[Row], pairs: list[tuple[str, str, str]]) -> list[str]:
     """The suite's ratios, each over the calls that ran both rows and said to be outside or
-    inside their spread."""
+    inside their spread; then, where the calls were several, each that ran both rows twice (each
+    call an interleaved comparison of its own, perhaps of other code), each such call's."""
     by = {r.name: r for r in rows}
     lines = []
     for fast, slow, what in pairs:
@@ -292,9 +301,43 @@ def comparisons(rows: list[Row], pairs: list[tuple[str, str, str]]) -> list[str]
             if not a or not b:
                 continue
             ratio = statistics.median(a) / statistics.median(b)
-            noise = "inside the spread" if inside_spread(a, b) else "outside it"
-            lines.append(f"- {what}: {1 / ratio:.2f}x tokens/s, {ratio:.2f}x the step ({noise})")
+            line = f"- {what}: {1 / ratio:.2f}x tokens/s, {ratio:.2f}x the step ({_noise(a, b)})"
+            calls = [_call_ratio(by[fast], by[slow], c) for c in sorted(both)]
+            calls = [c for c in calls if c]
+            spans = len(both) > 1 and calls
+            lines.append(line + ("; by call: " + ", ".join(calls) if spans else ""))
     return lines
+
+
+def streams(rows: list[Row]) -> list[str]:
+    """Where state offload ran: its stream's median time and rate, and the next forward's wait
+    for the pieces the stream had not brought back."""
+    lines = []
+    for row in rows:
+        if row.values("states_stream_s_median"):
+            lines.append(
+                f"- {row.name}: the state stream took {row.median('states_stream_s_median'):.2f} s "
+                f"({row.median('states_link_gb_per_s'):.0f} GB/s each way, "
+                f"{row.median('states_in_backward_gb'):.0f} GB during the last backward); the "
+                f"next forward waited {row.median('states_forward_wait_s_median'):.2f} s for it"
+            )
+    return lines
+
+
+def _noise(a: list[float], b: list[float]) -> str:
+    return "inside the spread" if inside_spread(a, b) else "outside it"
+
+
+def _call_ratio(fast: Row, slow: Row, source: str) -> str:
+    """``r5 (commit) 0.85x (outside it)``: one call's ratio of the step, where it ran each row
+    at least twice; else empty."""
+    a, b = (r.values("step_time_s_median", {source}) for r in (fast, slow))
+    if len(a) < 2 or len(b) < 2:
+        return ""
+    commit = next(r["environment"].get("commit", "?") for r in fast.runs if r["source"] == source)
+    name = source.removesuffix(".json").rsplit("-", 1)[-1]
+    ratio = statistics.median(a) / statistics.median(b)
+    return f"{name} ({commit[:7]}) {ratio:.2f}x ({_noise(a, b)})"
 
 
 def misses(rows: list[Row]) -> list[str]:
@@ -345,6 +388,7 @@ def section(suite: str, files: list[Path], plots: Path | None) -> list[str]:
         *markdown_table(HEADER, table(rows)),
         "",
         *comparisons(rows, pairs),
+        *streams(rows),
         f"- best row: {best.name}" + (f"; auto chose `{chose}`" if chose else ""),
         "",
         *misses(rows),

@@ -93,6 +93,37 @@ def test_a_ratio_is_over_the_calls_that_ran_both_rows_and_said_inside_or_outside
     assert throughput.comparisons(rows, [("fast", "slow", "it")]) == [
         "- it: 1.91x tokens/s, 0.52x the step (outside it)"
     ]
+
+
+def test_each_call_that_ran_both_rows_twice_gets_its_own_ratio() -> None:
+    """Calls of a suite may run other code: each that ran both rows twice (interleaved) says
+    its own ratio and commit beside the pooled one; a call with one run of a row says none."""
+
+    def runs(call: str, commit: str, *steps: float) -> list[dict]:
+        env = {"commit": commit}
+        summary = [{"step_time_s_median": s} for s in steps]
+        return [{"status": "ok", "source": call, "environment": env, "summary": x} for x in summary]
+
+    fast = throughput.Row(
+        "fast",
+        [
+            *runs("results-s-r1.json", "aaaaaaa1", 1.0, 1.1),
+            *runs("results-s-r2.json", "bbbbbbb2", 0.8, 0.9),
+            *runs("results-s-r3.json", "ccccccc3", 0.1),
+        ],
+    )
+    slow = throughput.Row(
+        "slow",
+        [
+            *runs("results-s-r1.json", "aaaaaaa1", 1.0, 1.2),
+            *runs("results-s-r2.json", "bbbbbbb2", 1.0, 1.1),
+            *runs("results-s-r3.json", "ccccccc3", 1.0),
+        ],
+    )
+    (line,) = throughput.comparisons([fast, slow], [("fast", "slow", "it")])
+    assert line.endswith(
+        "; by call: r1 (aaaaaaa) 0.95x (inside the spread), r2 (bbbbbbb) 0.81x (outside it)"
+    )
     assert throughput.inside_spread([1.0, 1.2], [1.1, 1.5])
     assert not throughput.inside_spread([1.0, 1.05], [1.1, 1.5])
 
