@@ -131,3 +131,20 @@ def test_library_import_warnings_stay_out_of_the_terminal(tmp_path: Path) -> Non
 
     assert "invalid escape sequence" in stderr("") and "Jax" in stderr("")
     assert stderr("import offload_runner; ") == ""
+
+
+def test_every_host_engine_answers_what_engines_asks() -> None:
+    """engines.HostEngine is the interface the training loop's ``Engines`` calls: each engine
+    kind has every member it names (a renamed or dropped method fails here, not mid-run)."""
+    import inspect
+
+    from offload_runner.offload.cpu_adam.engine import CpuAdam
+    from offload_runner.offload.engines import HostEngine
+    from offload_runner.offload.optimizer_states import WindowedStates
+    from offload_runner.offload.weight import WeightOffload
+
+    asked = {n for n, _ in inspect.getmembers(HostEngine) if not n.startswith("_")}
+    assert asked == {"pinned_bytes", "finish", "flush", "close"}
+    for engine in (CpuAdam, WindowedStates, WeightOffload):
+        assert all(callable(getattr(engine, n, None)) or n == "pinned_bytes" for n in asked)
+        assert isinstance(inspect.getattr_static(engine, "pinned_bytes"), property)

@@ -400,6 +400,7 @@ def test_the_training_loop_calls_the_engines_through_one_object() -> None:
     calls, metrics, and close."""
     from types import SimpleNamespace
 
+    from offload_runner.config.schema import OffloadMode
     from offload_runner.offload.engines import Engines
 
     model = _bf16_model()
@@ -408,13 +409,8 @@ def test_the_training_loop_calls_the_engines_through_one_object() -> None:
         for p in module.parameters():
             p.requires_grad_(False)
     offload = weight.WeightOffload(modules, torch.device("cpu"))
-    run = SimpleNamespace(
-        optimizer=SimpleNamespace(clip_grad=0.0),
-        planner=None,
-        model=SimpleNamespace(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1
-        ),
-    )
+    one_gpu = OffloadMode(*[False] * 8, one_model_rank=True)
+    run = SimpleNamespace(optimizer=SimpleNamespace(clip_grad=0.0), planner=None, mode=one_gpu)
     optimizer = _Optimizer()
     engines = Engines(run, [_Chunk(offload)], optimizer)
     try:

@@ -12,7 +12,6 @@ from offload_runner.config.schema import (
     RecomputeGranularity,
     RecomputeMethod,
     RunConfig,
-    states_offloaded,
 )
 from offload_runner.gpu_time import Predicted, predict
 from offload_runner.model_size import count_parameters
@@ -222,7 +221,7 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
             f"{last.max_node_host_gb:.1f} of {last.host_capacity_gb:.0f} GB host RAM per node"
         )
     o = run.optimizer
-    offloading = p.auto_optimizer or o.optimizer_cpu_offload or states_offloaded(run)
+    offloading = p.auto_optimizer or o.optimizer_cpu_offload or run.mode.states
     cost = step_cost(run, fitting[0].plan.gpus_per_node) if offloading else None  # times CPU Adam
 
     def offload_s(fit: Fit) -> float:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload_runner.config.schema import RunConfig, states_offloaded, te_fusions
+from offload_runner.config.schema import RunConfig, te_fusions
 from offload_runner.hardware import GPU_ADAM_S_PER_PARAM, GPU_RATES, GpuRates
 from offload_runner.model_size import count_parameters, training_flops_per_token
 from offload_runner.plan import Layout, rank_micro_batches
@@ -75,7 +75,7 @@ def gpu_adam_seconds(run: RunConfig, world: int | None = None) -> float:
     on_gpu = 1.0
     if o.optimizer_cpu_offload:
         on_gpu -= o.optimizer_offload_fraction
-    elif states_offloaded(run):
+    elif run.mode.states:
         on_gpu -= o.optimizer_state_offload_fraction
     return max(on_gpu, 0.0) * params * GPU_ADAM_S_PER_PARAM
 

@@ -14,7 +14,6 @@ from functools import cache
 from offload_runner.config.schema import (
     WINDOW_PIECES,
     RunConfig,
-    states_offloaded,
     states_window_mb,
 )
 
@@ -29,7 +28,7 @@ HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param co
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
 CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
-# exact mode's GPU share streams them: cpu_adam_streams)
+# exact mode's GPU share streams them: OffloadMode.streams)
 WINDOW_SLOTS = WINDOW_PIECES  # pieces in a state window
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "q8": 1 + 4 / 256}  # q8: a code, a block's scale
 # weight offload's update: params per piece (18 B each on the GPU: fp32 gradient, master and two
@@ -108,7 +107,7 @@ Q8_WORKSPACE_BYTES = 51
 def quantize_workspace_bytes(run: RunConfig, offloaded: float) -> int:
     """GPU bytes 8-bit moments' quantization takes during the step: Q8_WORKSPACE_BYTES for each
     element of a window piece (at most the ``offloaded`` params)."""
-    if not (states_offloaded(run) and q8_moments(run)):
+    if not (run.mode.states and q8_moments(run)):
         return 0
     piece = states_window_mb(run) * 1024**2 / (WINDOW_SLOTS * window_bytes_per_param(run))
     return int(Q8_WORKSPACE_BYTES * min(piece, offloaded))
@@ -125,7 +124,7 @@ def keeps_remainders(run: RunConfig) -> bool:
     (offload/remainders.py): a bf16 model, unless optimizer.store_param_remainders=false (then
     fp32 masters, the parameters their round-to-nearest-even)."""
     remainders = run.model.bf16 and stores_param_remainders(run) and not bf16_masters(run)
-    return states_offloaded(run) and remainders
+    return run.mode.states and remainders
 
 
 def master_bytes(run: RunConfig) -> int:
@@ -140,7 +139,7 @@ def master_bytes(run: RunConfig) -> int:
 def bf16_masters(run: RunConfig) -> bool:
     """State offload with optimizer.main_params_dtype=bf16: the masters are the bf16 parameters,
     rounded stochastically (offload/quantized.py)."""
-    return states_offloaded(run) and run.optimizer.main_params_dtype.value == "bf16"
+    return run.mode.states and run.optimizer.main_params_dtype.value == "bf16"
 
 
 def q8_moments(run: RunConfig) -> bool:
@@ -186,8 +185,9 @@ CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloade
 CPU_ADAM_RATE_BESIDE_STREAMS = 0.58
 LINK_BESIDE_CPU_ADAM = 0.88
 # ... and with bf16 moments the CPU rate over the fp32 moments': host_kernel's one pass ran at
-# fused AdamW's rate on fp32 moments here (1.68 against 1.64 G params/s, 2 cores; the blocks it
-# replaces ran at 0.38 inside the engine: suite bf16-moments, 0.22 of fused AdamW alone)
+# 1.38x fused AdamW's on fp32 moments on an H200 host (docs/evidence/bf16-moments-kernel-h200.txt)
+# and 1.02x on the 2-core CI machine; priced at par (the blocks it replaced ran at 0.38 inside
+# the engine: suite bf16-moments)
 BF16_MOMENTS_CPU_FACTOR = 1.0
 
 

@@ -35,15 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from offload_runner.config.schema import (
     CpuOffloadEngine,
     RunConfig,
-    cpu_adam_copies_during_backward,
-    cpu_adam_delayed,
-    cpu_adam_delays_dense,
-    cpu_adam_late_share,
-    cpu_adam_on,
-    cpu_adam_streams,
-    states_offloaded,
     states_window_mb,
-    weights_offloaded,
 )
 from offload_runner.hardware import (
     ADAM_BYTES,
@@ -346,7 +338,7 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     model. On the GPU precision-aware path they take their configured dtypes, and an fp32 master
     is kept as its 16-bit remainder only."""
     o = run.optimizer
-    if states_offloaded(run) or cpu_adam_on(run):  # offload-runner's host engines: fp32 masters
+    if run.mode.states or run.mode.cpu_adam:  # offload-runner's host engines: fp32 masters
         # where they keep them on the GPU (host_state_bytes: on the host)
         return 4 + moment_bytes(run) if run.model.bf16 else moment_bytes(run)
     gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
@@ -394,11 +386,11 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * moment_bytes(run))
         resident += cpu_adam_ring_bytes(parts, hdo)
-        if cpu_adam_late_share(run):  # every moment pinned; forward+backward hold the window
+        if run.mode.late_share:  # every moment pinned; forward+backward hold the window
             pinned += sum(offloaded) * moment_bytes(run)
             on_cpu = 0
             resident += cpu_adam_window_bytes(offloaded, 1.0, LATE_BYTES)
-        elif cpu_adam_streams(run):  # the exact parts' moments pinned; the step holds the window
+        elif run.mode.streams:  # the exact parts' moments pinned; the step holds the window
             exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
             pinned += sum(exact) * moment_bytes(run)
             on_cpu = int(sum(delayed) * moment_bytes(run))
@@ -406,7 +398,7 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
     else:
         pinned = shard * hdo * HDO_PINNED_BYTES
     states = 0
-    if states_offloaded(run):
+    if run.mode.states:
         share = o.optimizer_state_offload_fraction
         states = int(shard * share * host_state_bytes(run))
         # the window: its MiB, SLOTS pieces of window_bytes_per_param each
@@ -443,7 +435,7 @@ class WeightOffloadMemory:
 
 def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     m = run.model
-    if not (weights_offloaded(run) and m.cpu_offloading_num_layers > 0):
+    if not (run.mode.weights and m.cpu_offloading_num_layers > 0):
         return WeightOffloadMemory(0.0, 0.0, 0, 0, 0)
     n = min(m.cpu_offloading_num_layers, m.num_layers)
     dense, experts = layer_params(m)
@@ -494,8 +486,8 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     else:
         activations = int(in_flight * (stored + model_level)) - offloaded
     last = stage == layout.pp - 1
-    copies_at_boundary = cpu_adam_delayed(run) and not cpu_adam_copies_during_backward(
-        run, max(layout.dp, layout.edp)
+    copies_at_boundary = run.mode.delayed and not run.mode.copies_during_backward(
+        max(layout.dp, layout.edp)
     )
     logits = int(logit_bytes(m) * padded_vocab_size(m) / layout.tp * tokens) if last else 0
 
@@ -545,14 +537,14 @@ def part_fractions(
 def part_delays(run: RunConfig, experts: list[bool]) -> list[bool]:
     """Which optimizer parts update one step late: all in delayed mode, or only the routed
     experts' with ``optimizer.cpu_adam_delayed_scope=experts``."""
-    if not cpu_adam_delayed(run):
+    if not run.mode.delayed:
         return [False] * len(experts)
-    if not (cpu_adam_delays_dense(run) or any(experts)):  # validation rejects it before here
+    if not (run.mode.delays_dense or any(experts)):  # validation rejects it before here
         raise RuntimeError(
             "cpu_adam: optimizer.cpu_adam_delayed_scope=experts found no optimizer part of "
             "routed experts (Megatron-Core builds one with expert parallelism only)"
         )
-    return [cpu_adam_delays_dense(run) or e for e in experts]
+    return [run.mode.delays_dense or e for e in experts]
 
 
 def offloaded_parts(
@@ -562,7 +554,7 @@ def offloaded_parts(
     host, and of them those it updates one step late, as the engine decides them
     (``part_fractions``, ``part_delays``)."""
     experts = [i == 1 for i in range(len(parts))]
-    fractions = part_fractions(parts, experts, fraction, cpu_adam_delayed(run))
+    fractions = part_fractions(parts, experts, fraction, run.mode.delayed)
     offloaded = [n * f for n, f in zip(parts, fractions, strict=True)]
     delays = part_delays(run, experts)
     return offloaded, [n if d else 0.0 for n, d in zip(offloaded, delays, strict=True)]
@@ -718,4 +710,4 @@ def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | Non
 
 def predicting_weights(run: RunConfig) -> bool:
     """Delayed mode landing extrapolated weights (optimizer.cpu_adam_weight_prediction)."""
-    return cpu_adam_delayed(run) and run.optimizer.cpu_adam_weight_prediction
+    return run.mode.delayed and run.optimizer.cpu_adam_weight_prediction

@@ -10,9 +10,6 @@ from dataclasses import dataclass
 from offload_runner.config.schema import (
     CpuOffloadEngine,
     RunConfig,
-    cpu_adam_late_share,
-    cpu_adam_on,
-    cpu_adam_streams,
 )
 from offload_runner.gpu_time import forward_backward_seconds
 from offload_runner.hardware import (
@@ -152,7 +149,7 @@ class StepCost:
     def moved(self, run: RunConfig) -> tuple[int, int, int]:
         """(W, C, E) bytes per param each way of ``run``'s CPU Adam with a GPU share (see
         balanced_gpu_share): EXACT or LATE, the share's states in their dtypes."""
-        window, copies, every = LATE if cpu_adam_late_share(run) else EXACT
+        window, copies, every = LATE if run.mode.late_share else EXACT
         return window - ADAM_BYTES + host_state_bytes(run), copies, every
 
     def cpu_rate(self, run: RunConfig) -> float:
@@ -162,7 +159,7 @@ class StepCost:
 
     def delayed_rate(self, run: RunConfig) -> float:
         """... and with their GPU share (delayed mode's late passes), where there is one."""
-        share = self.gpu_share(run) if cpu_adam_late_share(run) else 0.0
+        share = self.gpu_share(run) if run.mode.late_share else 0.0
         if not share:
             return self.cpu_rate(run)
         return 1.0 / exact_update_seconds(
@@ -172,7 +169,7 @@ class StepCost:
     def gpu_share(self, run: RunConfig) -> float:
         """The GPU share (0: none; null in the config: the balanced one), of the exact updates,
         or of the delayed ones in delayed mode for every parameter."""
-        if not cpu_adam_streams(run):
+        if not run.mode.streams:
             return 0.0
         share = run.optimizer.cpu_adam_gpu_share
         if share is None:
@@ -188,7 +185,7 @@ class StepCost:
     def exact_seconds(self, run: RunConfig, rank: RankPlan) -> float:
         """The step's wait for the exact updates (with their GPU share, where it streams)."""
         exact = rank.cpu_adam_params - rank.delayed_params
-        if cpu_adam_streams(run) and exact:
+        if run.mode.streams and exact:
             return exact_update_seconds(
                 exact,
                 self.exact_rate(run),
@@ -255,7 +252,7 @@ class StepCost:
                 f"{self.exact_rate(run) / 1e9:.2f} G/s "
                 f"({self.exact_seconds(run, rank):.2f} s)"
             )
-        if delayed and cpu_adam_late_share(run):
+        if delayed and run.mode.late_share:
             how = "balanced, then fixed" if run.optimizer.cpu_adam_gpu_share is None else "fixed"
             parts.append(
                 f"{param_count(delayed)} params of Adam a step late, {1 - share:.0%} of "
@@ -327,7 +324,7 @@ def rate_for_ranks(run: RunConfig, gpus_per_node: int) -> float | None:
     None where the run sets the rate, runs no CPU-Adam engine or times nothing (deterministic
     mode: the reference rate)."""
     p = run.planner
-    if not cpu_adam_on(run) or p.cpu_adam_params_per_s or run.model.deterministic_mode:
+    if not run.mode.cpu_adam or p.cpu_adam_params_per_s or run.model.deterministic_mode:
         return None
     return step_cost(run, gpus_per_node).cpu_adam_params_per_s
 

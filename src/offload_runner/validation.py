@@ -30,13 +30,7 @@ from offload_runner.config.schema import (
     OptimizerType,
     RunConfig,
     TransformerImpl,
-    activations_offloaded,
-    cpu_adam_delayed,
-    cpu_adam_on,
-    cpu_adam_streams,
-    states_offloaded,
     te_fusions,
-    weights_offloaded,
 )
 from offload_runner.hardware import q8_moments, te_available
 from offload_runner.mcore.data import (
@@ -93,7 +87,7 @@ def _cpu_adam_selected(c: RunConfig) -> bool:
 
 def _precision_aware(c: RunConfig) -> bool:
     """Megatron-Core builds its precision-aware DistributedOptimizer (TE's FusedAdam inside)."""
-    return c.optimizer.use_precision_aware_optimizer or states_offloaded(c)
+    return c.optimizer.use_precision_aware_optimizer or c.mode.states
 
 
 def missing_prefixes(c: RunConfig) -> str:
@@ -129,8 +123,8 @@ def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
     """offload-runner's host engines keep fp32 masters and fp32 or bf16 moments (Megatron-Core's
     own state offload allows the same); state offload also bf16 masters and 8-bit moments."""
     o = c.optimizer
-    masters = ("fp32", "bf16") if states_offloaded(c) else ("fp32",)
-    moments = ("fp32", "bf16", "q8") if states_offloaded(c) else ("fp32", "bf16")
+    masters = ("fp32", "bf16") if c.mode.states else ("fp32",)
+    moments = ("fp32", "bf16", "q8") if c.mode.states else ("fp32", "bf16")
     return o.main_params_dtype.value not in masters or not {
         o.exp_avg_dtype.value,
         o.exp_avg_sq_dtype.value,
@@ -193,7 +187,7 @@ RULES: tuple[Rule, ...] = (
     # --- layer-level activation / weight offload (Megatron TransformerConfig, TE) -------------
     Rule(
         "cpu_offloading_needs_pp1",
-        lambda c, e: activations_offloaded(c) and c.model.pipeline_model_parallel_size > 1,
+        lambda c, e: c.mode.activations and c.model.pipeline_model_parallel_size > 1,
         "Currently there is no support for Pipeline parallelism with CPU offloading",
         "set model.pipeline_model_parallel_size=1, or offload the optimizer instead "
         "(offload/activation=disabled offload/weight=disabled offload/optimizer=cpu_50)",
@@ -203,7 +197,7 @@ RULES: tuple[Rule, ...] = (
         # judged as Megatron-Core finally sees it: moe_layer_recompute turns on selective
         # recompute in TransformerConfig's own __post_init__, after its offload check ran
         lambda c, e: (
-            activations_offloaded(c)
+            c.mode.activations
             and (
                 c.model.recompute_granularity is not None
                 or getattr(c.model, "moe_layer_recompute", False)
@@ -229,8 +223,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "cpu_offloading_layer_range",
         lambda c, e: (
-            activations_offloaded(c)
-            and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers
+            c.mode.activations and not 0 <= c.model.cpu_offloading_num_layers < c.model.num_layers
         ),
         "CPU offloading can be done only for layers less than {m.num_layers}",
         "{offloadable_layers}",
@@ -268,14 +261,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_offload_needs_a_host_engine",
-        lambda c, e: weights_offloaded(c) and not (states_offloaded(c) or cpu_adam_on(c)),
+        lambda c, e: c.mode.weights and not (c.mode.states or c.mode.cpu_adam),
         "weight offload keeps its layers' masters and Adam moments on the host beside their "
         "weights, and the rest of the model's optimizer state must not pin the GPU either",
         "add offload/optimizer=states (or offload/optimizer=cpu_adam)",
     ),
     Rule(
         "weight_offload_not_delayed",
-        lambda c, e: weights_offloaded(c) and cpu_adam_delayed(c),
+        lambda c, e: c.mode.weights and c.mode.delayed,
         "weight offload updates its layers exactly, after the step's gradient norm; the CPU-Adam "
         "engine's delayed mode would leave the rest of the model one step behind them",
         "use offload/optimizer=cpu_adam (exact) or offload/optimizer=states",
@@ -283,7 +276,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "weight_offload_one_gpu",
         lambda c, e: (
-            weights_offloaded(c)
+            c.mode.weights
             and (
                 c.model.model_parallel_size > 1
                 or (e.world_size or 1) > 1
@@ -298,15 +291,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_offload_bf16",
-        lambda c, e: weights_offloaded(c) and (not c.model.bf16 or c.model.fp8 is not None),
+        lambda c, e: c.mode.weights and (not c.model.bf16 or c.model.fp8 is not None),
         "weight offload streams bf16 weights (no fp16 or fp32 model, no fp8 weight caches)",
         "set model.bf16=true (mixed_precision=bf16_mixed) and model.fp8=null",
     ),
     Rule(
         "weight_offload_layer_range",
-        lambda c, e: (
-            weights_offloaded(c) and c.model.cpu_offloading_num_layers > c.model.num_layers
-        ),
+        lambda c, e: c.mode.weights and c.model.cpu_offloading_num_layers > c.model.num_layers,
         "weight offload can move at most the model's {m.num_layers} layers",
         "set model.cpu_offloading_num_layers to 1..{m.num_layers}",
     ),
@@ -527,14 +518,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_adam_needs_bf16",
-        lambda c, e: cpu_adam_on(c) and not c.model.bf16,
+        lambda c, e: c.mode.cpu_adam and not c.model.bf16,
         "the CPU-Adam engine rounds its fp32 masters into bf16 parameters; model.bf16=false "
         "trains in fp32",
         "set model.bf16=true, or use offload/optimizer=cpu_100 (HybridDeviceOptimizer)",
     ),
     Rule(
         "cpu_adam_overlap_flag_unused",
-        lambda c, e: cpu_adam_on(c) and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
+        lambda c, e: c.mode.cpu_adam and c.optimizer.overlap_cpu_optimizer_d2h_h2d,
         "optimizer.overlap_cpu_optimizer_d2h_h2d is HybridDeviceOptimizer's: the CPU-Adam engine "
         "always overlaps its copies with the CPU step",
         "remove optimizer.overlap_cpu_optimizer_d2h_h2d",
@@ -550,7 +541,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "weight_prediction_needs_delayed_mode",
-        lambda c, e: c.optimizer.cpu_adam_weight_prediction and not cpu_adam_delayed(c),
+        lambda c, e: c.optimizer.cpu_adam_weight_prediction and not c.mode.delayed,
         "optimizer.cpu_adam_weight_prediction only acts in the CPU-Adam engine's delayed mode "
         "(exact mode lands every update before the next forward)",
         "drop the key, or offload/optimizer=cpu_adam_delayed",
@@ -558,7 +549,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "gpu_share_needs_cpu_adam",
-        lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not cpu_adam_on(c),
+        lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not c.mode.cpu_adam,
         "optimizer.cpu_adam_gpu_share splits the CPU-Adam engine's update between the CPU and "
         "the GPU, and that engine is off",
         "drop the key, or use offload/optimizer=cpu_adam (or cpu_adam_delayed)",
@@ -566,7 +557,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "gpu_share_not_with_weight_prediction",
         lambda c, e: (
-            bool(c.optimizer.cpu_adam_gpu_share) and cpu_adam_on(c) and not cpu_adam_streams(c)
+            bool(c.optimizer.cpu_adam_gpu_share) and c.mode.cpu_adam and not c.mode.streams
         ),
         "optimizer.cpu_adam_weight_prediction extrapolates every delayed update on the CPU, and "
         "optimizer.cpu_adam_gpu_share would run part of them on the GPU",
@@ -574,9 +565,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "delayed_scope_needs_delayed_mode",
-        lambda c, e: (
-            c.optimizer.cpu_adam_delayed_scope != DelayedScope.all and not cpu_adam_delayed(c)
-        ),
+        lambda c, e: c.optimizer.cpu_adam_delayed_scope != DelayedScope.all and not c.mode.delayed,
         "optimizer.cpu_adam_delayed_scope={o.cpu_adam_delayed_scope.value} only acts in the "
         "CPU-Adam engine's delayed mode",
         "use offload/optimizer=cpu_adam_delayed_experts, or drop the key",
@@ -585,7 +574,7 @@ RULES: tuple[Rule, ...] = (
         "delayed_experts_need_moe",
         lambda c, e: (
             c.optimizer.cpu_adam_delayed_scope == DelayedScope.experts
-            and cpu_adam_delayed(c)
+            and c.mode.delayed
             and not c.model.num_moe_experts
         ),
         "optimizer.cpu_adam_delayed_scope=experts delays a MoE model's routed experts, and this "
@@ -596,7 +585,7 @@ RULES: tuple[Rule, ...] = (
         "delayed_experts_need_their_own_optimizer_part",
         lambda c, e: (
             c.optimizer.cpu_adam_delayed_scope == DelayedScope.experts
-            and cpu_adam_delayed(c)
+            and c.mode.delayed
             and bool(c.model.num_moe_experts)
             and not c.model.experts_own_optimizer_part
         ),
@@ -608,7 +597,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "delayed_updates_learn_slower",
-        lambda c, e: cpu_adam_delayed(c) or c.planner.auto_delayed,
+        lambda c, e: c.mode.delayed or c.planner.auto_delayed,
         "delayed CPU-Adam updates learn slower: on real text (suite convergence, "
         "docs/benchmarks/convergence.md) every delayed row ended outside 2% of exact training's "
         "validation loss, weight prediction and delaying the routed experts alone included",
@@ -628,7 +617,7 @@ RULES: tuple[Rule, ...] = (
         lambda c, e: (
             c.planner.forward_backward_s is not None
             and not c.planner.auto_delayed
-            and not cpu_adam_delayed(c)
+            and not c.mode.delayed
         ),
         "planner.forward_backward_s only prices delayed mode (its CPU update hides under "
         "forward+backward); exact offloads and state offload do not overlap with it",
@@ -657,9 +646,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "lowest_precision_needs_state_offload",
         lambda c, e: (
-            _lowest_precision(c)
-            and not states_offloaded(c)
-            and not c.optimizer.optimizer_cpu_offload
+            _lowest_precision(c) and not c.mode.states and not c.optimizer.optimizer_cpu_offload
         ),
         "8-bit moments (q8) and bf16 masters are state offload's: its engine quantizes them in "
         "the window (exp_avg_dtype={o.exp_avg_dtype.value}, exp_avg_sq_dtype="
@@ -668,7 +655,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cpu_adam_dtypes",
-        lambda c, e: cpu_adam_on(c) and _host_engine_dtypes_unsupported(c),
+        lambda c, e: c.mode.cpu_adam and _host_engine_dtypes_unsupported(c),
         "the CPU-Adam engine keeps fp32 master weights and fp32 or bf16 moments on the host "
         "(main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype={o.exp_avg_dtype.value}, "
         "exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
@@ -677,32 +664,32 @@ RULES: tuple[Rule, ...] = (
     # --- optimizer-state offload (offload-runner) ----------------------------------------------
     Rule(
         "states_xor_cpu_offload",
-        lambda c, e: states_offloaded(c) and c.optimizer.optimizer_cpu_offload,
+        lambda c, e: c.mode.states and c.optimizer.optimizer_cpu_offload,
         "offload_optimizer_states can not be used with optimizer_cpu_offload.",
         "pick one: offload/optimizer=states, or offload/optimizer=cpu_adam (or cpu_25 ... cpu_100)",
     ),
     Rule(
         "states_need_distributed_optimizer",
-        lambda c, e: states_offloaded(c) and not c.optimizer.use_distributed_optimizer,
+        lambda c, e: c.mode.states and not c.optimizer.use_distributed_optimizer,
         "offload_optimizer_states requires the distributed optimizer",
         "set optimizer.use_distributed_optimizer=true",
     ),
     Rule(
         "states_need_bf16",
-        lambda c, e: states_offloaded(c) and not c.model.bf16,
+        lambda c, e: c.mode.states and not c.model.bf16,
         "offload/optimizer=states streams the fp32 masters of bf16 parameters, and model.bf16="
         "false has none: nothing would leave the GPU",
         "set model.bf16=true",
     ),
     Rule(
         "states_need_adamw",
-        lambda c, e: states_offloaded(c) and not c.optimizer.decoupled_weight_decay,
+        lambda c, e: c.mode.states and not c.optimizer.decoupled_weight_decay,
         "offload/optimizer=states runs AdamW (decoupled weight decay) on the window",
         "set optimizer.decoupled_weight_decay=true",
     ),
     Rule(
         "states_need_fp32_masters",
-        lambda c, e: states_offloaded(c) and _host_engine_dtypes_unsupported(c),
+        lambda c, e: c.mode.states and _host_engine_dtypes_unsupported(c),
         "optimizer state offload keeps fp32 or bf16 master weights and fp32, bf16 or 8-bit (q8) "
         "moments (main_params_dtype={o.main_params_dtype.value}, exp_avg_dtype="
         "{o.exp_avg_dtype.value}, exp_avg_sq_dtype={o.exp_avg_sq_dtype.value})",
@@ -712,7 +699,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "lowest_precision_whole_shard",
         lambda c, e: (
-            states_offloaded(c)
+            c.mode.states
             and _lowest_precision(c)
             and c.optimizer.optimizer_state_offload_fraction < 1.0
         ),
@@ -747,9 +734,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "states_fraction_needs_state_offload",
-        lambda c, e: (
-            c.optimizer.optimizer_state_offload_fraction != 1.0 and not states_offloaded(c)
-        ),
+        lambda c, e: c.optimizer.optimizer_state_offload_fraction != 1.0 and not c.mode.states,
         "optimizer.optimizer_state_offload_fraction acts on optimizer state offload, which is off",
         "add offload/optimizer=states (or optimizer.chunked_optimizer_state_offload=true)",
     ),
@@ -761,13 +746,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "states_not_with_megatron_fsdp",
-        lambda c, e: states_offloaded(c) and (c.ddp.use_megatron_fsdp or c.ddp.use_custom_fsdp),
+        lambda c, e: c.mode.states and (c.ddp.use_megatron_fsdp or c.ddp.use_custom_fsdp),
         "Optimizer state offload is not supported with Megatron-FSDP.",
         "set ddp.use_megatron_fsdp=false, or offload/optimizer=disabled",
     ),
     Rule(
         "states_need_adam",
-        lambda c, e: states_offloaded(c) and c.optimizer.optimizer != OptimizerType.adam,
+        lambda c, e: c.mode.states and c.optimizer.optimizer != OptimizerType.adam,
         "offload_optimizer_states requires optimizer.optimizer=adam",
         "set optimizer.optimizer=adam",
     ),
@@ -1098,7 +1083,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "evaluation_beside_weight_offload",
-        lambda c, e: bool(c.validation.eval_iters) and weights_offloaded(c),
+        lambda c, e: bool(c.validation.eval_iters) and c.mode.weights,
         "validation.eval_iters evaluates with forwards of its own, and weight offload's ring "
         "streams a training step's forwards and backwards only",
         "drop validation.eval_iters, or use offload/weight=disabled",

@@ -7,6 +7,7 @@ dataclasses, so a misspelt key or a wrong type fails in Hydra with Hydra's own m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -590,6 +591,12 @@ class VerifyConfig:
 class RunConfig:
     """The root of a composed run."""
 
+    @functools.cached_property
+    def mode(self) -> OffloadMode:
+        """What it offloads, resolved on first use (a changed run is a new RunConfig:
+        ``dataclasses.replace``, ``auto.with_overrides``)."""
+        return OffloadMode.of(self)
+
     name: str = "run"
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}-${name}"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -610,10 +617,59 @@ class RunConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
 
-def states_offloaded(run: RunConfig) -> bool:
-    """offload/optimizer=states, or Megatron-Core's dev-branch spelling of it."""
-    o = run.optimizer
-    return o.offload_optimizer_states or o.chunked_optimizer_state_offload
+@dataclass(frozen=True)
+class OffloadMode:
+    """What a run offloads, resolved once from its config (``RunConfig.mode``): the planner,
+    the cost model, validation and the engines read it instead of asking the keys again."""
+
+    states: bool  # offload/optimizer=states (or Megatron-Core's dev-branch spelling of it)
+    weights: bool  # offload/weight=enabled: cpu_offloading_num_layers' weights
+    activations: bool  # Transformer Engine's activation offload
+    cpu_adam: bool  # offload-runner's CPU-Adam engine runs the CPU share (cpu_adam*)
+    delayed: bool  # ... its CPU update under the next step's forward and backward
+    delays_dense: bool  # ... the dense layers' and the router's too (delayed_scope=all)
+    # ... with a GPU share (cpu_adam_gpu_share null balances it, 0 has none): it streams that
+    # share's states through a window, the exact updates' during the step, delayed mode's
+    # under the next forward+backward (not with weight prediction, which runs on the CPU)
+    streams: bool
+    late_share: bool  # ... in delayed mode for every parameter, the share's updates delayed
+    one_model_rank: bool  # no tensor, pipeline or context parallelism
+
+    @staticmethod
+    def of(run: RunConfig) -> OffloadMode:
+        o, m = run.optimizer, run.model
+        cpu_adam = o.optimizer_cpu_offload and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
+        delayed = cpu_adam and o.cpu_adam_delayed_update
+        delays_dense = delayed and o.cpu_adam_delayed_scope == DelayedScope.all
+        share = o.cpu_adam_gpu_share
+        predicting = delays_dense and o.cpu_adam_weight_prediction
+        streams = cpu_adam and (share is None or share > 0) and not predicting
+        sizes = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size)
+        return OffloadMode(
+            states=o.offload_optimizer_states or o.chunked_optimizer_state_offload,
+            weights=m.cpu_offloading and m.cpu_offloading_weights,
+            activations=m.cpu_offloading and m.cpu_offloading_activations,
+            cpu_adam=cpu_adam,
+            delayed=delayed,
+            delays_dense=delays_dense,
+            streams=streams,
+            late_share=streams and delays_dense,
+            one_model_rank=sizes == (1, 1) and m.context_parallel_size == 1,
+        )
+
+    def backward_copies_allowed(self, data_parallel: int = 1) -> bool:
+        """Delayed mode's step-boundary copies (this step's gradients down, the last update's
+        masters up, 4 B/param each way) run during the last micro-batch's backward, each piece
+        as soon as its gradients are final, the CPU applying the clip factor, wherever no
+        gradient of a shard changes after its backward (Megatron-Core's finalize_model_grads
+        reduces over data-parallel ranks, all-reduces QK-norm and sequence-parallel grads over
+        tensor-parallel ranks and embedding grads over pipeline stages): one GPU. Elsewhere
+        they run at step()."""
+        return data_parallel == 1 and self.one_model_rank
+
+    def copies_during_backward(self, data_parallel: int = 1) -> bool:
+        """The CPU-Adam engine in delayed mode with its boundary copies during the backward."""
+        return self.delayed and self.backward_copies_allowed(data_parallel)
 
 
 # Fused kernels that Megatron-Core takes from Transformer Engine (conf/speed/fused.yaml sets them).
@@ -628,18 +684,6 @@ def te_fusions(run: RunConfig) -> list[str]:
     ):
         found.append("model.cross_entropy_fusion_impl=te")
     return found
-
-
-def weights_offloaded(run: RunConfig) -> bool:
-    """offload/weight=enabled: offload-runner's weight offload of cpu_offloading_num_layers."""
-    m = run.model
-    return m.cpu_offloading and m.cpu_offloading_weights
-
-
-def activations_offloaded(run: RunConfig) -> bool:
-    """Transformer Engine's activation offload (the only part of cpu_offloading it is given)."""
-    m = run.model
-    return m.cpu_offloading and m.cpu_offloading_activations
 
 
 def states_window_mb(run: RunConfig) -> int:
@@ -677,56 +721,3 @@ REMOVED_KEYS = {
         "drop it",
     ),
 }
-
-
-def cpu_adam_on(run: RunConfig) -> bool:
-    """offload-runner's CPU-Adam engine runs the CPU share of Adam (offload/optimizer=cpu_adam*)."""
-    o = run.optimizer
-    return o.optimizer_cpu_offload and o.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-
-
-def cpu_adam_delayed(run: RunConfig) -> bool:
-    """... in delayed mode: its CPU update runs under the next step's forward and backward."""
-    return cpu_adam_on(run) and run.optimizer.cpu_adam_delayed_update
-
-
-def cpu_adam_delays_dense(run: RunConfig) -> bool:
-    """... delaying the dense layers' and the router's updates too (cpu_adam_delayed_scope=all)."""
-    return cpu_adam_delayed(run) and run.optimizer.cpu_adam_delayed_scope == DelayedScope.all
-
-
-def cpu_adam_streams(run: RunConfig) -> bool:
-    """... with a GPU share (optimizer.cpu_adam_gpu_share: null balances it, 0 has none): it
-    streams that share's states through a window, the exact updates' during the step (exact
-    mode, or the dense part where delayed mode reaches the experts alone), delayed mode's
-    under the next forward+backward with their gradients (``cpu_adam_late_share``; not with
-    weight prediction, which extrapolates on the CPU)."""
-    share = run.optimizer.cpu_adam_gpu_share
-    predicting = cpu_adam_delays_dense(run) and run.optimizer.cpu_adam_weight_prediction
-    return cpu_adam_on(run) and (share is None or share > 0) and not predicting
-
-
-def cpu_adam_late_share(run: RunConfig) -> bool:
-    """... in delayed mode for every parameter, with the GPU share of its delayed updates."""
-    return cpu_adam_streams(run) and cpu_adam_delays_dense(run)
-
-
-def cpu_adam_copies_during_backward(run: RunConfig, data_parallel: int = 1) -> bool:
-    """... with its step-boundary copies during the last micro-batch's backward."""
-    return cpu_adam_delayed(run) and backward_copies_allowed(run, data_parallel)
-
-
-def backward_copies_allowed(run: RunConfig, data_parallel: int = 1) -> bool:
-    """Delayed mode's step-boundary copies (this step's gradients down, the last update's
-    masters up, 4 B/param each way) run during the last micro-batch's backward, each piece as
-    soon as its gradients are final, the CPU applying the clip factor, wherever no gradient of a
-    shard changes after its backward (Megatron-Core's finalize_model_grads reduces over
-    data-parallel ranks, all-reduces QK-norm and sequence-parallel grads over tensor-parallel
-    ranks and embedding grads over pipeline stages): one GPU. Elsewhere they run at step()."""
-    m = run.model
-    return (
-        data_parallel == 1
-        and m.tensor_model_parallel_size == 1
-        and m.pipeline_model_parallel_size == 1
-        and m.context_parallel_size == 1
-    )

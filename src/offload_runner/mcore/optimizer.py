@@ -4,7 +4,7 @@ schedule."""
 
 from __future__ import annotations
 
-from offload_runner.config.schema import LRDecayStyle, RunConfig, cpu_adam_on, states_offloaded
+from offload_runner.config.schema import LRDecayStyle, RunConfig
 
 
 def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_world: int = 1):
@@ -17,9 +17,9 @@ def build_optimizer(run: RunConfig, model: list, local_rank: int = 0, local_worl
     from offload_runner.offload import cpu_adam, optimizer_states
 
     optimizer = get_megatron_optimizer(build_optimizer_config(run.optimizer, run.model), model)
-    if cpu_adam_on(run):
+    if run.mode.cpu_adam:
         cpu_adam.attach(run, optimizer, local_rank, local_world)
-    if states_offloaded(run):
+    if run.mode.states:
         optimizer_states.install(run, optimizer)
     return optimizer
 

@@ -5,8 +5,24 @@ for the summary and ``close`` in a ``finally``. What each engine does: docs/ARCH
 
 from __future__ import annotations
 
-from offload_runner.config.schema import RunConfig, backward_copies_allowed
+from typing import Protocol
+
+from offload_runner.config.schema import RunConfig
 from offload_runner.plan import rebuilt_bytes
+
+
+class HostEngine(Protocol):
+    """What ``Engines`` asks of each engine it holds (HostAdam's kinds, WeightOffload); the
+    rest of their work runs inside Megatron-Core's optimizer step and the model's hooks."""
+
+    @property
+    def pinned_bytes(self) -> int: ...  # its page-locked host memory
+
+    def finish(self) -> None: ...  # host state complete for a checkpoint (not landed)
+
+    def flush(self) -> None: ...  # its last update landed: the model in memory is final
+
+    def close(self) -> None: ...  # its threads, host memory and hooks released
 
 
 class Engines:
@@ -21,7 +37,7 @@ class Engines:
         self.run, self.model, self.optimizer = run, model, optimizer
         self.cpu_adam = cpu_adam.engines(optimizer)
         self.weights = weight.of(model)
-        self.all = [*host_adam.engines(optimizer), *self.weights]
+        self.all: list[HostEngine] = [*host_adam.engines(optimizer), *self.weights]
         self._attached = None  # the state windows' hooks (attach)
         for offload in self.weights:
             offload.arm()
@@ -97,7 +113,7 @@ class Engines:
         from offload_runner.offload import cpu_adam, optimizer_states
 
         run = self.run
-        window = micro_batches if backward_copies_allowed(run, dp_size) else None
+        window = micro_batches if run.mode.backward_copies_allowed(dp_size) else None
         found = cpu_adam.metrics(self.optimizer, forward_backward_s, run.planner, window)
         if is_writer:
             cpu_adam.report_hidden_fraction(found, run.planner)

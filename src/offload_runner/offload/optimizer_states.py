@@ -67,7 +67,6 @@ from offload_runner.config.schema import (
     TORCH_DTYPES,
     OptimizerDtype,
     RunConfig,
-    states_offloaded,
     states_window_mb,
 )
 from offload_runner.hardware import bf16_masters, host_state_bytes, keeps_remainders
@@ -94,7 +93,7 @@ DISABLED = {"optimizer.offload_optimizer_states": False}
 
 def describe(run: RunConfig) -> OffloadSummary:
     o = run.optimizer
-    if not states_offloaded(run):
+    if not run.mode.states:
         return OffloadSummary("optimizer states", "offload/optimizer=states", False, "-")
     share = o.optimizer_state_offload_fraction
     params = count_parameters(run.model).total * share

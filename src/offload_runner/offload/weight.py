@@ -42,7 +42,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from offload_runner.config.schema import RunConfig, weights_offloaded
+from offload_runner.config.schema import RunConfig
 from offload_runner.hardware import (
     WEIGHT_GRAD_SLOTS,
     WEIGHT_OFFLOAD_IN_FLIGHT,
@@ -59,7 +59,7 @@ DISABLED = {"model.cpu_offloading_weights": False}
 
 
 def enabled(run: RunConfig) -> bool:
-    return weights_offloaded(run) and run.model.cpu_offloading_num_layers > 0
+    return run.mode.weights and run.model.cpu_offloading_num_layers > 0
 
 
 def describe(run: RunConfig) -> OffloadSummary:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 
-from offload_runner.config.schema import RunConfig, cpu_adam_on
+from offload_runner.config.schema import RunConfig
 
 
 def runtime_environment(run: RunConfig) -> dict[str, str]:
@@ -14,7 +14,7 @@ def runtime_environment(run: RunConfig) -> dict[str, str]:
     core between its Adam calls and starve the training thread's kernel launches (measured: the
     proxy's forward and backward took seconds instead of 0.3). Set before torch is imported
     (torchrun's workers inherit it); a value the user exported wins."""
-    if not cpu_adam_on(run) or "OMP_WAIT_POLICY" in os.environ:
+    if not run.mode.cpu_adam or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 

@@ -39,7 +39,7 @@ class DelayedUpdates:
         gradients are final; when a piece's are, its gradients go down and the last update's
         masters come up into its parameters, which no later part of the backward reads. Armed by
         ``arm`` (the schedule's ``no_sync`` exit: the last micro-batch follows); only on a shard
-        whose gradients nothing edits after the backward (``cpu_adam_copies_during_backward``);
+        whose gradients nothing edits after the backward (``OffloadMode.copies_during_backward``);
         the CPU applies the clip factor (``grads_clipped``)."""
         self._grad_hooks += after_each_grad(chunks, self._after_grad)
         self._hooked.update(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from offload_runner.config.schema import RunConfig, cpu_adam_streams
+from offload_runner.config.schema import RunConfig
 from offload_runner.hardware import LATE
 from offload_runner.offload.cpu_adam.update import Update
 
@@ -23,7 +23,7 @@ def balanced_share(run: RunConfig) -> bool:
     (optimizer.cpu_adam_gpu_share=null), and not under model.deterministic_mode, where the
     planner's balance from the config's rates stays fixed from the first step."""
     share = run.optimizer.cpu_adam_gpu_share
-    return cpu_adam_streams(run) and share is None and not run.model.deterministic_mode
+    return run.mode.streams and share is None and not run.model.deterministic_mode
 
 
 class GpuShare:

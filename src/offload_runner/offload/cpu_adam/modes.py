@@ -51,7 +51,7 @@ def exact_steps(run: RunConfig) -> int:
 
 def mode_of(run: RunConfig, delayed: bool, copy_during_backward: bool) -> Mode:
     """The mode of one optimizer part: ``delayed`` (plan.part_delays), copying during the backward
-    where nothing edits its gradients after it (``cpu_adam_copies_during_backward``)."""
+    where nothing edits its gradients after it (``OffloadMode.copies_during_backward``)."""
     if not delayed:
         return Exact()
     return Delayed(exact_steps(run), run.optimizer.cpu_adam_weight_prediction, copy_during_backward)

@@ -8,11 +8,6 @@ import logging
 
 from offload_runner.config.schema import (
     RunConfig,
-    cpu_adam_copies_during_backward,
-    cpu_adam_delays_dense,
-    cpu_adam_late_share,
-    cpu_adam_on,
-    cpu_adam_streams,
 )
 from offload_runner.hardware import cpu_adam_piece_bytes, rank_cpus, worker_cpus
 from offload_runner.model_size import count_parameters
@@ -37,14 +32,14 @@ DISABLED = {"optimizer.cpu_offload_engine": "hybrid", "optimizer.cpu_adam_delaye
 
 def describe(run: RunConfig) -> OffloadSummary:
     group = "offload/optimizer=cpu_adam*"
-    if not cpu_adam_on(run):
+    if not run.mode.cpu_adam:
         return OffloadSummary("optimizer (cpu adam)", group, False, "-")
     o = run.optimizer
     params = count_parameters(run.model).total * o.optimizer_offload_fraction
     mode = (
         f"delayed parameter update after {exact_steps(run)} exact steps"
         + (", weight prediction" if o.cpu_adam_weight_prediction else "")
-        + ("" if cpu_adam_delays_dense(run) else " for the routed experts; the dense part exact")
+        + ("" if run.mode.delays_dense else " for the routed experts; the dense part exact")
         if o.cpu_adam_delayed_update
         else "exact: each update lands before the next forward needs it"
     )
@@ -80,7 +75,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     )
     delayed = part_delays(run, experts)
     warning = delayed_dense_warning(
-        sizes, experts, o.optimizer_offload_fraction, cpu_adam_delays_dense(run)
+        sizes, experts, o.optimizer_offload_fraction, run.mode.delays_dense
     )
     if warning:
         log.warning(warning)
@@ -90,15 +85,15 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
     # parameter all-gather follows the step (suite cpu-adam-landing: faster than within the step)
     in_forward = [not host_adam.gathers_params(p) for p in parts]
     # DDP scales every gradient, the experts' too, by 1 / data-parallel size after the backward
-    in_backward = [cpu_adam_copies_during_backward(run, _data_parallel_size())] * len(parts)
+    in_backward = [run.mode.copies_during_backward(_data_parallel_size())] * len(parts)
     # One worker runs every part's update in the order their step() hands them over: Megatron-
     # Core's ChainedOptimizer steps the dense part before the experts', so with delayed experts
     # the dense part's exact update (the next forward waits for it) runs first.
     worker = cpu_worker(cpus, threads, _current_device())
-    share = step_cost(run, local_world).gpu_share(run) if cpu_adam_streams(run) else 0.0
+    share = step_cost(run, local_world).gpu_share(run) if run.mode.streams else 0.0
     # the exact updates' share, and delayed mode's for every parameter (delayed experts beside
     # an exact dense part run on the CPU alone)
-    shared = [not d or cpu_adam_delays_dense(run) for d in delayed]
+    shared = [not d or run.mode.delays_dense for d in delayed]
     built = host_adam.install(
         optimizer,
         lambda part, i: CpuAdam(
@@ -160,7 +155,7 @@ def _announce(
             max(e.window_bytes for e in built) / 1024**2,
             "with their gradients under the next forward+backward (delayed steps) or during "
             "the step (exact steps)"
-            if cpu_adam_late_share(run)
+            if run.mode.late_share
             else "during the step",
             f"the share starts at the planner's balance and follows the measured one "
             f"up to step {BALANCE_STEPS}, then stays"
