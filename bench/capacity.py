@@ -148,11 +148,44 @@ def render(files: list[Path], plot: Path | None) -> str:
         "",
         f"The plan's largest miss over these runs: {worst_error(rows):.1%}.",
         "",
+        *planned_fits(),
     ]
     if plot is not None:
         draw(rows, plot)
         lines += [f"![measured against planned memory]({plot.name})", ""]
     return "\n".join([*lines, commands_block({r.name: r.command for r in rows})])
+
+
+PLAN_LINE = ("train.global_batch_size=8", "train.micro_batch_size=1", "offload/optimizer=auto")
+
+
+def planned_fits() -> list[str]:
+    """What ``--plan --largest`` and ``--plan`` say fits on one and two H200 boxes (139 GB
+    GPUs, 125 GB of RAM per GPU), planned here from the recipe as it is now."""
+    from offload_runner.auto import choose_offload, largest_slice
+    from offload_runner.config.compose import compose_config, to_run_config
+
+    rows = []
+    for gpus, layout in ((1, "parallel=single"), (2, "parallel=ep2")):
+        memory = ("planner.gpu_memory_gb=139", f"planner.host_memory_gb={125 * gpus}")
+        overrides = ["recipe=qwen3_30b_a3b", layout, *PLAN_LINE, *memory]
+        run = to_run_config(compose_config(overrides))
+        found = largest_slice(run, gpus)
+        largest = found.choice.description.split(" (")[0] if found.choice else "as configured"
+        try:
+            whole = choose_offload(run, gpus).description.split(" (")[0]
+        except ValueError:
+            whole = "no offload setting fits"
+        rows.append([f"{gpus} x H200", layout, f"{found.layers} layers: {largest}", whole])
+    return [
+        "## What `--plan` says fits",
+        "",
+        "Qwen3-30B-A3B at GBS 8, MB 1, `offload/optimizer=auto`, planned by this commit (the "
+        "runs above were planned by theirs):",
+        "",
+        *markdown_table(["box", "layout", "largest slice", "whole model (48 layers)"], rows),
+        "",
+    ]
 
 
 def draw(rows: list[Row], out: Path) -> None:

@@ -1531,7 +1531,8 @@ def _suite_index(families: dict[str, list[tuple[Path, dict]]]) -> list[str]:
 
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
-# bench/throughput.py's, convergence.py's, capacity.py's, weight_offload.py's, gbs_report.py's.
+# bench/throughput.py's, convergence.py's, capacity.py's, weight_offload.py's, gbs_report.py's,
+# gpu_tests.py's.
 CAPACITY = {"capacity-28", "capacity-auto-28", "capacity-auto-31", "capacity-auto-37"}
 GBS_CALLS = ("", "-beside", "-grown", "-pairs", "-pairs-2", "-pairs-3", "-pairs-4")
 OPTIMIZER_OFFLOAD = {  # gbs_report.py's
@@ -1547,6 +1548,7 @@ IN_REPORTS = {
     "convergence-ep2",
     *CAPACITY,
     "whole-model",
+    "full-4gpu",
     "two-gpu-full-1",
     "two-gpu-full-2",
     "weight-offload",

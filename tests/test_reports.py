@@ -46,6 +46,9 @@ def test_every_largest_run_is_within_10_percent_of_its_plan_and_each_no_offload_
     text = capacity.render(FILES, plot=None)
     assert all(f"| {r.name} (`{r.suite}`) |" in text for r in rows)
     assert "| whole model auto (`whole-model`) | 1 | 48 | ok |" in text
+    # and what --plan says now: the whole model fits one H200 box (8-bit moments) and two
+    assert "| 1 x H200 | parallel=single | 48 layers: " in text
+    assert "| 2 x H200 | parallel=ep2 | 48 layers: " in text
 
 
 def test_weight_offload_lowers_every_peak_and_each_row_is_reported() -> None:
@@ -63,3 +66,29 @@ def test_weight_offload_lowers_every_peak_and_each_row_is_reported() -> None:
     text = weight_offload.render(files, plot=None)
     assert all(f"| {r['case']['name']} (`{r['suite']}`) |" in text for r in results)
     assert "Weight offload against its link bound" in text
+
+
+def test_gpu_tests_report_is_its_template_filled_from_the_evidence() -> None:
+    """docs/benchmarks/gpu-tests.md is what bench/gpu_tests.py makes of its template now (rerun
+    it after new evidence), every placeholder filled."""
+    import gpu_tests
+
+    made = gpu_tests.fill("gpu-tests.md", gpu_tests.PARTS)
+    assert "{{" not in made and "pytest-gpu-h200.txt" in made
+    assert (PROJECT_ROOT / "docs/benchmarks/gpu-tests.md").read_text() == made
+
+
+def test_a_template_part_that_does_not_exist_is_an_error(tmp_path, monkeypatch) -> None:
+    import fill
+
+    monkeypatch.setattr(fill, "TEMPLATES", tmp_path)
+    (tmp_path / "t.md").write_text("a {{known}} b {{count:x.txt}} c {{missing}}")
+    parts = {"known": lambda: "K", "count": lambda name: f"<{name}>"}
+    try:
+        fill.fill("t.md", parts)
+    except KeyError as e:
+        assert "no part 'missing'" in str(e)
+    else:
+        raise AssertionError("an unknown part filled in silently")
+    (tmp_path / "t.md").write_text("a {{known}} b {{count:x.txt}}")
+    assert fill.fill("t.md", parts) == "a K b <x.txt>"
