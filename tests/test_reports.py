@@ -92,3 +92,12 @@ def test_a_template_part_that_does_not_exist_is_an_error(tmp_path, monkeypatch) 
         raise AssertionError("an unknown part filled in silently")
     (tmp_path / "t.md").write_text("a {{known}} b {{count:x.txt}}")
     assert fill.fill("t.md", parts) == "a K b <x.txt>"
+
+
+def test_forward_backward_report_is_its_template_filled_from_the_evidence() -> None:
+    """docs/benchmarks/forward-backward.md is what bench/forward_backward.py makes now."""
+    import forward_backward
+
+    made = forward_backward.fill("forward-backward.md", forward_backward.PARTS)
+    assert "{{" not in made and "| states |" in made and "cudaLaunchKernel" in made
+    assert (PROJECT_ROOT / "docs/benchmarks/forward-backward.md").read_text() == made
