@@ -101,3 +101,14 @@ def test_forward_backward_report_is_its_template_filled_from_the_evidence() -> N
     made = forward_backward.fill("forward-backward.md", forward_backward.PARTS)
     assert "{{" not in made and "| states |" in made and "cudaLaunchKernel" in made
     assert (PROJECT_ROOT / "docs/benchmarks/forward-backward.md").read_text() == made
+
+
+def test_the_cpu_adam_reports_and_the_notebook_are_their_templates_filled() -> None:
+    """docs/benchmarks/cpu-adam-exact.md, cpu-adam-delayed.md and notebook.md are what
+    bench/notebook.py makes of their templates now, each under 300 lines."""
+    import notebook
+
+    for name in notebook.REPORTS:
+        made = notebook.fill(f"{name}.md", notebook.PARTS)
+        assert "{{" not in made and len(made.splitlines()) <= 300
+        assert (PROJECT_ROOT / f"docs/benchmarks/{name}.md").read_text() == made, name
