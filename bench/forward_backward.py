@@ -7,9 +7,6 @@ words of bench/templates/forward-backward.md filled from the profiles, probes an
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
 import json
 import re
 import statistics
@@ -19,19 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fill import fill  # noqa: E402
-
-
-def printed(part):
-    """A part written with print(): its output as the part's text (no trailing newline)."""
-
-    @functools.wraps(part)
-    def text() -> str:
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            part()
-        return out.getvalue().rstrip("\n")
-
-    return text
+from fill import fill, printed  # noqa: E402
 
 
 def order() -> str:

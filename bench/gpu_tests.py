@@ -13,25 +13,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EVIDENCE = ROOT / "docs" / "evidence"
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fill import fill  # noqa: E402
-
-
-def max_line(name: str) -> str:
-    """From ``max`` to the end of the evidence file's first line that has it (a loss gap)."""
-    found = re.search(r"max .*", (EVIDENCE / name).read_text())
-    return found.group(0) if found else "(no max line)"
+from fill import EVIDENCE, EVIDENCE_PARTS, fill  # noqa: E402
 
 
 def first_field(name: str) -> str:
     return (EVIDENCE / name).read_text().split("\n", 1)[0].split("\t")[0]
-
-
-def passed(name: str) -> str:
-    return str((EVIDENCE / name).read_text().count("PASSED"))
 
 
 def tails() -> str:
@@ -88,9 +77,8 @@ at 4 layers."""
 
 PARTS = {
     "full_4gpu": full_4gpu,
-    "max": max_line,
-    "first": first_field,
-    "passed": passed,
+    **EVIDENCE_PARTS,
+    "first_field": first_field,
     "tails": tails,
     "verify": verify,
 }

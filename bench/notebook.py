@@ -9,9 +9,6 @@ bench/templates/ and the results and evidence files (a part per analysis):
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
 import re
 import sys
 from pathlib import Path
@@ -20,42 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from fill import fill  # noqa: E402
+from fill import EVIDENCE_PARTS, fill, printed  # noqa: E402
 
 REPORTS = ("cpu-adam-exact", "cpu-adam-delayed", "notebook")
-
-
-def printed(part):
-    """A part written with print(), run from the project root: its output as the part's text."""
-
-    @functools.wraps(part)
-    def text() -> str:
-        with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.chdir(ROOT):
-            part()
-        return out.getvalue().rstrip("\n")
-
-    return text
-
-
-def matching(argument: str) -> str:
-    """``FILE|REGEX``: docs/evidence/FILE's lines that match, each a list item."""
-    name, pattern = argument.split("|", 1)
-    text = (ROOT / "docs" / "evidence" / name).read_text()
-    return "\n".join(f"- {ln}" for ln in text.splitlines() if re.match(pattern, ln))
-
-
-def first(argument: str) -> str:
-    """``FILE|REGEX``: the first match of REGEX in docs/evidence/FILE."""
-    name, pattern = argument.split("|", 1)
-    found = re.search(pattern, (ROOT / "docs" / "evidence" / name).read_text())
-    return found.group(0) if found else f"(no {pattern!r} in {name})"
-
-
-def tail(argument: str) -> str:
-    """``FILE|N``: docs/evidence/FILE from its N-th line on."""
-    name, first = argument.split("|")
-    lines = (ROOT / "docs" / "evidence" / name).read_text().splitlines()
-    return "\n".join(lines[int(first) - 1 :])
 
 
 def llama3_plan() -> str:
@@ -703,9 +667,7 @@ def delayed2() -> None:
 
 
 PARTS = {
-    "matching": matching,
-    "first": first,
-    "tail": tail,
+    **EVIDENCE_PARTS,
     "llama3_plan": llama3_plan,
     "note1": note1,
     "note2": note2,
