@@ -163,9 +163,13 @@ def adamw(lib, master, grad, m, v, h: dict, step: float, grad_scale: float = 1.0
 
 
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    pool = getattr(_POOLS, "pool", None)
-    if pool is None or pool._max_workers != threads:
+    """This thread's pool of ``threads`` workers (a new one when its team size changed)."""
+    pool, size = getattr(_POOLS, "pool", None), getattr(_POOLS, "size", 0)
+    if pool is None or size != threads:
         if pool is not None:
             pool.shutdown()
-        pool = _POOLS.pool = concurrent.futures.ThreadPoolExecutor(threads, "host-kernel")
-    return pool
+        _POOLS.pool, _POOLS.size = (
+            concurrent.futures.ThreadPoolExecutor(threads, "host-kernel"),
+            threads,
+        )
+    return _POOLS.pool
