@@ -521,18 +521,6 @@ def cpu_adam13() -> None:
         f"Two runs of the same exact command end {max(exact) - min(exact):.2f} apart here (MoE "
         "routing and TE"
     )
-    print(
-        "kernels are not deterministic in these runs, and at GBS 1 the loss falls through a "
-        "steep phase"
-    )
-    print(
-        "whose timing moves); the delayed runs end above both, and a later start of delayed "
-        "updates does"
-    )
-    print(
-        "not help. GBS 1 with a 2-iteration warmup is not where delayed updates are used; the next"
-    )
-    print("section measures them at GBS 4 after a 20-iteration warmup, against seeds.")
 
 
 @printed
@@ -581,34 +569,6 @@ def delayed1() -> None:
         'for the "experts only" runs (the embedding and first layers exact) '
         f"{mean(experts) - mean(base):.0f}."
     )
-    print(
-        "All runs end near zero loss (the mock data's next-token rule is learned). Delayed "
-        "updates of"
-    )
-    print(
-        "every parameter end outside the baseline's spread across seeds: they are slower where "
-        "the loss"
-    )
-    print(
-        'falls fastest. The "experts only" runs, which kept the embedding and the first layers '
-        "exact,"
-    )
-    print(
-        "end within it (the verdict per configuration is in the suite's section above). The experts"
-    )
-    print(
-        "alone delayed (offload/optimizer=cpu_adam_delayed_experts, with expert parallelism) are "
-        "the"
-    )
-    print(
-        "next section. On a toy transformer on the CPU (`python "
-        "bench/probes/delayed_update_toy.py`,"
-    )
-    print(
-        "docs/evidence/delayed-update-toy.txt) one update of staleness costs less and prediction "
-        "recovers"
-    )
-    print("exact mode's curve; on the MoE proxy prediction recovers part of the lag.")
 
 
 @printed
@@ -649,21 +609,6 @@ def delayed2() -> None:
             "spread "
             f"across seeds ({found['spread']:.4f})"
         )
-    print()
-    print(
-        "The dense layers and the router updating exactly is what keeps delayed updates within the"
-    )
-    print(
-        "seeds' noise here, as the one-GPU runs that kept the embedding and first layers exact "
-        "did; delayed"
-    )
-    print(
-        "updates of every parameter ended outside it (suite `cpu-adam-conv`). Step times here "
-        "are of runs"
-    )
-    print(
-        "whose losses are the point; their speed against bounds is in suite `cpu-adam-experts-ep2`."
-    )
 
 
 PARTS = {
