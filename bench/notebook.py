@@ -474,7 +474,7 @@ def cpu_adam12() -> None:
     import sys
 
     sys.path.insert(0, "bench")
-    from run_benchmarks import _cpu_adam_lines
+    from suite_report import _cpu_adam_lines
 
     for path in sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json")):
         data = json.loads(path.read_text())
@@ -578,7 +578,8 @@ def delayed2() -> None:
     import sys
 
     sys.path.insert(0, "bench")
-    from run_benchmarks import CONVERGENCE_TAIL, convergence, tail_mean
+    from suite_report import convergence, tail_mean
+    from suites import CONVERGENCE_TAIL
 
     results = [
         r

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plots import commands_block, pyplot, report_main, save  # noqa: E402
-from run_benchmarks import _weight_offload_lines  # noqa: E402
+from suite_report import _weight_offload_lines  # noqa: E402
 
 from offload_runner.report import markdown_table  # noqa: E402
 

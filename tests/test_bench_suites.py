@@ -12,8 +12,10 @@ from offload_runner.cli import EXIT_FAILED, EXIT_OK, main
 
 sys.path.insert(0, str(PROJECT_ROOT / "bench"))
 import run_benchmarks  # noqa: E402
+import suite_report  # noqa: E402
+import suites  # noqa: E402
 
-CASES = {case.name: case for cases in run_benchmarks.SUITES.values() for case in cases}
+CASES = {case.name: case for cases in suites.SUITES.values() for case in cases}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -29,14 +31,14 @@ def test_bench_case_is_accepted(name: str, tmp_path) -> None:
     assert main([*args, "--dry-run"]) == EXIT_OK, name
     # the no-offload rows of the full model, of the capacity slice and under a GPU memory cap are
     # meant not to fit
-    expected = EXIT_FAILED if name in run_benchmarks.MEANT_NOT_TO_FIT else EXIT_OK
+    expected = EXIT_FAILED if name in suites.MEANT_NOT_TO_FIT else EXIT_OK
     if case.recipe == "qwen3_30b_a3b" or "planner.host_memory_gb=125" in case.overrides:
         assert main([*args, "--plan"]) == expected, name
 
 
 def test_the_hidden_fraction_row_runs_at_the_fraction_its_delayed_row_reported() -> None:
     """Rounded down to a hundredth; nothing reported: unchanged."""
-    cases = {c.name: c for c in run_benchmarks.SUITES["cpu-adam-4"]}
+    cases = {c.name: c for c in suites.SUITES["cpu-adam-4"]}
     hidden = cases["GBS4 cpu_adam_delayed at its hidden fraction"]
     assert hidden.hidden_fraction_of == "GBS4 cpu_adam_delayed 100%"
     results = [
@@ -78,7 +80,7 @@ def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> Non
     """gbs-4-beside ran at 14a2ce5 and again at a93c243 on a slower host: every row names its call,
     and each CPU-Adam run's speed-up over HybridDeviceOptimizer uses the HDO run of its call."""
     results = PROJECT_ROOT / "bench" / "results"
-    section = run_benchmarks.render(
+    section = suite_report.render(
         [results / "results-gbs-4-beside-14a2ce5.json", results / "results-gbs-4-beside.json"],
         suite="gbs-4-beside",
     )
@@ -122,7 +124,7 @@ def test_benchmarks_is_an_index_of_reports_headline_and_suites() -> None:
     """docs/BENCHMARKS.md from every committed result: at most 150 lines, a link per report,
     a row per suite no report holds, and no run's own table (those: ``report --suite``)."""
     files = sorted((PROJECT_ROOT / "bench" / "results").glob("*.json"))
-    text = run_benchmarks.render(files)
+    text = suite_report.render(files)
     assert len(text.splitlines()) <= 150
     for report in (PROJECT_ROOT / "docs" / "benchmarks").glob("*.md"):
         assert f"(benchmarks/{report.name})" in text

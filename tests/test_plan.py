@@ -795,7 +795,7 @@ def test_plan_verdicts_of_the_full_model_on_four_gpus(case: int, capsys) -> None
     import sys
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from run_benchmarks import FULL_4GPU
+    from suites import FULL_4GPU
 
     c = FULL_4GPU[case]
     argv = ["--recipe", c.recipe, *c.overrides, f"launcher.nproc_per_node={c.nproc}", "--plan"]
