@@ -572,11 +572,54 @@ def render_step_report(files: list[Path], plot: Path | None) -> str:
         "",
         render_engine_rates(engine_rates(files)),
         "",
+        *held_out_dense(),
     ]
     if plot is not None:
         _draw_steps(steps, plot)
         lines += [f"![predicted against measured step]({plot.name})", ""]
     return "\n".join(lines)
+
+
+def held_out_dense() -> list[str]:
+    """llama3_8b at seq 8192, GBS 8 under auto (suite llama3-8b-auto): what it measured, and
+    what auto plans for the same line now at the 64M-param fused AdamW rate of its host."""
+    import re
+
+    from offload_runner.auto import choose_offload
+
+    data = json.loads((ROOT / "bench/results/results-llama3-8b-auto.json").read_text())
+    s, env = data["results"][0]["summary"], data["environment"]
+    rates = (ROOT / "docs/evidence/fused-adamw-rate-by-size-h200.txt").read_text()
+    rate = next(ln.split()[-2] for ln in rates.splitlines() if " 64 M" in ln)
+    line = [*data["results"][0]["case"]["overrides"], f"planner.cpu_adam_params_per_s={rate}e9"]
+    run = to_run_config(compose_config([f"recipe={data['results'][0]['case']['recipe']}", *line]))
+    said = "auto: " + choose_offload(run).description
+    planned = re.match(r"auto: [^;]*; [^;]*; predicted [^:]*", said)
+    return [
+        "## The held-out dense shape: llama3_8b at seq 8192, GBS 8, `offload/optimizer=auto` "
+        "(suite `llama3-8b-auto`)",
+        "",
+        f"One H200 ({env['date'][:10]}, commit {env['commit']}): auto chose "
+        f"`{s['auto'].split(' (')[0]}`; {s['iterations']} iterations, loss "
+        f"{s['first_loss']:.2f} -> {s['final_loss']:.2f}, step {s['step_time_s_median']:.2f} s "
+        f"(forward+backward {s['fwd_bwd_time_s_median']:.2f}, the rest "
+        f"{s['optimizer_time_s_median']:.2f}), GPU peak {s['gpu_peak_allocated_gb']:.1f} GB, node "
+        f"RAM {s['host_used_gb_max_per_node'][0]:.1f} GB; the engine's CPU Adam ran at "
+        f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s beside a GPU share that settled at "
+        f"{s['cpu_adam_gpu_share']:.2f}. The run planned its update at "
+        f"{s['auto'].split('predicted ')[1].split(' per step')[0]} from fused AdamW timed on 16M "
+        f"params, which stay in the caches ({re.search(r'at ([0-9.]+) G/s', s['auto'])[1]} G/s "
+        "there); the planner now times 64M params (docs/evidence/fused-adamw-rate-by-size-h200.txt)"
+        " and prices the engine at its own rates beside the streams. Planned again that way, at "
+        "that file's 64M-param rate, by this commit:",
+        "",
+        "```",
+        planned.group(0) if planned else said,
+        "```",
+        "",
+        "against the measured rest of the step and GPU peak above.",
+        "",
+    ]
 
 
 def _bf16_moments_note(files: list[Path]) -> list[str]:
@@ -587,8 +630,9 @@ def _bf16_moments_note(files: list[Path]) -> list[str]:
     runs = json.loads(found.read_text())["results"]
     s = {r["case"]["name"]: r["summary"] for r in runs}["cpu_adam, bf16 moments"]
     return [
-        "`cpu_adam, bf16 moments` ran before the model knew bf16 moments' slower CPU Adam: its "
-        "deterministic GPU share was balanced as for fp32 moments, and the forward waited "
+        "`cpu_adam, bf16 moments` ran before the host kernel, its CPU Adam fp32 blocks upcast and "
+        "rounded back, and its deterministic GPU share was balanced as for fp32 moments: the "
+        "forward waited "
         f"{s['cpu_adam_forward_wait_s_median']:.2f} s for the CPU.",
         "",
     ]

@@ -874,15 +874,13 @@ PARTS = {
     "gaps": gaps,
     "share": share,
 }
-TEMPLATE = Path(__file__).resolve().parent / "templates" / "optimizer-offload.md"
 
 
 def report(plot: Path | None = None) -> str:
     """The template's words with each ``{{part}}`` filled in; the plot drawn where asked."""
-    text = TEMPLATE.read_text()
-    for name, part in PARTS.items():
-        if f"{{{{{name}}}}}" in text:
-            text = text.replace(f"{{{{{name}}}}}", part())
+    from fill import EVIDENCE_PARTS, fill
+
+    text = fill("optimizer-offload.md", {**PARTS, **EVIDENCE_PARTS})
     if plot is not None:
         draw(plot)
     return text

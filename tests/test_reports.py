@@ -103,12 +103,12 @@ def test_forward_backward_report_is_its_template_filled_from_the_evidence() -> N
     assert (PROJECT_ROOT / "docs/benchmarks/forward-backward.md").read_text() == made
 
 
-def test_the_cpu_adam_reports_and_the_notebook_are_their_templates_filled() -> None:
-    """docs/benchmarks/cpu-adam-exact.md, cpu-adam-delayed.md and notebook.md are what
-    bench/notebook.py makes of their templates now, each under 300 lines."""
-    import notebook
+def test_the_cpu_adam_reports_are_their_templates_filled() -> None:
+    """docs/benchmarks/cpu-adam-exact.md and cpu-adam-delayed.md are what
+    bench/cpu_adam_report.py makes of their templates now, each under 300 lines."""
+    import cpu_adam_report
 
-    for name in notebook.REPORTS:
-        made = notebook.fill(f"{name}.md", notebook.PARTS)
+    for name in cpu_adam_report.REPORTS:
+        made = cpu_adam_report.fill(f"{name}.md", cpu_adam_report.PARTS)
         assert "{{" not in made and len(made.splitlines()) <= 300
         assert (PROJECT_ROOT / f"docs/benchmarks/{name}.md").read_text() == made, name

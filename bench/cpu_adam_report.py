@@ -1,15 +1,13 @@
 #!/usr/bin/env python
-"""The CPU-Adam engine's reports and the lab notebook's last sections, from their templates in
-bench/templates/ and the results and evidence files (a part per analysis):
+"""The CPU-Adam engine's two reports, from their templates in bench/templates/ and the results
+and evidence files (a part per analysis):
 
-    python bench/notebook.py cpu-adam-exact > docs/benchmarks/cpu-adam-exact.md
-    python bench/notebook.py cpu-adam-delayed > docs/benchmarks/cpu-adam-delayed.md
-    python bench/notebook.py notebook > docs/benchmarks/notebook.md
+    python bench/cpu_adam_report.py cpu-adam-exact > docs/benchmarks/cpu-adam-exact.md
+    python bench/cpu_adam_report.py cpu-adam-delayed > docs/benchmarks/cpu-adam-delayed.md
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -19,93 +17,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fill import EVIDENCE_PARTS, fill, printed  # noqa: E402
 
-REPORTS = ("cpu-adam-exact", "cpu-adam-delayed", "notebook")
-
-
-def llama3_plan() -> str:
-    """auto's choice for llama3_8b at seq 8192, GBS 8 on one H200, at the fused AdamW rate of
-    64M params that docs/evidence/fused-adamw-rate-by-size-h200.txt measured there."""
-    from offload_runner.auto import choose_offload
-    from offload_runner.config.compose import compose_config, to_run_config
-
-    rates = (ROOT / "docs/evidence/fused-adamw-rate-by-size-h200.txt").read_text()
-    rate = next(ln.split()[-2] for ln in rates.splitlines() if " 64 M" in ln)
-    overrides = [
-        "recipe=llama3_8b",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=1",
-        "scheduler.lr_warmup_iters=2",
-        "planner.gpu_memory_gb=139",
-        "planner.host_memory_gb=125",
-        "offload/optimizer=auto",
-        f"planner.cpu_adam_params_per_s={rate}e9",
-    ]
-    said = "auto: " + choose_offload(to_run_config(compose_config(overrides))).description
-    found = re.match(r"auto: [^;]*; [^;]*; predicted [^:]*", said)
-    return found.group(0) if found else said
-
-
-@printed
-def note1() -> None:
-    import json
-    import pathlib
-
-    def runs(name):
-        data = json.loads(pathlib.Path(f"bench/results/results-{name}.json").read_text())
-        return data["environment"], {r["case"]["name"]: r["summary"] for r in data["results"]}
-
-    env, capped = runs("weight-offload-caps")
-    ref_env, ref = runs("weight-offload-caps-reference")
-    a = capped["llama3_8b under 48 GB, weights of 31 layers"]
-    b = ref["llama3_8b uncapped, no weight offload"]
-    print(
-        f"Suite `weight-offload-caps` ({env['gpu']}, commit {env['commit']}) trained llama3_8b "
-        "at seq "
-        "8192 under a 48 GB cap with weights of 31 layers, gradients, optimizer state and "
-        "activations "
-        f"offloaded ({a['step_time_s_median']:.1f} s a step, peak "
-        f"{a['gpu_peak_allocated_gb']:.1f} GB); "
-        f"suite `weight-offload-caps-reference` ({ref_env['gpu']}, commit {ref_env['commit']}) "
-        "ran the "
-        "same line without the cap and without weight offload, every state on the host "
-        f"({b['step_time_s_median']:.1f} s, peak {b['gpu_peak_allocated_gb']:.1f} GB). Their "
-        "losses "
-        "per iteration (the mock data's rise after iteration 5 is the recipe's, in both):"
-    )
-    print()
-    print("| iteration | " + " | ".join(str(i + 1) for i in range(len(a["losses"]))) + " |")
-    print("|---|" + "---|" * len(a["losses"]))
-    for name, s in (("weights offloaded, 48 GB cap", a), ("uncapped, no weight offload", b)):
-        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in s["losses"]) + " |")
-
-
-@printed
-def note2() -> None:
-    import json
-    import pathlib
-    import re
-
-    data = json.loads(pathlib.Path("bench/results/results-llama3-8b-auto.json").read_text())
-    s = data["results"][0]["summary"]
-    env = data["environment"]
-    print(
-        f"One H200 ({env['date'][:10]}, commit {env['commit']}): auto chose "
-        f"`{s['auto'].split(' (')[0]}`; "
-        f"{s['iterations']} iterations, loss {s['first_loss']:.2f} -> {s['final_loss']:.2f}, step "
-        f"{s['step_time_s_median']:.2f} s (forward+backward {s['fwd_bwd_time_s_median']:.2f}, "
-        "the rest "
-        f"{s['optimizer_time_s_median']:.2f}), GPU peak {s['gpu_peak_allocated_gb']:.1f} GB, "
-        "node RAM "
-        f"{s['host_used_gb_max_per_node'][0]:.1f} GB; the engine's CPU Adam ran at "
-        f"{s['cpu_adam_params_per_s'] / 1e9:.2f} G/s beside a GPU share that settled at "
-        f"{s['cpu_adam_gpu_share']:.2f}. The run planned its update at "
-        f"{s['auto'].split('predicted ')[1].split(' per step')[0]} from fused AdamW timed on 16M "
-        "params,"
-        f" which stay in the caches ({re.search(r'at ([0-9.]+) G/s', s['auto'])[1]} G/s there); the"
-        " planner now times 64M params "
-        "(docs/evidence/fused-adamw-rate-by-size-h200.txt) and prices the engine at its own rates "
-        "beside the streams. Planned again that way, at that file's 64M-param rate:"
-    )
+REPORTS = ("cpu-adam-exact", "cpu-adam-delayed")
 
 
 @printed
@@ -614,9 +526,6 @@ def delayed2() -> None:
 
 PARTS = {
     **EVIDENCE_PARTS,
-    "llama3_plan": llama3_plan,
-    "note1": note1,
-    "note2": note2,
     "cpu_adam1": cpu_adam1,
     "cpu_adam2": cpu_adam2,
     "cpu_adam3": cpu_adam3,
@@ -637,7 +546,7 @@ PARTS = {
 
 def main() -> int:
     if len(sys.argv) != 2 or sys.argv[1] not in REPORTS:
-        print(f"usage: python bench/notebook.py {{{'|'.join(REPORTS)}}}", file=sys.stderr)
+        print(f"usage: python bench/cpu_adam_report.py {{{'|'.join(REPORTS)}}}", file=sys.stderr)
         return 2
     print(fill(f"{sys.argv[1]}.md", PARTS), end="")
     return 0
