@@ -8,6 +8,9 @@ and evidence files (a part per analysis):
 
 from __future__ import annotations
 
+import json
+import pathlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,14 +19,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from fill import EVIDENCE_PARTS, fill, printed  # noqa: E402
+from plots import curves  # noqa: E402
+from suite_report import _cpu_adam_lines, convergence, tail_mean  # noqa: E402
+from suites import CONVERGENCE_TAIL  # noqa: E402
 
 REPORTS = ("cpu-adam-exact", "cpu-adam-delayed")
 
 
 @printed
 def cpu_adam1() -> None:
-    import json
-    import pathlib
 
     for path in sorted(pathlib.Path("bench/results").glob("results-*.json")):
         data = json.loads(path.read_text())
@@ -39,8 +43,6 @@ def cpu_adam1() -> None:
 
 @printed
 def cpu_adam2() -> None:
-    import json
-    import pathlib
 
     for gbs in (1, 4):
         data = json.loads(
@@ -72,8 +74,6 @@ def cpu_adam2() -> None:
 
 @printed
 def cpu_adam3() -> None:
-    import json
-    import pathlib
 
     def rows(path):
         data = json.loads(pathlib.Path(path).read_text())
@@ -118,8 +118,6 @@ def cpu_adam3() -> None:
 
 @printed
 def cpu_adam4() -> None:
-    import json
-    import pathlib
 
     data = json.loads(pathlib.Path("bench/results/results-cpu-adam-experts-ep2.json").read_text())
     print(
@@ -146,8 +144,6 @@ def cpu_adam4() -> None:
 
 @printed
 def cpu_adam5() -> None:
-    import json
-    import pathlib
 
     data = json.loads(pathlib.Path("bench/results/results-cpu-adam-landing.json").read_text())
     steps = {r["case"]["name"]: r["summary"]["step_time_s_median"] * 1000 for r in data["results"]}
@@ -164,8 +160,6 @@ def cpu_adam5() -> None:
 
 @printed
 def cpu_adam6() -> None:
-    import json
-    import pathlib
 
     names = (
         "results-cpu-adam-4.json",
@@ -204,8 +198,6 @@ def cpu_adam6() -> None:
 
 @printed
 def cpu_adam7() -> None:
-    import json
-    import pathlib
 
     data = json.loads(pathlib.Path("bench/results/results-cpu-adam-4-backward.json").read_text())
     s = {r["case"]["name"]: r["summary"] for r in data["results"] if r["status"] == "ok"}
@@ -227,8 +219,6 @@ def cpu_adam7() -> None:
 
 @printed
 def cpu_adam8() -> None:
-    import json
-    import pathlib
 
     for name, case in (
         ("results-cpu-adam-4-pieces.json", "GBS4 cpu_adam_delayed 100%, 64 MiB pieces"),
@@ -253,8 +243,6 @@ def cpu_adam8() -> None:
 
 @printed
 def cpu_adam9() -> None:
-    import json
-    import pathlib
 
     data = json.loads(pathlib.Path("bench/results/results-cpu-adam-4-delayed.json").read_text())
     by = {r["case"]["name"]: r for r in data["results"] if r["status"] == "ok"}
@@ -303,8 +291,6 @@ def cpu_adam9() -> None:
 
 @printed
 def cpu_adam10() -> None:
-    import json
-    import pathlib
 
     files = sorted(pathlib.Path("bench/results").glob("results-cpu-adam-4*.json"))
     files += sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json"))
@@ -335,8 +321,6 @@ def cpu_adam10() -> None:
 
 @printed
 def cpu_adam11() -> None:
-    import json
-    import pathlib
 
     data = json.loads(pathlib.Path("bench/results/results-adam-parity.json").read_text())
     losses = {
@@ -381,12 +365,6 @@ def cpu_adam11() -> None:
 
 @printed
 def cpu_adam12() -> None:
-    import json
-    import pathlib
-    import sys
-
-    sys.path.insert(0, "bench")
-    from suite_report import _cpu_adam_lines
 
     for path in sorted(pathlib.Path("docs/evidence").glob("results-cpu-adam-4-*.json")):
         data = json.loads(path.read_text())
@@ -413,12 +391,6 @@ def cpu_adam12() -> None:
 
 @printed
 def cpu_adam13() -> None:
-    import pathlib
-    import statistics
-    import sys
-
-    sys.path.insert(0, "bench")
-    from plots import curves
 
     runs = {
         name: statistics.fmean(losses[-20:])
@@ -437,12 +409,6 @@ def cpu_adam13() -> None:
 
 @printed
 def delayed1() -> None:
-    import pathlib
-    import statistics
-    import sys
-
-    sys.path.insert(0, "bench")
-    from plots import curves
 
     files = [
         *sorted(pathlib.Path("bench/results").glob("results-cpu-adam-conv-*.json")),
@@ -485,13 +451,6 @@ def delayed1() -> None:
 
 @printed
 def delayed2() -> None:
-    import json
-    import pathlib
-    import sys
-
-    sys.path.insert(0, "bench")
-    from suite_report import convergence, tail_mean
-    from suites import CONVERGENCE_TAIL
 
     results = [
         r

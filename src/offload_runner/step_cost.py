@@ -7,10 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offload_runner.config.schema import (
-    CpuOffloadEngine,
-    RunConfig,
-)
+from offload_runner.config.schema import CpuOffloadEngine, RunConfig
 from offload_runner.gpu_time import forward_backward_seconds
 from offload_runner.hardware import (
     ADAM_BYTES,

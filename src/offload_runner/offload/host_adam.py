@@ -419,15 +419,18 @@ class HostAdam(HybridDeviceOptimizer):
         """What Megatron-Core's layout cannot carry: the 8-bit moments' block scales."""
         return [s for s in self.host_scales if s is not None]
 
+    @property
+    def _rounding(self):
+        """bf16 masters' rounding generator, in the state window (None without one)."""
+        return getattr(getattr(self, "_window", None), "rounding", None)
+
     def rounding_state(self):
         """The state of the bf16 masters' rounding generator (None without one)."""
-        rounding = getattr(getattr(self, "_window", None), "rounding", None)
-        return None if rounding is None else rounding.get_state()
+        return None if self._rounding is None else self._rounding.get_state()
 
     def load_rounding_state(self, state) -> None:
-        rounding = getattr(getattr(self, "_window", None), "rounding", None)
-        if rounding is not None and state is not None:
-            rounding.set_state(state)
+        if self._rounding is not None and state is not None:
+            self._rounding.set_state(state)
 
     def load_quantized_state(self, saved: list) -> None:
         mine = self.quantized_state()

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from offload_runner.config.schema import (
-    RunConfig,
-)
+from offload_runner.config.schema import RunConfig
 from offload_runner.hardware import cpu_adam_piece_bytes, rank_cpus, worker_cpus
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, optimizer_states
@@ -40,7 +38,7 @@ def describe(run: RunConfig) -> OffloadSummary:
         f"delayed parameter update after {exact_steps(run)} exact steps"
         + (", weight prediction" if o.cpu_adam_weight_prediction else "")
         + ("" if run.mode.delays_dense else " for the routed experts; the dense part exact")
-        if o.cpu_adam_delayed_update
+        if run.mode.delayed
         else "exact: each update lands before the next forward needs it"
     )
     return OffloadSummary(
