@@ -16,18 +16,22 @@ the CLI, as a user runs it, in deterministic mode.
   without weight prediction), and a checkpoint moves between it and HybridDeviceOptimizer 100%
   both ways;
 - on two GPUs, context parallelism (each sequence split over both) tracks data parallelism (the
-  batch split over both) on the same global batch.
+  batch split over both) on the same global batch;
+- the terminal of a run (tiny, and the proxy page-locking its states) shows none of Megatron-Core's
+  or Transformer Engine's warnings, which rank0.log keeps.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 
+from offload_runner.rundir import rank_log
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.gpu
@@ -568,3 +572,37 @@ def test_evaluation_on_the_held_out_split(root: str, offload: tuple[str, ...]) -
     assert summary["final_validation_loss"] == curve[-1][1]
     alone = train(Path(root) / f"no-eval-{_folder(offload)}", *offload) if offload else None
     assert summary["losses"] == (alone or baseline(root))["losses"]
+
+
+# a library's warning, as Python's warnings module or Megatron-Core's loggers print one
+LIBRARY_NOISE = re.compile(r"Warning\b|WARNING|DEPRECATED|site-packages/|warnings\.warn")
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("tiny", BASE),
+        ("qwen3_30b_a3b_proxy", ("train.train_iters=3", "offload/optimizer=states")),
+    ],
+    ids=["tiny", "proxy-states"],
+)
+def test_the_terminal_shows_no_library_warnings(root: str, recipe: str, extra: tuple) -> None:
+    """Python's warnings on (PYTHONWARNINGS=default, not the test helper's ignore): Megatron-Core's
+    and TE's warnings land in rank0.log only; the proxy's page-locking (over SAY_GB) is said with
+    its size and rate."""
+    out = Path(root) / f"quiet-{recipe}"
+    args = ("--recipe", recipe, *extra, f"output_dir={out}")
+    result = run_cli(*args, env={"PYTHONWARNINGS": "default"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    terminal = result.stdout + result.stderr
+    noisy = [line for line in terminal.splitlines() if LIBRARY_NOISE.search(line)]
+    logged = [
+        line for line in rank_log(out, 0).read_text().splitlines() if LIBRARY_NOISE.search(line)
+    ]
+    print(f"{recipe}: {len(noisy)} warning lines on the terminal, {len(logged)} in rank0.log")
+    print("\n".join(f"  log: {line[:160]}" for line in logged[:8]))
+    print("\n".join(line for line in terminal.splitlines() if "page-lock" in line))
+    assert not noisy, noisy[:5]
+    assert logged
+    if recipe != "tiny":
+        assert re.search(r"page-locking \d+\.\d GB .*page-locked in [\d.]+ s", terminal, re.S)

@@ -15,6 +15,7 @@ from offload_runner.hardware import (
     CPU_ADAM_COPY_BYTES,
     CPU_ADAM_RATE_BESIDE_STREAMS,
     EXACT,
+    GPU_ADAM_S_PER_PARAM,
     HDO_RATE_SHARE,
     LATE,
     LINK_BESIDE_CPU_ADAM,
@@ -36,15 +37,19 @@ from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_w
 def balanced_gpu_share(
     cpu_params_per_s: float, host_link_gb_per_s: float, bytes_moved: tuple[int, int, int] = EXACT
 ) -> float:
-    """The GPU share x of the offloaded Adam at which the CPU and the link finish together: the
-    CPU's share at its rate beside the streams (a = 1 / (rate k)), the link at its rate beside
-    CPU Adam (l = 1 / (link LINK_BESIDE_CPU_ADAM)) carrying ``bytes_moved`` = (W, C, E), EXACT
-    for exact updates, LATE for delayed ones (``StepCost.moved``: W with the moments' dtypes):
-    (1 - x) a = (W x + C (1 - x) + E) l, so x = (a - (C + E) l) / (a + (W - C) l)."""
+    """The GPU share x of the offloaded Adam at which the CPU and the GPU's side finish together:
+    the CPU's share at its rate beside the streams (a = 1 / (rate k)); the link at its rate
+    beside CPU Adam (l = 1 / (link LINK_BESIDE_CPU_ADAM)) carrying ``bytes_moved`` = (W, C, E),
+    EXACT for exact updates, LATE for delayed ones (``StepCost.moved``: W with the moments'
+    dtypes), then the share's Adam in the window (g = GPU_ADAM_S_PER_PARAM, after its pieces
+    land, as the state window's): (1 - x) a = (W x + C (1 - x) + E) l + g x, so
+    x = (a - (C + E) l) / (a + (W - C) l + g)."""
     window, copies, every = bytes_moved
     cpu = 1 / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
     link = 1 / (host_link_gb_per_s * LINK_BESIDE_CPU_ADAM * 1e9)
-    share = (cpu - (copies + every) * link) / (cpu + (window - copies) * link)
+    share = (cpu - (copies + every) * link) / (
+        cpu + (window - copies) * link + GPU_ADAM_S_PER_PARAM
+    )
     return min(max(share, 0.0), 1.0)
 
 
@@ -57,13 +62,15 @@ def exact_update_seconds(
 ) -> float:
     """The update of ``params`` offloaded params with ``gpu_share`` of them on the GPU (exact,
     or with LATE ``bytes_moved`` a delayed one): the CPU's share at its rate (beside the
-    streams where there are any) or the link (beside CPU Adam), whichever takes longer."""
+    streams where there are any) or the GPU's side, the link (beside CPU Adam) then the share's
+    Adam in the window, whichever takes longer."""
     if gpu_share <= 0:
         return params / cpu_params_per_s
     window, copies, every = bytes_moved
     cpu = (1 - gpu_share) * params / (cpu_params_per_s * CPU_ADAM_RATE_BESIDE_STREAMS)
     moved = window * gpu_share + copies * (1 - gpu_share) + every
-    return max(cpu, moved * params / (host_link_gb_per_s * LINK_BESIDE_CPU_ADAM * 1e9))
+    link = moved * params / (host_link_gb_per_s * LINK_BESIDE_CPU_ADAM * 1e9)
+    return max(cpu, link + gpu_share * params * GPU_ADAM_S_PER_PARAM)
 
 
 def param_count(n: float) -> str:
@@ -128,7 +135,8 @@ class StepCost:
     ``forward_backward_s`` (when known), and the copies at the step boundary (4 B/param each way,
     both at once) are what remains where they cannot run during the backward
     (``RankPlan.boundary_params``). State offload streams its 10 B/param (12 with fp32 masters)
-    through the GPU window both ways at once, at ``host_link_gb_per_s`` each way."""
+    through the GPU window both ways at once, at ``host_link_gb_per_s`` each way, then runs their
+    Adam there; CPU Adam's GPU share likewise."""
 
     cpu_adam_params_per_s: float
     host_link_gb_per_s: float
@@ -176,8 +184,16 @@ class StepCost:
         return share
 
     def seconds(self, run: RunConfig, rank: RankPlan) -> float:
+        parts = (self.states_seconds, self.exact_seconds, self.delayed_seconds)
+        return sum(part(run, rank) for part in parts)
+
+    def states_seconds(self, run: RunConfig, rank: RankPlan) -> float:
+        """State offload: its states through the link, then their Adam in the GPU window (its
+        pieces' Adam runs after they land, as CPU Adam's GPU share's does)."""
+        if not rank.states_moved:
+            return 0.0
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
-        return link + self.exact_seconds(run, rank) + self.delayed_seconds(run, rank)
+        return link + rank.states_moved / host_state_bytes(run) * GPU_ADAM_S_PER_PARAM
 
     def exact_seconds(self, run: RunConfig, rank: RankPlan) -> float:
         """The step's wait for the exact updates (with their GPU share, where it streams)."""
