@@ -6,7 +6,7 @@ python run_recipe.py --recipe qwen3_30b_a3b_proxy offload/optimizer=cpu_50 --dry
 
 import sys
 
-from offload_runner.cli import main
+from offload_runner.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

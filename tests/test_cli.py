@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import yaml
 from conftest import PROJECT_ROOT as ROOT
 from conftest import run_cli
+from omegaconf import OmegaConf
 
 from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Mode, main, split_argv
 from offload_runner.hardware import te_available as validation_te_available
@@ -584,6 +586,38 @@ def test_a_bracketed_data_path_prints_as_typed(tmp_path: Path, capsys) -> None:
     assert "dataset.data_path=[/data/x]" in capsys.readouterr().out.replace("\n", "")
 
 
+NOISE = ("DeprecationWarning", "UserWarning", "warnings.warn(")
+
+
+def test_the_launcher_and_a_rank_keep_import_warnings_off_the_terminal(tmp_path) -> None:
+    """With Python's warnings on, Megatron-Core's and torch's import-time deprecations neither
+    precede the launcher's own lines nor a rank's: the rank logs them in rank0.log (its log is
+    set up before it imports them), and the launcher's own copies (the same imports) are
+    dropped unless --verbose."""
+    import subprocess
+    import sys
+
+    from offload_runner.config.compose import compose_config
+    from offload_runner.rundir import create_run_dir
+
+    loud = {"PYTHONWARNINGS": "default", "CUDA_VISIBLE_DEVICES": ""}
+    launcher = run_cli("--recipe", "tiny", f"output_dir={tmp_path}/run", env=loud)
+    assert not any(n in launcher.stdout + launcher.stderr for n in NOISE), launcher.stderr
+    verbose = run_cli("--recipe", "tiny", f"output_dir={tmp_path}/run", "--verbose", env=loud)
+    assert "DeprecationWarning" in verbose.stderr
+    resolved = OmegaConf.to_container(compose_config(["recipe=tiny"]), resolve=True)
+    run_dir = create_run_dir(tmp_path / "rank", resolved, [])
+    rank = subprocess.run(
+        [sys.executable, "-m", "offload_runner.worker", "--run-dir", str(run_dir)],
+        env={**os.environ, **loud, "RANK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert not any(n in rank.stdout + rank.stderr for n in NOISE), rank.stderr
+    assert "DeprecationWarning" in (run_dir / "rank0.log").read_text()
+
+
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_library_warnings_go_to_the_rank_log(tmp_path, monkeypatch, capfd, verbose) -> None:
     """Megatron-Core's loggers and Python warnings (TE's, torch's) land in rank0.log, and in the
@@ -591,10 +625,9 @@ def test_library_warnings_go_to_the_rank_log(tmp_path, monkeypatch, capfd, verbo
     import logging
     import warnings
 
-    from offload_runner import console
-    from offload_runner.worker import setup_rank_logging
+    from offload_runner.worker import VERBOSE_ENV, setup_rank_logging
 
-    monkeypatch.setenv(console.VERBOSE_ENV, "1" if verbose else "0")
+    monkeypatch.setenv(VERBOSE_ENV, "1" if verbose else "0")
     root = logging.getLogger()
     ours = logging.getLogger("offload_runner")
     saved = (root.handlers[:], root.level, ours.handlers[:], ours.propagate)

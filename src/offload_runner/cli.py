@@ -58,6 +58,7 @@ from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
 from offload_runner.rundir import RunDirError, create_run_dir
 from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
 from offload_runner.validation import RULES, Environment, errors, validate, value_violations
+from offload_runner.worker import VERBOSE_ENV
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
@@ -139,7 +140,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         elif arg == "--version":
             options.version = True
         elif arg == "--verbose":  # library warnings in the terminal too (the ranks inherit it)
-            os.environ[console.VERBOSE_ENV] = "1"
+            os.environ[VERBOSE_ENV] = "1"
         elif arg == "--collect" or arg.startswith("--collect="):
             value = _option_value(arg, args)
             if not value or not Path(value).is_dir():

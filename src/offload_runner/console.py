@@ -15,9 +15,6 @@ from offload_runner.offload import OffloadSummary
 
 console = Console()
 err_console = Console(stderr=True)
-# run_recipe.py --verbose: the ranks show Megatron-Core's, TE's and torch's warnings too (else in
-# the rank logs only)
-VERBOSE_ENV = "OFFLOAD_RUNNER_VERBOSE"
 
 
 def fail(message: str, fix: str | None = None) -> None:

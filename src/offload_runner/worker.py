@@ -13,20 +13,25 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from offload_runner.config.schema import RunConfig
-from offload_runner.console import VERBOSE_ENV
-from offload_runner.offload import apply_runtime_environment
 from offload_runner.rundir import RunDirError, create_run_dir, load_resolved, rank_log
+
+if TYPE_CHECKING:
+    from offload_runner.config.schema import RunConfig
+
+# run_recipe.py --verbose: the ranks show Megatron-Core's, TE's and torch's warnings too (else in
+# the rank logs only)
+VERBOSE_ENV = "OFFLOAD_RUNNER_VERBOSE"
 
 
 def setup_rank_logging(run_dir: Path, rank: int) -> None:
     """The rank's log: our own lines, and every library's warnings (Megatron-Core's and
     Transformer Engine's loggers, Python warnings), which reach the terminal only with
-    ``--verbose``; ranks other than 0 send all their output there."""
+    ``--verbose``; ranks other than 0 send all their output there. Set up before anything
+    imports Megatron-Core: it warns at import."""
     path = rank_log(run_dir, rank)
     stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     if rank != 0:
@@ -50,9 +55,9 @@ def setup_rank_logging(run_dir: Path, rank: int) -> None:
 
 
 def _train(run: RunConfig, run_dir: Path, rank: int) -> int:
+    from offload_runner.offload import apply_runtime_environment
     from offload_runner.train import train
 
-    setup_rank_logging(run_dir, rank)
     env = apply_runtime_environment(run)
     if env:
         logging.getLogger("offload_runner").info("environment for this config: %s", env)
@@ -76,8 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one offload-runner training rank")
     parser.add_argument("--run-dir", type=Path, required=True)
     args = parser.parse_args(argv)
-    run = load_resolved(args.run_dir)
-    return _train(run, args.run_dir, int(os.environ.get("RANK", 0)))
+    rank = int(os.environ.get("RANK", 0))
+    setup_rank_logging(args.run_dir, rank)
+    return _train(load_resolved(args.run_dir), args.run_dir, rank)
 
 
 def train_in_place(
@@ -103,6 +109,7 @@ def train_in_place(
     dist.broadcast_object_list(made, src=0)
     if isinstance(made[0], tuple):
         raise RunDirError(*made[0])
+    setup_rank_logging(Path(made[0]), dist.get_rank())
     return _train(run, Path(made[0]), dist.get_rank())
 
 
