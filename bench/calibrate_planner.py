@@ -237,10 +237,12 @@ def _exact_engine(overrides: list[str]) -> bool:
 
 
 def predicted_step(result: dict, baseline_s: float, reference: dict) -> float:
-    """The step-time model's step for a recorded run: its suite's no-offload step plus what
-    step_cost prices the offload at, with the suite's fused CPU AdamW rate at the run's thread
-    count (``reference``: the suite's cpu_adam_reference_params_per_s) and each rank's share of
-    the node's host link."""
+    """The step-time model's step for a recorded run: its suite's no-offload step, less the
+    GPU's own Adam the offload takes off it, plus what step_cost prices the offload at, with the
+    suite's fused CPU AdamW rate at the run's thread count (``reference``: the suite's
+    cpu_adam_reference_params_per_s) and each rank's share of the node's host link."""
+    from offload_runner.auto import with_overrides
+    from offload_runner.gpu_time import gpu_adam_seconds
     from offload_runner.hardware import REFERENCE_CPU_ADAM_PARAMS_PER_S, rank_link_gb_per_s
     from offload_runner.step_cost import StepCost
 
@@ -254,7 +256,9 @@ def predicted_step(result: dict, baseline_s: float, reference: dict) -> float:
     )
     cost = StepCost(rate, rank_link_gb_per_s(run.planner.host_link_gb_per_s, nproc))
     worst = max(plan_of(result).ranks, key=lambda r: cost.seconds(run, r))
-    return baseline_s + cost.seconds(run, worst)
+    off = {"optimizer.optimizer_cpu_offload": False, "optimizer.offload_optimizer_states": False}
+    taken = gpu_adam_seconds(with_overrides(run, off), nproc) - gpu_adam_seconds(run, nproc)
+    return baseline_s - taken + cost.seconds(run, worst)
 
 
 def calibrate_steps(files: list[Path]) -> list[StepCalibration]:
@@ -554,7 +558,8 @@ def render_step_report(files: list[Path], plot: Path | None) -> str:
         "# Step-time model against measured steps",
         "",
         "What `--plan` and `auto` price an exact host engine at (all of Adam offloaded: "
-        "`step_cost.StepCost`), added to the no-offload step of the run's own suite file, with "
+        "`step_cost.StepCost`), added to the no-offload step of the run's own suite file (less "
+        "the GPU's Adam the offload takes off it), with "
         "that suite's fused CPU AdamW rate at the run's thread count and each rank's share of "
         "the node's link. The no-offload step is the mean of the suite's no-offload runs. The "
         "model prices the update and takes forward+backward to be no offload's; the column "

@@ -11,9 +11,7 @@ the state windows grow during the last backward):
     python bench/gbs_report.py host    # what the host could give the update, and the engine's gap
     python bench/gbs_report.py remainders  # state offload's masters as remainders (remainders-N)
     python bench/gbs_report.py beside  # state offload's pass beside the next forward
-    python bench/gbs_report.py gaps    # ... with and without a kernel after each window copy
     python bench/gbs_report.py share   # exact CPU Adam's GPU share started with the step
-    python bench/gbs_report.py phases FILE...  # each run's phases in any results files (A/B calls)
     python bench/gbs_report.py report --plot docs/benchmarks/optimizer-offload.png \\
         > docs/benchmarks/optimizer-offload.md   # all of these in bench/templates' report
 """
@@ -465,88 +463,19 @@ def remainders() -> str:
     return "\n".join(lines)
 
 
-def _longest_sync(name: str) -> tuple[float, list[str]]:
-    """The longest stream synchronization of a profile summary (bench/profile_summary.py) and
-    the GPU streams' lines during it."""
-    text = (EVIDENCE / name).read_text()
-    wait = max(float(x) for x in re.findall(r"cudaStreamSynchronize ([\d.]+) ms at", text))
-    part = text.split("-- GPU streams during it", 1)[-1].splitlines()[1:]
-    return wait, [line.strip() for line in part if line.strip().startswith("stream")]
-
-
 def beside() -> str:
-    """Suite beside-4-ab (no offload and states at GBS 4, in turn at two commits in one call:
-    B A B, the pass within the step (A) and beside the next forward (B); then paced, B A) and
-    the profiles of device step beside-probe."""
-    lines = [
-        "| call | run | commit | no offload s | states step s | step | forward+backward s "
-        "(no offload) | optimizer phase s | pass s | GPU peak GB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    found = {}
-    for call, runs in (("1", ("b1", "a1", "b2")), ("2", ("paced-b1", "paced-a1"))):
-        for run in runs:
-            data = json.loads((RESULTS / f"results-beside-4-ab-{run}.json").read_text())
-            rows = {r["case"]["name"]: r["summary"] for r in data["results"]}
-            base, st = rows["cost GBS4 no offload"], rows.get("cost GBS4 states")
-            found[run] = base, st
-            head = f"| {call} | {run} | {data['environment']['commit']} | "
-            if st is None:
-                lines.append(
-                    f"{head}{base['step_time_s_median']:.3f} | (the call's device "
-                    "time ran out) | | | | | |"
-                )
-                continue
-            lines.append(
-                f"{head}{base['step_time_s_median']:.3f} | {st['step_time_s_median']:.3f} | "
-                f"{st['step_time_s_median'] / base['step_time_s_median']:.2f}x | "
-                f"{st['fwd_bwd_time_s_median']:.3f} ({base['fwd_bwd_time_s_median']:.3f}) | "
-                f"{st['optimizer_time_s_median']:.3f} | {st['states_stream_s_median']:.3f} | "
-                f"{st['gpu_peak_allocated_gb']:.2f} |"
-            )
-    wait, streams = _longest_sync("profile-beside-h100.txt")
-    first, _ = _longest_sync("profile-beside-1-h100.txt")
-    (base, paced), (again, _) = found["paced-b1"], found["paced-a1"]
-    shorter = [
-        found[run][1]["optimizer_time_s_median"] - paced["optimizer_time_s_median"]
-        for run in ("b1", "a1", "b2")
-    ]
-    lines += [
-        "",
-        (
-            f"Beside the forward with every copy issued at the step (commit 5c4a8fc), the step did "
-            f"not get shorter: the loss's `.item()` at its end waited {first:.0f} and {wait:.0f} ms "
-            "in two profiled steps (docs/evidence/profile-beside-1-h100.txt, "
-            "profile-beside-h100.txt; `bash bench/device_session.sh beside-probe`), and its 4-byte "
-            "copy ran only when the pass's last copy out had: the copy engines ran the pass's "
-            "queued copies first. The GPU streams during that wait:"
-        ),
-        "",
-        *[f"- {line}" for line in streams],
-        "",
-        (
-            "So the pass is now issued by a thread of its own as its pieces come in (commit "
-            "79898f8), and the slots the last backward grew carry one piece each and go once it "
-            "is out (commit fec09ca, after the calls above: the suites below). The one paced pair ran "
-            f"{paced['step_time_s_median'] / base['step_time_s_median']:.2f}x its no-offload run "
-            f"(the bar is {BARS[4]}x), its optimizer phase {min(shorter):.2f}-{max(shorter):.2f} s "
-            "shorter than call 1's, forward+backward longer by part of that; no offload itself "
-            f"moved from {base['step_time_s_median']:.3f} to {again['step_time_s_median']:.3f} s "
-            "within that call, so the pair is one sample."
-        ),
-        "",
-        *_beside_suites(),
-    ]
-    return "\n".join(lines)
+    """State offload's pass beside the next forward: the acceptance suites gbs-N-beside."""
+    return "\n".join(_beside_suites())
 
 
 def _beside_suites() -> list[str]:
-    """State offload in suites gbs-N-beside (the single-use grown slots, commit 14a2ce5 on;
-    again after the gaps): where its pass's time went, against each call's no-offload runs."""
+    """State offload in suites gbs-N-beside (before and after the window copies' gaps): where
+    its pass's time went, against each call's no-offload runs."""
     lines = [
-        "The acceptance suites after that (`gbs-4-beside`, `gbs-8-beside`, `gbs-32-beside`, "
-        "one call each, before and after the window copies' gaps below; against the mean "
-        "of each call's no-offload runs):",
+        "`gbs-4-beside`, `gbs-8-beside`, `gbs-32-beside`, one call each before and after a "
+        "one-element kernel followed each copy of the window (its gaps let the forward's own "
+        "copies through; `bench/probes/copy_queue_probe.py`), against the mean of each call's "
+        "no-offload runs:",
         "",
         "| GBS | suite | commit | no offload s | states step | floor | forward+backward "
         "more s | optimizer phase more s | pass s | pass after the forward's first wait s | "
@@ -653,141 +582,6 @@ def _after_gaps(found: list[Suite]) -> list[str]:
     ]
 
 
-def gaps() -> str:
-    """Suite beside-4-ab in one call, runs gaps-b1, gaps-a1, gaps-b2: state offload with a
-    one-element kernel after each window copy (B) and without (A, 870c706), each beside a
-    no-offload run; then the copy-engine probe and the two profiled steps."""
-    lines = [
-        "| run | commit | no offload s | states step s | step | floor | forward+backward "
-        "more s | the forward's thread waited s | pass s | pass after the forward's first "
-        "wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    paths = {run: RESULTS / f"results-beside-4-ab-gaps-{run}.json" for run in ("b1", "a1", "b2")}
-    calls = {run: load(path, 4) for run, path in paths.items()}
-    for run, c in calls.items():
-        st = c.first("states")
-        lines.append(
-            f"| gaps-{run} | {c.commit[:7]} | {c.base:.3f} | {st['step_time_s_median']:.3f} | "
-            f"{st['step_time_s_median'] / c.base:.2f}x | {states_floor(c, st):.2f}x | "
-            f"{st['fwd_bwd_time_s_median'] - c.fwd_bwd:+.3f} | "
-            f"{st['states_forward_wait_s_median']:.3f} | {st['states_stream_s_median']:.3f} | "
-            f"{st['states_beside_forward_s']:.3f} |"
-        )
-    probe = _probe_rows(EVIDENCE / "copy-queue-probe-h100.txt")
-    steps = {
-        name: json.loads((EVIDENCE / f"summary-beside-profiled-{name}-h100.json").read_text())[
-            "step_time_s_median"
-        ]
-        for name in ("gaps-416e17b", "ungapped-870c706")
-    }
-    up = {run: probe[run][0] for run in ("128x4", "128x4k", "16x4", "16x4k")}
-    held = _forward_held(
-        {
-            "gaps": "trace-beside-gaps-416e17b-h100.txt",
-            "ungapped": "trace-beside-ungapped-870c706-h100.txt",
-        }
-    )
-    st = calls["b1"].first("states")
-    link, grown = st["states_link_gb_per_s"], st["states_in_backward_gb"]
-    moved = link * st["states_stream_s_median"]
-    room = PEAK_BAR * calls["b1"].bases[0]["gpu_peak_allocated_gb"] - st["gpu_peak_allocated_gb"]
-    beside = {run: c.first("states")["states_beside_forward_s"] for run, c in calls.items()}
-    faster = 1 - calls["a1"].base / statistics.mean(calls[run].base for run in ("b1", "b2"))
-    lines += [
-        "",
-        (
-            "The pass is paced by its copies down. The states that came in during the last "
-            f"backward ({grown:.1f} GB in gaps-b1) are updated first and go down first, and a window "
-            "slot takes its next piece only once its last one is down, so the last piece is "
-            f"updated about when every state is down ({moved:.1f} GB at {link:.1f} GB/s, "
-            f"{moved / link:.2f} s), not when the rest are up ({moved - grown:.1f} GB, "
-            f"{(moved - grown) / link:.2f} s). Holding the first {grown:.1f} GB on the GPU into the "
-            "forward instead would raise its peak by as much; the room under the 0.45x bar is "
-            f"{room:.1f} GB."
-        ),
-    ]
-    lines += [
-        "",
-        (
-            "What the gaps change, without the model (`python bench/probes/copy_queue_probe.py`, "
-            "docs/evidence/copy-queue-probe-h100.txt): every 20 ms a batch copy up and a 4-byte "
-            "copy down on the default stream, each waited for, beside another stream's copies kept "
-            "4 deep each way. Beside 128 MiB copies the batch copy waited "
-            + (
-                "past the probe's limit (as long as that queue was fed)"
-                if up["128x4"] == "inf"
-                else f"{up['128x4']} ms"
-            )
-            + f", beside 16 MiB copies {up['16x4']} ms (median); with a one-element kernel after "
-            f"each side copy, {up['128x4k']} and {up['16x4k']} ms, the side traffic at "
-            f"{probe['128x4k'][2]} and {probe['16x4k'][2]} GB/s each way against "
-            f"{probe['128x4'][2]} and {probe['16x4'][2]} without. 32 hardware queues "
-            "(CUDA_DEVICE_MAX_CONNECTIONS=32) changed neither, and gapped copies 64 deep behaved as "
-            "4 deep."
-        ),
-        "",
-        (
-            "In training the gaps let the forward's copies through: the pass ran "
-            f"{min(beside['b1'], beside['b2']):.2f}-{max(beside['b1'], beside['b2']):.2f} s into "
-            f"the next forward against {beside['a1']:.3f} s without them. The step did not get "
-            "shorter. The first micro-batch's forward needs every piece, and the pass is paced as "
-            "above, so the forward's thread waited about the pass less that forward; with gaps this "
-            "call's states rows sat at their floors (the acceptance suites after it, on a slower "
-            "host: above). Without gaps the forward's batch copy waited behind "
-            "the whole pass, and its thread waited in the MoE dispatcher instead (below). In the two "
-            "profiled steps (device step `beside-probe`, iterations 6-7, "
-            "docs/evidence/trace-beside-gaps-416e17b-h100.txt and "
-            "trace-beside-ungapped-870c706-h100.txt, whose timelines show each stream) the step ran "
-            f"{steps['gaps-416e17b']:.3f} s with gaps and {steps['ungapped-870c706']:.3f} s "
-            "without. Either way the forward's thread waits for the pass: with gaps "
-            f"{held['gaps']:.0f} ms in the two profiled steps for its pieces; without, "
-            f"{held['ungapped']:.0f} ms in event synchronizations at the forward's start, where "
-            "Megatron-Core's all-to-all token dispatcher waits for each MoE layer's tokens per expert "
-            "to reach the host, behind the pass. So no host-side change lets that thread run ahead "
-            "of the pass: every MoE layer ties it to the GPU's forward. The run without gaps in the "
-            "A/B call came in under the floor: one sample, beside a no-offload run "
-            f"{faster:.0%} faster than the other two of the call. The gaps stay: without them any "
-            "copy on another stream (the loss's `.item()`, an MoE layer's tokens per expert) waits "
-            "as long as the pass keeps its queue fed."
-        ),
-    ]
-    return "\n".join(lines)
-
-
-def _forward_held(traces: dict[str, str]) -> dict[str, float]:
-    """Per profile summary: ms its forward's thread waited for a state pass, as the annotation
-    "states: the forward waits for its pieces" (with gaps) or as event synchronizations of
-    100 ms or more among the longest calls (without: the MoE dispatcher's, behind the pass;
-    the pass thread's own wait a few ms each)."""
-    held = {}
-    for name, file in traces.items():
-        text = (EVIDENCE / file).read_text()
-        pieces = re.search(
-            r"main\s+\d+\s+([\d.]+)\s+[\d.]+\s+\S+\s+states: the forward "
-            r"waits for its pieces",
-            text,
-        )
-        part = text.split("-- the longest runtime calls", 1)[1].split("\n--", 1)[0]
-        syncs = [float(ms) for ms in re.findall(r"cudaEventSynchronize ([\d.]+) ms at", part)]
-        if pieces and float(pieces[1]) >= 100:
-            held[name] = float(pieces[1])
-        else:
-            held[name] = sum(ms for ms in syncs if ms >= 100)
-    return held
-
-
-def _probe_rows(path: Path) -> dict[str, tuple[str, str, str]]:
-    """bench/probes/copy_queue_probe.py's first table (8 hardware queues), and the rows of later runs
-    it lacks: per run, (batch up ms median, 4 B down ms median, side GB/s)."""
-    rows: dict[str, tuple[str, str, str]] = {}
-    for line in path.read_text().splitlines():
-        cells = [c.split("/")[0].split("(")[0].strip() for c in line.split("|")]
-        if len(cells) == 4 and re.fullmatch(r"\d+x\d+k?", cells[0]):
-            rows.setdefault(cells[0], (cells[1], cells[2], cells[3]))
-    return rows
-
-
 def share() -> str:
     """Suite exact-4-ab's calls ``first`` and ``thread``: the GPU share's pass queued before the
     CPU part's hand-over, then by a thread of its own, each beside the commit before (run a*)."""
@@ -831,38 +625,6 @@ def share() -> str:
     )
 
 
-PHASES = {
-    "step": "step_time_s_median",
-    "fwd+bwd": "fwd_bwd_time_s_median",
-    "optimizer": "optimizer_time_s_median",
-    "CPU wall": "cpu_adam_wall_s_median",
-    "CPU Adam": "cpu_adam_busy_s_median",
-    "CPU wait": "cpu_adam_wait_s_median",
-    "share pass": "cpu_adam_stream_s_median",
-    "hand-over": "cpu_adam_boundary_s_median",
-    "states pass": "states_stream_s_median",
-    "forward wait": "states_forward_wait_s_median",
-}
-
-
-def phases(paths: list[str] | None = None) -> str:
-    """Each run of the results ``paths`` (default: the command line's) with its phases in s, the
-    engines' parts of the update, and its allocator retries."""
-    lines = [
-        "| file | case | " + " | ".join(PHASES) + " | allocator retries |",
-        "|---" * (len(PHASES) + 3) + "|",
-    ]
-    for path in paths if paths is not None else sys.argv[2:]:
-        for r in json.loads(Path(path).read_text())["results"]:
-            s = r.get("summary") or {}
-            cells = [f"{s[k]:.3f}" if isinstance(s.get(k), float) else "-" for k in PHASES.values()]
-            retries = s.get("gpu_alloc_retries_per_rank", "-")
-            lines.append(
-                f"| {Path(path).stem} | {r['case']['name']} | {' | '.join(cells)} | {retries} |"
-            )
-    return "\n".join(lines)
-
-
 PARTS = {
     "cost": cost,
     "ends": ends,
@@ -871,7 +633,6 @@ PARTS = {
     "host": host,
     "remainders": remainders,
     "beside": beside,
-    "gaps": gaps,
     "share": share,
 }
 
@@ -917,4 +678,4 @@ if __name__ == "__main__":
         plot = Path(sys.argv[3]) if sys.argv[2:3] == ["--plot"] else None
         print(report(plot))
     else:
-        print({**PARTS, "phases": phases}[sys.argv[1]]())
+        print(PARTS[sys.argv[1]]())

@@ -55,10 +55,9 @@ from offload_runner.config.schema import MIXED_PRECISION_RECIPES, REMOVED_KEYS, 
 from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
-from offload_runner.rundir import RunDirError, create_run_dir
+from offload_runner.rundir import VERBOSE_ENV, RunDirError, create_run_dir
 from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
 from offload_runner.validation import RULES, Environment, errors, validate, value_violations
-from offload_runner.worker import VERBOSE_ENV
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT

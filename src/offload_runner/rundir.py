@@ -63,6 +63,11 @@ def _claim(run_dir: Path) -> Path:
     raise FileExistsError(run_dir)
 
 
+# run_recipe.py --verbose: the ranks show Megatron-Core's, TE's and torch's warnings too (else in
+# their logs only)
+VERBOSE_ENV = "OFFLOAD_RUNNER_VERBOSE"
+
+
 def rank_log(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.log"
 

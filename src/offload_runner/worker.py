@@ -17,14 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from offload_runner.rundir import RunDirError, create_run_dir, load_resolved, rank_log
+from offload_runner.rundir import VERBOSE_ENV, RunDirError, create_run_dir, load_resolved, rank_log
 
 if TYPE_CHECKING:
     from offload_runner.config.schema import RunConfig
-
-# run_recipe.py --verbose: the ranks show Megatron-Core's, TE's and torch's warnings too (else in
-# the rank logs only)
-VERBOSE_ENV = "OFFLOAD_RUNNER_VERBOSE"
 
 
 def setup_rank_logging(run_dir: Path, rank: int) -> None:
