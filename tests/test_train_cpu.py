@@ -225,15 +225,19 @@ def test_a_failing_rank_logs_its_traceback_and_exits_1_without_printing_it(
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
     monkeypatch.setattr(train, "train", out_of_memory)
-    logger = logging.getLogger("offload_runner")
+    logger, root = logging.getLogger("offload_runner"), logging.getLogger()
     # earlier tests' handlers, here and on the root logger, may write to streams closed by now
     handlers, propagate = list(logger.handlers), logger.propagate
+    saved_root = list(root.handlers), root.level
     logger.handlers.clear()
     logger.propagate = False
     try:
+        worker.setup_rank_logging(tmp_path, 0)  # as worker.main does, before _train
         assert worker._train(compose_run("recipe=tiny"), tmp_path, 0) == 1
     finally:
+        logging.captureWarnings(False)
         logger.handlers[:], logger.propagate = handlers, propagate
+        root.handlers[:], root.level = saved_root
     log = (tmp_path / "rank0.log").read_text()
     assert "CUDA out of memory" in log and "Traceback" in log
     assert "OutOfMemoryError: CUDA out of memory" not in capsys.readouterr().err
