@@ -427,7 +427,7 @@ def render(files: list[Path], plots: Path | None) -> str:
         "time: each call that ran two fitted rows of a kernel set refits the rates on those "
         "alone, and a held-out row's error is the model at that call's rates against its runs "
         "there, one figure per call; a row misses where the median of its calls' errors is over "
-        "15%. `python bench/throughput.py report`.",
+        f"{TOLERANCE:.0%}. `python bench/throughput.py report`.",
         "",
     ]
     for suite in SUITES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def compose_run(*overrides: str, extra_recipe_dirs: tuple[Path, ...] = ()) -> RunConfig:
     return to_run_config(compose_config(list(overrides), extra_recipe_dirs=extra_recipe_dirs))
+
+
+# a library's warning, as Python's warnings module or Megatron-Core's loggers print one
+LIBRARY_NOISE = re.compile(r"Warning\b|WARNING|DEPRECATED|site-packages/|warnings\.warn")
 
 
 def run_cli(

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from offload_runner.rundir import rank_log
-from tests.conftest import run_cli
+from tests.conftest import LIBRARY_NOISE, run_cli
 
 pytestmark = pytest.mark.gpu
 
@@ -572,10 +572,6 @@ def test_evaluation_on_the_held_out_split(root: str, offload: tuple[str, ...]) -
     assert summary["final_validation_loss"] == curve[-1][1]
     alone = train(Path(root) / f"no-eval-{_folder(offload)}", *offload) if offload else None
     assert summary["losses"] == (alone or baseline(root))["losses"]
-
-
-# a library's warning, as Python's warnings module or Megatron-Core's loggers print one
-LIBRARY_NOISE = re.compile(r"Warning\b|WARNING|DEPRECATED|site-packages/|warnings\.warn")
 
 
 @pytest.mark.parametrize(
