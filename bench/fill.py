@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Reports from Markdown templates: the words live in bench/templates/, each ``{{part}}`` or
 ``{{part:argument}}`` in them is filled by a function of the report's module from the results
 and evidence files (so no figure in a report is typed by hand)."""
@@ -7,11 +8,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import re
+import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from suites import CONVERGENCE_TAIL  # noqa: E402
+
+from offload_runner.report import fmt, markdown_table, max_abs_delta  # noqa: E402
+
 EVIDENCE = ROOT / "docs" / "evidence"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 PLACEHOLDER = re.compile(r"\{\{(\w+)(?::([^}]*))?\}\}")
@@ -70,4 +80,154 @@ def tail(argument: str) -> str:
     return "\n".join((EVIDENCE / name).read_text().splitlines()[int(start) - 1 :])
 
 
-EVIDENCE_PARTS = {"first": first, "matching": matching, "count": count, "tail": tail}
+def _ms(key: str) -> Callable[[dict, dict], str]:
+    return lambda s, _: fmt(s[key] * 1000 if s.get(key) is not None else None, ".0f")
+
+
+def _of(key: str, spec: str, scale: float = 1.0, suffix: str = "") -> Callable[[dict, dict], str]:
+    return lambda s, _: fmt(s[key] / scale if s.get(key) is not None else None, spec, suffix)
+
+
+def _vs(s: dict, base: dict) -> str:
+    step, b = s.get("step_time_s_median"), base.get("step_time_s_median")
+    return fmt(step / b if step and b and s is not base else None, ".2f", "x")
+
+
+def _update(s: dict, _: dict) -> str:
+    found = [s[k] for k in ("cpu_adam_wall_s_median", "cpu_adam_stream_s_median") if s.get(k)]
+    return fmt(max(found) * 1000 if found else None, ".0f")
+
+
+def _rest(s: dict, _: dict) -> str:
+    if not s.get("fwd_bwd_time_s_median"):
+        return "-"
+    return f"{(s['step_time_s_median'] - s['fwd_bwd_time_s_median']) * 1000:.0f}"
+
+
+def tail_mean(losses: list[float], n: int = CONVERGENCE_TAIL) -> float:
+    return statistics.fmean(losses[-n:])
+
+
+def _tail(s: dict, _: dict) -> str:
+    return fmt(tail_mean(s["losses"]) if s.get("losses") else None, ".4f")
+
+
+def _delta(s: dict, base: dict) -> str:
+    same = s is base
+    return "-" if same else fmt(max_abs_delta(s.get("losses", []), base.get("losses", [])), ".1e")
+
+
+# A results table's columns: (header, the cell from a run's summary and its baseline's).
+COLUMNS: dict[str, tuple[str, Callable[[dict, dict], str]]] = {
+    "step": ("step ms", _ms("step_time_s_median")),
+    "vs": ("vs baseline", _vs),
+    "fwd_bwd": ("fwd+bwd ms", _ms("fwd_bwd_time_s_median")),
+    "rest": ("rest of the step ms", _rest),
+    "peak": ("peak GPU GB", _of("gpu_peak_allocated_gb", ".2f")),
+    "pinned": ("pinned host GB", _of("host_pinned_gb_max", ".1f")),
+    "share": ("GPU share", _of("cpu_adam_gpu_share", ".2f")),
+    "busy": ("CPU Adam ms", _ms("cpu_adam_busy_s_median")),
+    "update": ("whole update ms", _update),
+    "waited": ("step() waited ms", _ms("cpu_adam_boundary_s_median")),
+    "grad_wait": ("waited for gradients ms", _ms("cpu_adam_wait_s_median")),
+    "hidden": ("hidden fraction", _of("cpu_adam_hidden_fraction", ".3f")),
+    "offloaded": ("offloaded params", _of("cpu_offloaded_params", ".2f", 1e9, "B")),
+    "delayed": ("delayed params", _of("cpu_adam_delayed_params", ".2f", 1e9, "B")),
+    "loss": ("final loss", _of("final_loss", ".4f")),
+    "tail": (f"loss, last {CONVERGENCE_TAIL}", _tail),
+    "dloss": ("max abs Δloss vs baseline", _delta),
+}
+
+
+def table(argument: str) -> str:
+    """``GLOB|CASES|COLUMNS``: the runs of the results files GLOB (from the project root) whose
+    case name matches the regex CASES, a row each with COLUMNS (names of ``COLUMNS``, commas),
+    each against its own file's baseline; with several files, a column says each row's file."""
+    pattern, cases, columns = argument.split("|")
+    files = sorted(ROOT.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"table: no results file matches {pattern}")
+    names = columns.split(",")
+    rows = []
+    for path in files:
+        data = json.loads(path.read_text())
+        by = {r["case"]["name"]: r.get("summary", {}) for r in data["results"]}
+        for r in data["results"]:
+            if not re.search(cases, r["case"]["name"]):
+                continue
+            s, base = r.get("summary", {}), by.get(r["case"]["baseline"], {})
+            if r["status"] == "ok":
+                cells = [COLUMNS[n][1](s, base) for n in names]
+            else:
+                cells = [r["status"], *("-" for _ in names[1:])]
+            call = [f"`{path.stem.removeprefix('results-')}` {data['environment']['commit']}"]
+            rows.append([r["case"]["name"], *(call if len(files) > 1 else []), *cells])
+    headers = ["run", *(["call"] if len(files) > 1 else []), *(COLUMNS[n][0] for n in names)]
+    return "\n".join(markdown_table(headers, rows))
+
+
+def convergence(results: list[dict]) -> dict | None:
+    """Runs named ``... seed N``: each configuration's final loss (the mean of the last
+    CONVERGENCE_TAIL iterations) per seed, set against the baseline's spread across seeds.
+    ``within_noise``: the configuration's mean over seeds is within that spread of the
+    baseline's mean."""
+    finals: dict[str, dict[int, float]] = {}
+    baseline = None
+    for r in results:
+        match = re.fullmatch(r"(.*) seed (\d+)", r["case"]["name"])
+        if not match or r["status"] != "ok":
+            continue
+        finals.setdefault(match[1], {})[int(match[2])] = tail_mean(r["summary"]["losses"])
+        if r["case"]["name"] == r["case"]["baseline"]:
+            baseline = match[1]
+    if baseline is None or len(finals.get(baseline, {})) < 2:
+        return None
+    base = finals[baseline]
+    spread = max(base.values()) - min(base.values())
+    rows = {}
+    for name, by_seed in finals.items():
+        if name != baseline:
+            gap = statistics.fmean(by_seed.values()) - statistics.fmean(base.values())
+            rows[name] = {"final": by_seed, "gap": gap, "within_noise": abs(gap) <= spread}
+    return {"baseline": baseline, "baseline_final": base, "spread": spread, "runs": rows}
+
+
+def seeds(pattern: str) -> str:
+    """``GLOB``: each configuration of those results files against the baseline's seeds."""
+    results = [
+        r for path in sorted(ROOT.glob(pattern)) for r in json.loads(path.read_text())["results"]
+    ]
+    found = convergence(results)
+    if found is None:
+        raise ValueError(f"seeds: {pattern} holds no baseline run on two seeds")
+    return "\n".join(
+        f"- {name}: mean final loss {row['gap']:+.4f} against the baseline's, "
+        f"{'within' if row['within_noise'] else 'outside'} its spread across seeds "
+        f"({found['spread']:.4f})"
+        for name, row in found["runs"].items()
+    )
+
+
+EVIDENCE_PARTS = {
+    "first": first,
+    "matching": matching,
+    "count": count,
+    "tail": tail,
+    "table": table,
+    "seeds": seeds,
+}
+
+
+def main() -> int:
+    """``python bench/fill.py NAME``: bench/templates/NAME.md filled with the evidence and
+    table parts alone, on stdout."""
+    names = sorted(p.stem for p in TEMPLATES.glob("*.md"))
+    if len(sys.argv) != 2 or sys.argv[1] not in names:
+        print(f"usage: python bench/fill.py {{{'|'.join(names)}}}", file=sys.stderr)
+        return 2
+    print(fill(f"{sys.argv[1]}.md", EVIDENCE_PARTS), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

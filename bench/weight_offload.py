@@ -18,9 +18,15 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from plots import commands_block, pyplot, report_main, save  # noqa: E402
-from suite_report import _weight_offload_lines  # noqa: E402
 
+from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
+from offload_runner.plan import grad_bytes  # noqa: E402
 from offload_runner.report import markdown_table  # noqa: E402
+from offload_runner.step_cost import (  # noqa: E402
+    weight_offload_link_bytes,
+    weight_offload_sum_bytes,
+    weight_offload_update_bytes,
+)
 
 HEADER = (
     "row",
@@ -76,6 +82,60 @@ def table(results: list[dict]) -> list[list[str]]:
     return out
 
 
+def bound_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
+    """For each weight-offload case: its overhead against its baseline beside the link bound
+    (step_cost.weight_offload_link_bytes: both directions at once at planner.host_link_gb_per_s)."""
+    lines = []
+    for r in results:
+        s = r["summary"]
+        base = by_name.get(r["case"]["baseline"], {}).get("summary") or {}
+        if r["status"] != "ok" or not s.get("weight_offload_params") or not base:
+            continue
+        run = to_run_config(
+            compose_config([f"recipe={r['case']['recipe']}", *r["case"]["overrides"]])
+        )
+        up, down = weight_offload_link_bytes(run, s["weight_offload_params"])
+        bound = max(up, down) / (run.planner.host_link_gb_per_s * 1e9)
+        overhead = s["step_time_s_median"] - base["step_time_s_median"]
+        sums = weight_offload_sum_bytes(run, s["weight_offload_params"])
+        least = max(up - sums, down) / (run.planner.host_link_gb_per_s * 1e9)
+        lines.append(
+            f"- {r['case']['name']}: {s['weight_offload_params'] / 1e9:.2f}B params on "
+            f"the host, {up / 1e9:.1f} GB up and {down / 1e9:.1f} GB down per step: link "
+            f"bound {bound * 1000:.0f} ms ({least * 1000:.0f} ms without the gradients' sums "
+            f"coming back up); overhead {overhead * 1000:.0f} ms ({overhead / bound:.2f}x the "
+            f"bound, {overhead / least:.2f}x the one without the sums)"
+        )
+        held = s["weight_offload_params"] * (2 + grad_bytes(run)) / 1024**3  # bf16 + DDP's grads
+        drop = base["gpu_peak_allocated_gb"] - s["gpu_peak_allocated_gb"]
+        lines.append(
+            f"  - GPU peak {base['gpu_peak_allocated_gb']:.2f} -> "
+            f"{s['gpu_peak_allocated_gb']:.2f} GB: {drop:.2f} GB less, {drop / held:.3f}x "
+            f"the offloaded layers' weights and gradients ({held:.2f} GB)"
+        )
+        if "weight_offload_up_gb" in s:  # what the engine counted, less the update's
+            update, _ = weight_offload_update_bytes(run, s["weight_offload_params"])
+            moved = s["weight_offload_up_gb"] * 1e9 - update
+            ahead = moved / (run.planner.host_link_gb_per_s * 1e9)
+            extra = s["fwd_bwd_time_s_median"] - base["fwd_bwd_time_s_median"]
+            lines.append(
+                f"  - forward+backward alone: {moved / 1e9:.1f} GB up (weights, the "
+                f"gradients' sums; counted by the engine): {ahead * 1000:.0f} ms at the link; "
+                f"forward+backward {extra * 1000:.0f} ms over the baseline's "
+                f"({extra / ahead:.2f}x)"
+            )
+    if lines:
+        lines = [
+            "",
+            "Weight offload against its link bound (all it moves, the offloaded "
+            "params' states included, which the baseline's state offload moves too; vs "
+            "the same run with its weights on the GPU):",
+            "",
+            *lines,
+        ]
+    return lines
+
+
 def llama3_losses() -> list[str]:
     """llama3_8b under a 48 GB cap with weight offload beside the same line uncapped without
     it: their losses per iteration."""
@@ -124,7 +184,7 @@ def render(files: list[Path], plot: Path | None) -> str:
         + f"; {', '.join(sorted(f.name for f in files))}.",
         "",
         *markdown_table(HEADER, table(results)),
-        *_weight_offload_lines(results, by_name),
+        *bound_lines(results, by_name),
         "",
         *llama3_losses(),
     ]

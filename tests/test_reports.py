@@ -3,6 +3,7 @@ render from the recorded results."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from conftest import PROJECT_ROOT
@@ -103,12 +104,47 @@ def test_forward_backward_report_is_its_template_filled_from_the_evidence() -> N
     assert (PROJECT_ROOT / "docs/benchmarks/forward-backward.md").read_text() == made
 
 
-def test_the_cpu_adam_reports_are_their_templates_filled() -> None:
-    """docs/benchmarks/cpu-adam-exact.md and cpu-adam-delayed.md are what
-    bench/cpu_adam_report.py makes of their templates now, each under 300 lines."""
-    import cpu_adam_report
+def test_the_cpu_adam_report_is_its_template_filled() -> None:
+    """docs/benchmarks/cpu-adam.md is what bench/fill.py makes of its template now."""
+    import fill
 
-    for name in cpu_adam_report.REPORTS:
-        made = cpu_adam_report.fill(f"{name}.md", cpu_adam_report.PARTS)
-        assert "{{" not in made and len(made.splitlines()) <= 300
-        assert (PROJECT_ROOT / f"docs/benchmarks/{name}.md").read_text() == made, name
+    made = fill.fill("cpu-adam.md", fill.EVIDENCE_PARTS)
+    assert "{{" not in made and len(made.splitlines()) <= 300
+    assert (PROJECT_ROOT / "docs/benchmarks/cpu-adam.md").read_text() == made
+
+
+def test_a_results_table_sets_each_run_against_its_own_files_baseline(tmp_path, monkeypatch):
+    """fill.table: a row per matching run, ``vs`` against the baseline of the run's own file,
+    a failed run's status in its first column, the file named where there are several."""
+    import fill
+
+    def results(commit: str, base_s: float, run_s: float) -> dict:
+        case = {"baseline": "base"}
+        return {
+            "environment": {"commit": commit},
+            "results": [
+                {
+                    "case": {**case, "name": "base"},
+                    "status": "ok",
+                    "summary": {"step_time_s_median": base_s},
+                },
+                {
+                    "case": {**case, "name": "run"},
+                    "status": "ok",
+                    "summary": {"step_time_s_median": run_s},
+                },
+                {"case": {**case, "name": "run big"}, "status": "oom", "summary": {}},
+            ],
+        }
+
+    for name, data in {"a": results("aaa", 1.0, 1.5), "b": results("bbb", 2.0, 2.5)}.items():
+        (tmp_path / f"results-{name}.json").write_text(json.dumps(data))
+    monkeypatch.setattr(fill, "ROOT", tmp_path)
+    lines = fill.table("results-*.json|run|step,vs").splitlines()
+    assert lines[0] == "| run | call | step ms | vs baseline |"
+    assert lines[2:] == [
+        "| run | `a` aaa | 1500 | 1.50x |",
+        "| run big | `a` aaa | oom | - |",
+        "| run | `b` bbb | 2500 | 1.25x |",
+        "| run big | `b` bbb | oom | - |",
+    ]
