@@ -129,10 +129,19 @@ COLUMNS: dict[str, tuple[str, Callable[[dict, dict], str]]] = {
     "busy": ("CPU Adam ms", _ms("cpu_adam_busy_s_median")),
     "update": ("whole update ms", _update),
     "waited": ("step() waited ms", _ms("cpu_adam_boundary_s_median")),
+    "phase": ("optimizer phase ms", _ms("optimizer_time_s_median")),
+    "cpu_part": ("CPU part ms", _ms("cpu_adam_wall_s_median")),
+    "share_pass": ("GPU share's pass ms", _ms("cpu_adam_stream_s_median")),
+    "pass": ("state pass ms", _ms("states_stream_s_median")),
+    "link": ("link GB/s each way", _of("states_link_gb_per_s", ".1f")),
+    "states_gb": ("states on the host GB", _of("states_host_gb", ".1f")),
+    "beside": ("pass after the forward's first wait ms", _ms("states_beside_forward_s")),
+    "fwd_wait": ("the forward waited ms", _ms("states_forward_wait_s_median")),
     "grad_wait": ("waited for gradients ms", _ms("cpu_adam_wait_s_median")),
     "hidden": ("hidden fraction", _of("cpu_adam_hidden_fraction", ".3f")),
     "offloaded": ("offloaded params", _of("cpu_offloaded_params", ".2f", 1e9, "B")),
     "delayed": ("delayed params", _of("cpu_adam_delayed_params", ".2f", 1e9, "B")),
+    "startup": ("optimizer start-up s", lambda s, _: fmt(s.get("startup_s", {}).get("optimizer"))),
     "loss": ("final loss", _of("final_loss", ".4f")),
     "tail": (f"loss, last {CONVERGENCE_TAIL}", _tail),
     "dloss": ("max abs Δloss vs baseline", _delta),
@@ -140,13 +149,15 @@ COLUMNS: dict[str, tuple[str, Callable[[dict, dict], str]]] = {
 
 
 def table(argument: str) -> str:
-    """``GLOB|CASES|COLUMNS``: the runs of the results files GLOB (from the project root) whose
-    case name matches the regex CASES, a row each with COLUMNS (names of ``COLUMNS``, commas),
-    each against its own file's baseline; with several files, a column says each row's file."""
-    pattern, cases, columns = argument.split("|")
-    files = sorted(ROOT.glob(pattern))
+    """``GLOBS|CASES|COLUMNS``: the runs of the results files GLOBS (from the project root,
+    commas between) whose case name matches the regex CASES, a row each with COLUMNS (names of
+    ``COLUMNS``, commas), each against its own file's baseline; with several files, a column
+    says each row's file."""
+    patterns, rest = argument.split("|", 1)
+    cases, columns = rest.rsplit("|", 1)
+    files = [f for pattern in patterns.split(",") for f in sorted(ROOT.glob(pattern))]
     if not files:
-        raise FileNotFoundError(f"table: no results file matches {pattern}")
+        raise FileNotFoundError(f"table: no results file matches {patterns}")
     names = columns.split(",")
     rows = []
     for path in files:
@@ -160,7 +171,7 @@ def table(argument: str) -> str:
                 cells = [COLUMNS[n][1](s, base) for n in names]
             else:
                 cells = [r["status"], *("-" for _ in names[1:])]
-            call = [f"`{path.stem.removeprefix('results-')}` {data['environment']['commit']}"]
+            call = [f"`{path.stem.removeprefix('results-')}` {data['environment']['commit'][:7]}"]
             rows.append([r["case"]["name"], *(call if len(files) > 1 else []), *cells])
     headers = ["run", *(["call"] if len(files) > 1 else []), *(COLUMNS[n][0] for n in names)]
     return "\n".join(markdown_table(headers, rows))

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fill import fill, printed  # noqa: E402
+from fill import EVIDENCE_PARTS, fill, printed  # noqa: E402
 
 
 def order() -> str:
@@ -24,12 +24,6 @@ def order() -> str:
     path = ROOT / "docs/evidence/fwd-bwd-order-h200.txt"
     rows = [ln.split()[:3] for ln in path.read_text().splitlines() if ln and ln[0] != "#"]
     return "\n".join(" ".join(r) for r in rows)
-
-
-def pairs() -> str:
-    import gbs_report
-
-    return gbs_report.pairs()
 
 
 @printed
@@ -93,68 +87,6 @@ def drift() -> None:
         "not report it. A 3% bar on forward+backward cannot be measured on these machines; the "
         "engines' own share of it is what the profile above shows, and state offload's median "
         "across suites is no offload's."
-    )
-
-
-@printed
-def startup() -> None:
-    """The engines' start-up, suite by suite, as their host arrays' allocation changed."""
-
-    def startup(name):
-        data = json.loads(ROOT.joinpath(f"bench/results/results-{name}.json").read_text())
-        got, pinned = {}, {}
-        for r in data["results"]:
-            for engine in ("cpu_adam 100%", "states"):
-                if engine in r["case"]["name"]:
-                    got.setdefault(engine, []).append(r["summary"]["startup_s"]["optimizer"])
-                    pinned[engine] = r["summary"]["host_pinned_gb_max"]
-        env = data["environment"]
-        return env, "; ".join(
-            f"{e} ({pinned[e]:.0f} GB pinned) " + ", ".join(f"{x:.1f}" for x in v) + " s"
-            for e, v in got.items()
-        )
-
-    (before_env, before), (after_env, after) = startup("gbs-8-pairs"), startup("gbs-4-pairs")
-    upcast_env, upcast = startup("gbs-32-pairs-3")
-    print(
-        f"The engines' start-up (summary `startup_s.optimizer`: the proxy's host arrays allocated, "
-        f"page-locked and filled): suite `gbs-8-pairs` (commit {before_env['commit']}) {before}; "
-        f"suite `gbs-4-pairs` (commit {after_env['commit']}, the host arrays advised huge pages "
-        "and "
-        f"written by torch's threads before `cudaHostRegister`, "
-        f"docs/evidence/host-pinning-probe-h100.txt) {after}; suite `gbs-32-pairs-3` (commit "
-        f"{upcast_env['commit']}, the fp32 masters upcast on the GPU in 64 MiB blocks and copied "
-        f"down asynchronously instead of one synchronous host copy per parameter, 2.0 s of the "
-        f"engine's 5.2 s before: docs/evidence/startup-stacks-cpu-adam-rank-h100.txt, "
-        f"-upcast-rank-h100.txt) {upcast}. All on one H100."
-    )
-
-
-@printed
-def h100_gbs4() -> None:
-    """Suite gbs-4 again on an H100, kept as evidence: its no-offload drift in one call."""
-    path = "docs/evidence/results-gbs-4-h100-38cb5aa.json"
-    data = json.loads(ROOT.joinpath(path).read_text())
-    env, rows = data["environment"], {r["case"]["name"]: r["summary"] for r in data["results"]}
-    first, last = rows["cost GBS4 no offload"], rows["cost GBS4 no offload (repeat)"]
-
-    def update(name):
-        s = rows[name]
-        return (
-            f"{s['step_time_s_median']:.3f} s, forward+backward {s['fwd_bwd_time_s_median']:.3f} s"
-        )
-
-    print(
-        f"Suite `gbs-4` ran again on an {env['gpu']} ({env['date'][:10]}, commit {env['commit']}, "
-        f"kept as {path}; docs/benchmarks/optimizer-offload.md keeps the H200's run). "
-        f"Its no-offload step took "
-        f"{first['step_time_s_median']:.3f} s first and {last['step_time_s_median']:.3f} s last in "
-        f"the same call (forward+backward {first['fwd_bwd_time_s_median']:.3f} and "
-        f"{last['fwd_bwd_time_s_median']:.3f} s), so no ratio of this call means much; cpu_adam "
-        f"{update('cost GBS4 cpu_adam 100%')}, its CPU at "
-        f"{rows['cost GBS4 cpu_adam 100%']['cpu_adam_params_per_s'] / 1e9:.2f} G/s; states "
-        f"{update('cost GBS4 states')}, its pass at "
-        f"{rows['cost GBS4 states']['states_link_gb_per_s']:.1f} GB/s each way."
     )
 
 
@@ -240,12 +172,10 @@ def engines() -> None:
 
 
 PARTS = {
+    **EVIDENCE_PARTS,
     "micro_batches": micro_batches,
     "order": order,
-    "pairs": pairs,
     "drift": drift,
-    "startup": startup,
-    "h100_gbs4": h100_gbs4,
     "engines": engines,
 }
 

@@ -132,7 +132,7 @@ def test_benchmarks_is_an_index_of_reports_headline_and_suites() -> None:
 
 
 def test_the_optimizer_offload_report_fills_its_template() -> None:
-    """bench/gbs_report.py report: the template's words with every part filled in, under 300
+    """bench/gbs_report.py: the template's words with every part filled in, under 300
     lines, as committed in docs/benchmarks."""
     import gbs_report
 
