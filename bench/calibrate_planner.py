@@ -1,18 +1,15 @@
 #!/usr/bin/env python
-"""The memory planner against measured peaks: for every run in the benchmark result files, the
-planner's GPU peak for the same command line next to the run's torch.cuda.max_memory_allocated().
+"""The memory planner and the step-time model against what every recorded run measured: the
+planner's GPU peak for a run's own command line next to its torch.cuda.max_memory_allocated(),
+and the model's step for the exact host engines' runs next to their measured step.
 
-    python bench/calibrate_planner.py bench/results/*.json            # Markdown table
-    python bench/calibrate_planner.py --max-error 0.10 bench/results/*.json  # exit 1 if worse
-    python bench/calibrate_planner.py --steps bench/results/*.json          # the step-time model
-    python bench/calibrate_planner.py --engine-rates bench/results/*.json   # its two factors
     python bench/calibrate_planner.py --report docs/benchmarks/planner.png bench/results/*.json \\
-        > docs/benchmarks/planner.md                                          # the topic report
+        > docs/benchmarks/planner.md
     python bench/calibrate_planner.py --step-report docs/benchmarks/step-model.png \\
-        bench/results/*.json > docs/benchmarks/step-model.md                  # the model's
+        bench/results/*.json > docs/benchmarks/step-model.md
 
-Runs on any machine (the planner needs no GPU). Runs below ``--min-gb`` are listed but not held to
-the error bound: there fixed allocator and library overheads, not the model, set the peak.
+Runs on any machine (the planner needs no GPU). Runs below ``--min-gb`` are left out of the
+planner's report: there fixed allocator and library overheads, not the model, set the peak.
 """
 
 from __future__ import annotations
@@ -468,39 +465,6 @@ def render_steps(rows: list[StepCalibration]) -> str:
     return "\n".join([*table, "", summary])
 
 
-def render(rows: list[Calibration], min_gb: float) -> str:
-    table = markdown_table(
-        [
-            "suite",
-            "case",
-            "GPUs",
-            "measured peak GB",
-            "planned GB",
-            "error",
-            "held out",
-            "fwd+bwd measured / planned",
-            "step measured / planned",
-            "pinned host measured / planned",
-        ],
-        [
-            [
-                r.suite,
-                r.case,
-                str(r.nproc),
-                fmt(r.measured_gb),
-                fmt(r.planned_gb),
-                f"{r.error:+.1%}" + ("" if r.measured_gb >= min_gb else " (overhead-bound)"),
-                "yes" if r.held_out else "fitted on",
-                f"{fmt(r.measured_fwd_bwd_gb)} / {fmt(r.planned_fwd_bwd_gb)}",
-                f"{fmt(r.measured_step_gb)} / {fmt(r.planned_step_gb)}",
-                f"{fmt(r.measured_pinned_gb)} / {fmt(r.planned_pinned_gb)}",
-            ]
-            for r in rows
-        ],
-    )
-    return "\n".join(table)
-
-
 def render_report(rows: list[Calibration], min_gb: float, plot: Path | None) -> str:
     """docs/benchmarks/planner.md: the planner's error per suite, its worst, and a scatter of
     every run's planned against measured peak."""
@@ -568,7 +532,6 @@ def render_step_report(files: list[Path], plot: Path | None) -> str:
         "model's own error on the update. `python bench/calibrate_planner.py --step-report "
         "docs/benchmarks/step-model.png bench/results/*.json`.",
         "",
-        *_bf16_moments_note(files),
         render_steps(steps),
         "",
         "Exact CPU Adam with a GPU share: its CPU Adam rate over fused AdamW alone at the same "
@@ -627,22 +590,6 @@ def held_out_dense() -> list[str]:
     ]
 
 
-def _bf16_moments_note(files: list[Path]) -> list[str]:
-    """Why the bf16-moments CPU Adam row misses: it ran before the model knew its rate."""
-    found = next((f for f in files if f.name == "results-bf16-moments.json"), None)
-    if found is None:
-        return []
-    runs = json.loads(found.read_text())["results"]
-    s = {r["case"]["name"]: r["summary"] for r in runs}["cpu_adam, bf16 moments"]
-    return [
-        "`cpu_adam, bf16 moments` ran before the host kernel, its CPU Adam fp32 blocks upcast and "
-        "rounded back, and its deterministic GPU share was balanced as for fp32 moments: the "
-        "forward waited "
-        f"{s['cpu_adam_forward_wait_s_median']:.2f} s for the CPU.",
-        "",
-    ]
-
-
 def _draw_steps(rows: list[StepCalibration], out: Path) -> None:
     from plots import pyplot, save
 
@@ -676,36 +623,15 @@ def _draw(rows: list[Calibration], out: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--max-error", type=float, default=None)
     parser.add_argument("--min-gb", type=float, default=0.1)
-    parser.add_argument("--steps", action="store_true", help="the step-time model instead")
-    parser.add_argument(
-        "--engine-rates",
-        action="store_true",
-        help="exact CPU Adam's CPU and link rates beside each other",
-    )
-    parser.add_argument("--report", type=Path, default=None, help="the report, with this PNG")
-    parser.add_argument(
-        "--step-report", type=Path, default=None, help="the step-time model's, with this PNG"
-    )
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--report", type=Path, help="the planner's report, with this PNG")
+    which.add_argument("--step-report", type=Path, help="the step-time model's, with this PNG")
     args = parser.parse_args()
     if args.step_report:
         print(render_step_report(args.files, args.step_report))
-        return 0
-    if args.report:
+    else:
         print(render_report(calibrate(args.files), args.min_gb, args.report))
-        return 0
-    if args.engine_rates:
-        print(render_engine_rates(engine_rates(args.files)))
-        return 0
-    if args.steps:
-        print(render_steps(calibrate_steps(args.files)))
-        return 0
-    rows = calibrate(args.files)
-    print(render(rows, args.min_gb))
-    held = [r for r in rows if r.measured_gb >= args.min_gb]
-    if args.max_error is not None and any(abs(r.error) > args.max_error for r in held):
-        return 1
     return 0
 
 

@@ -179,9 +179,8 @@ CPU_ADAM_COPY_BYTES = 4  # fp32 gradients down and fp32 masters up, per offloade
 # The engine's CPU Adam while the link streams states both ways, over fused CPU AdamW alone at the
 # same threads, and the link's rate beside it over its rate alone: the two share the host's memory
 # bandwidth, and the engine upcasts bf16 gradients block by block. Medians of nine exact runs with a
-# GPU share on H100 and H200 hosts (`python bench/calibrate_planner.py --engine-rates
-# bench/results/*.json`: 0.58 and 44.5 of 50.8 GB/s); fused AdamW alone beside a probe's streams
-# kept 0.73 (docs/evidence/cpu-gpu-split-probe.txt).
+# GPU share on H100 and H200 hosts (docs/benchmarks/step-model.md: 0.58 and 44.5 of 50.8 GB/s);
+# fused AdamW alone beside a probe's streams kept 0.73 (docs/evidence/cpu-gpu-split-probe.txt).
 CPU_ADAM_RATE_BESIDE_STREAMS = 0.58
 LINK_BESIDE_CPU_ADAM = 0.88
 # ... and with bf16 moments the CPU rate over the fp32 moments': host_kernel's one pass ran at

@@ -23,7 +23,7 @@ Adam (12 B/param) and pinned transfer buffers, the state-offload arena (10 B/par
 as remainders), activation offload's pinned buffers; summed per node. The tensor counts were
 read from four runs of the calibration spread (bench/calibrate_planner.py FITTED_ON) and hold
 within 10% on the rest
-(tests/test_plan.py); ``bench/calibrate_planner.py`` prints the error for each run.
+(tests/test_plan.py); ``bench/calibrate_planner.py --report`` reports the error of each suite.
 """
 
 from __future__ import annotations
