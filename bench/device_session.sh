@@ -5,7 +5,7 @@
 #        (ROUNDS=n: interleaved rounds; ROUND=rN: this call's file is results-SUITE-rN.json;
 #        JOBS=n: n cases side by side, for suites that measure loss)
 #   bash bench/device_session.sh profile SUITE      a suite whose rows set profiling.*: each
-#        run's trace summarized by bench/profile_summary.py
+#        run's trace summary (profile/rank0-summary.txt), tarred
 #   bash bench/device_session.sh commit-ab          SUITE at the sent tree (B) and at commit
 #        A_REV (A: its src/ with this bench/), in turn, RUNS (default "b1 a1 b2")
 # Run from the project root on the GPU machine with megatron-core and TE importable; results go
@@ -32,9 +32,8 @@ case "$1" in
     suite "$2" "$WORK/$2" "$OUT/results-$2${ROUND:+-$ROUND}.json" ;;
   profile)
     suite "$2" "$WORK/$2" "$OUT/results-$2.json"
-    find "$WORK/$2" -name rank0.json.gz | while read -r trace; do
-      run=$(basename "$(dirname "$(dirname "$trace")")")
-      python bench/profile_summary.py "$trace" > "$WORK/prof-$run.txt" 2>&1 || true
+    find "$WORK/$2" -name rank0-summary.txt | while read -r summary; do
+      cp "$summary" "$WORK/prof-$(basename "$(dirname "$(dirname "$summary")")").txt"
     done
     tar czf "$OUT/profiles-$2.tgz" -C "$WORK" $(cd "$WORK" && ls prof-*.txt) ;;
   commit-ab)

@@ -1,8 +1,10 @@
 """``profiling.*``: profile a window of iterations with the PyTorch profiler or for Nsight Systems.
 
-The PyTorch profiler writes a trace (open it in Perfetto or chrome://tracing) and a table of ops by
-GPU and CPU time into ``<run_dir>/profile/``. The Nsight mode brackets the window with
-cudaProfilerStart/Stop, so ``nsys profile --capture-range=cudaProfilerApi`` records only it.
+The PyTorch profiler writes a trace (open it in Perfetto or chrome://tracing), a table of ops by
+GPU and CPU time and the trace's summary (``trace_summary``: GPU busy against the window, the
+kernels, runtime calls and micro-batches that take the time) into ``<run_dir>/profile/``. The
+Nsight mode brackets the window with cudaProfilerStart/Stop, so ``nsys profile
+--capture-range=cudaProfilerApi`` records only it.
 """
 
 from __future__ import annotations
@@ -68,7 +70,11 @@ class IterationProfiler:
             + table(sort_by="self_cpu_time_total", row_limit=60)
             + "\n"
         )
-        log.info("profile written: %s", trace)
+        from offload_runner import trace_summary
+
+        summary = trace_summary.summarize(trace)
+        (self.out / f"rank{self.rank}-summary.txt").write_text(summary + "\n")
+        log.info("profile written: %s; %s", trace, summary.splitlines()[1])
 
     def close(self) -> None:
         """Stop a window the run did not reach the end of (no files are written)."""

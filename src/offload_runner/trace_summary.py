@@ -1,6 +1,7 @@
-"""Summarize a profiling.use_pytorch_profiler trace: GPU busy vs idle, kernels and runtime calls.
+"""A profiling.use_pytorch_profiler trace summarized: GPU busy vs idle, kernels and runtime calls.
+A profiled run writes it beside its trace (``profile/rankN-summary.txt``); for a trace at hand:
 
-    python bench/profile_summary.py RUN_DIR/profile/rank0.json.gz [...]
+    python -m offload_runner.trace_summary RUN_DIR/profile/rank0.json.gz [...]
 
 Prints, per trace: the window's wall span, the union of kernel time (GPU busy), the idle rest,
 the kernels and CUDA runtime calls that take the most time, and the Python-side ops by self time;
@@ -20,6 +21,7 @@ import gzip
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -32,7 +34,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def summarize(path: str, top: int = 12) -> str:
+def summarize(path: str | Path, top: int = 12) -> str:
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
     timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
