@@ -250,7 +250,7 @@ def _suite_index(families: dict[str, list[tuple[Path, dict]]]) -> list[str]:
 
 # Suites whose findings live in a topic report of docs/benchmarks (once, there):
 # bench/throughput.py's, convergence.py's, capacity.py's, weight_offload.py's, gbs_report.py's,
-# gpu_tests.py's.
+# gpu_tests.py's, templates/cpu-adam.md's.
 CAPACITY = {"capacity-28", "capacity-auto-28", "capacity-auto-31", "capacity-auto-37"}
 GBS_CALLS = ("", "-beside", "-grown", "-pairs", "-pairs-2", "-pairs-3", "-pairs-4")
 OPTIMIZER_OFFLOAD = {  # gbs_report.py's
@@ -259,8 +259,21 @@ OPTIMIZER_OFFLOAD = {  # gbs_report.py's
     *(f"remainders-{n}" for n in (4, 8, 32)),
     *(f"gbs-{n}{call}" for n in (4, 8, 32) for call in GBS_CALLS),
 }
+CPU_ADAM = {  # templates/cpu-adam.md's
+    "adam-parity",
+    "cpu-adam-landing",
+    "cpu-adam-experts-ep2",
+    *(f"cpu-adam-{name}" for name in ("4", "4-backward", "4-delayed", "4-pieces")),
+    *(f"cpu-adam-split-{n}" for n in (1, 4)),
+    *(f"cpu-adam-late-share-{n}" for n in (1, 4)),
+    *(f"cpu-adam-conv-{n}" for n in (1, 2, 3, 4, 7, 8)),
+    *(f"cpu-adam-ep2-conv-{n}" for n in (1, 2, 3)),
+    "cpu-adam-long",
+    *(f"cpu-adam-long-{n}" for n in range(2, 6)),
+}
 IN_REPORTS = {
     *OPTIMIZER_OFFLOAD,
+    *CPU_ADAM,
     *throughput.SUITES,
     "convergence",
     "convergence-ep2",

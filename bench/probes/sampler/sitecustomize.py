@@ -3,7 +3,7 @@ workers too): every 20 ms it records where each thread is, and at exit writes, p
 the functions it spent most time in to ``$SAMPLE_STACKS_OUT/stacks-<pid>.txt``. For phases no other
 profiler covers here, such as a rank's start-up before its first step:
 
-    SAMPLE_STACKS_OUT=$OUT PYTHONPATH=bench/sampler:$PYTHONPATH python run_recipe.py ...
+    SAMPLE_STACKS_OUT=$OUT PYTHONPATH=bench/probes/sampler:$PYTHONPATH python run_recipe.py ...
 
 ``SWITCH_INTERVAL_S`` (with or without the sampler) sets the interpreter's switch interval
 (``sys.setswitchinterval``, 5 ms by default): how long a thread that wants the GIL back waits for
