@@ -88,9 +88,14 @@ def _of(key: str, spec: str, scale: float = 1.0, suffix: str = "") -> Callable[[
     return lambda s, _: fmt(s[key] / scale if s.get(key) is not None else None, spec, suffix)
 
 
-def _vs(s: dict, base: dict) -> str:
-    step, b = s.get("step_time_s_median"), base.get("step_time_s_median")
-    return fmt(step / b if step and b and s is not base else None, ".2f", "x")
+def _vs(key: str) -> Callable[[dict, dict], str]:
+    """``key`` over the baseline's (none on the baseline itself)."""
+
+    def cell(s: dict, base: dict) -> str:
+        value, b = s.get(key), base.get(key)
+        return fmt(value / b if value and b and s is not base else None, ".2f", "x")
+
+    return cell
 
 
 def _update(s: dict, _: dict) -> str:
@@ -99,9 +104,8 @@ def _update(s: dict, _: dict) -> str:
 
 
 def _rest(s: dict, _: dict) -> str:
-    if not s.get("fwd_bwd_time_s_median"):
-        return "-"
-    return f"{(s['step_time_s_median'] - s['fwd_bwd_time_s_median']) * 1000:.0f}"
+    fwd_bwd = s.get("fwd_bwd_time_s_median")
+    return fmt((s["step_time_s_median"] - fwd_bwd) * 1000 if fwd_bwd else None, ".0f")
 
 
 def tail_mean(losses: list[float], n: int = CONVERGENCE_TAIL) -> float:
@@ -120,10 +124,11 @@ def _delta(s: dict, base: dict) -> str:
 # A results table's columns: (header, the cell from a run's summary and its baseline's).
 COLUMNS: dict[str, tuple[str, Callable[[dict, dict], str]]] = {
     "step": ("step ms", _ms("step_time_s_median")),
-    "vs": ("vs baseline", _vs),
+    "vs": ("vs baseline", _vs("step_time_s_median")),
     "fwd_bwd": ("fwd+bwd ms", _ms("fwd_bwd_time_s_median")),
     "rest": ("rest of the step ms", _rest),
     "peak": ("peak GPU GB", _of("gpu_peak_allocated_gb", ".2f")),
+    "peak_vs": ("peak vs baseline", _vs("gpu_peak_allocated_gb")),
     "pinned": ("pinned host GB", _of("host_pinned_gb_max", ".1f")),
     "share": ("GPU share", _of("cpu_adam_gpu_share", ".2f")),
     "busy": ("CPU Adam ms", _ms("cpu_adam_busy_s_median")),

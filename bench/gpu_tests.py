@@ -19,10 +19,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 from fill import EVIDENCE, EVIDENCE_PARTS, fill  # noqa: E402
 
 
-def first_field(name: str) -> str:
-    return (EVIDENCE / name).read_text().split("\n", 1)[0].split("\t")[0]
-
-
 def tails() -> str:
     """Per pytest-gpu evidence file: its FAILED lines, CP2-vs-DP2 line and pytest's tally."""
     keep = re.compile(r"^(FAILED|CP2 vs DP2|[0-9]+ (passed|failed))")
@@ -78,7 +74,6 @@ at 4 layers."""
 PARTS = {
     "full_4gpu": full_4gpu,
     **EVIDENCE_PARTS,
-    "first_field": first_field,
     "tails": tails,
     "verify": verify,
 }

@@ -46,38 +46,6 @@ class Case:
         ]
 
 
-def _optimizer_cases(recipe: str, extra: tuple[str, ...] = ()) -> list[Case]:
-    cases = []
-    for pct in (25, 50, 100):
-        for overlap in (False, True):
-            name = f"HDO {pct}%" + (" + overlap" if overlap else "")
-            cases.append(
-                Case(
-                    name,
-                    recipe,
-                    (
-                        *extra,
-                        f"offload/optimizer=cpu_{pct}",
-                        f"optimizer.overlap_cpu_optimizer_d2h_h2d={str(overlap).lower()}",
-                    ),
-                )
-            )
-    return cases
-
-
-def _suite(recipe: str, extra: tuple[str, ...], act_layers: int) -> list[Case]:
-    return [
-        Case("no offload", recipe, extra),
-        Case("no offload (repeat)", recipe, extra, baseline="no offload"),
-        Case(
-            f"activation offload {act_layers} layers",
-            recipe,
-            (*extra, "offload/activation=enabled", f"model.cpu_offloading_num_layers={act_layers}"),
-        ),
-        *_optimizer_cases(recipe, extra),
-    ]
-
-
 # The CPU-Adam engine on the proxy at global batch 1 and 4, each beside its no-offload baseline
 # and HybridDeviceOptimizer 100% with overlap in the same suite; delayed mode after 2 exact steps.
 PROXY_RECIPE = "qwen3_30b_a3b_proxy"
@@ -653,7 +621,6 @@ SUITES: dict[str, list[Case]] = {
     "cpu-adam-4": _cpu_adam_cases(4),
     "bf16-moments": _bf16_moment_cases(),
     "determinism": _determinism_cases(),
-    "tiny": _suite("tiny", ("model.deterministic_mode=true",), 2),
     # capacity: the largest slice of Qwen3-30B-A3B one H200 box trains; the whole model on two
     "capacity-auto-37": [_capacity_auto(37)],
     "two-gpu-full-1": FULL_2GPU[:1],

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import fill  # noqa: E402
 from plots import commands_block, pyplot, report_main, save  # noqa: E402
 
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
@@ -28,17 +29,7 @@ from offload_runner.step_cost import (  # noqa: E402
     weight_offload_update_bytes,
 )
 
-HEADER = (
-    "row",
-    "baseline",
-    "GPU",
-    "status",
-    "step s",
-    "forward+backward s",
-    "GPU peak GB",
-    "step vs baseline",
-    "peak vs baseline",
-)
+COLUMNS = "step,vs,fwd_bwd,peak,peak_vs"  # fill.COLUMNS
 
 
 def load(files: list[Path]) -> list[dict]:
@@ -49,37 +40,6 @@ def load(files: list[Path]) -> list[dict]:
         for d in [json.loads(path.read_text())]
         for r in d["results"]
     ]
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
-
-
-def table(results: list[dict]) -> list[list[str]]:
-    by_name = {r["case"]["name"]: r for r in results}
-    out = []
-    for r in results:
-        s = r["summary"] or {}
-        base = by_name.get(r["case"]["baseline"], {}).get("summary") or {}
-        is_base = r["case"]["baseline"] == r["case"]["name"]
-        out.append(
-            [
-                f"{r['case']['name']} (`{r['suite']}`)",
-                "" if is_base else r["case"]["baseline"],
-                r["environment"]["gpu"].replace("NVIDIA ", ""),
-                r["status"],
-                f"{s['step_time_s_median']:.3f}" if s else "-",
-                f"{s['fwd_bwd_time_s_median']:.3f}" if s else "-",
-                f"{s['gpu_peak_allocated_gb']:.1f}" if s else "-",
-                ""
-                if is_base
-                else _ratio(s.get("step_time_s_median"), base.get("step_time_s_median")),
-                ""
-                if is_base
-                else _ratio(s.get("gpu_peak_allocated_gb"), base.get("gpu_peak_allocated_gb")),
-            ]
-        )
-    return out
 
 
 def bound_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
@@ -183,7 +143,9 @@ def render(files: list[Path], plot: Path | None) -> str:
         + "; ".join(f"{gpu}, megatron-core {mcore}" for gpu, mcore in sorted(envs))
         + f"; {', '.join(sorted(f.name for f in files))}.",
         "",
-        *markdown_table(HEADER, table(results)),
+        fill.table(
+            f"{','.join(str(f.resolve().relative_to(ROOT)) for f in sorted(files))}|.|{COLUMNS}"
+        ),
         *bound_lines(results, by_name),
         "",
         *llama3_losses(),
