@@ -270,7 +270,7 @@ def test_extrapolation_from_adam_state_repeats_the_last_update() -> None:
         drive(eng, buffers, step)
     eng.finish()
     made = eng.host_guess.clone()
-    eng._worker.submit(eng._guess_from_states).result()
+    eng._worker.submit(eng.delay.guess_from_states).result()
     change = (made - eng.host_master).abs().max()
     assert (eng.host_guess - made).abs().max() <= 1e-3 * change
     eng.close()
@@ -487,7 +487,7 @@ def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
     buffers = Buffers()
     eng = engine(buffers, 1.0)
     drive(eng, buffers, 1)
-    fetch, calls = eng._fetch, []
+    fetch, calls = eng.link.fetch, []
 
     def failing_fetch(piece, after=None) -> None:
         calls.append(piece)
@@ -495,7 +495,7 @@ def test_a_step_that_fails_while_copying_leaves_no_worker_waiting() -> None:
             raise RuntimeError("copy failed")
         fetch(piece, after)
 
-    eng._fetch = failing_fetch
+    eng.link.fetch = failing_fetch
     with pytest.raises(RuntimeError, match="copy failed"):
         drive(eng, buffers, 2)
     closer = threading.Thread(target=eng.close)
@@ -532,7 +532,7 @@ def test_landing_during_the_forward_gives_each_module_its_exact_update() -> None
     for step in range(1, 6):
         ref.step(step, drive(eng, buffers, step))
         seen = [layer() for layer in model]  # the next forward
-        assert eng._inflight is None  # it waited for every piece
+        assert eng.link.inflight is None  # it waited for every piece
         assert eng.history[-1].forward_wait_s >= 0.0
         rounded = [m.to(torch.bfloat16) for m in reversed(masters(eng, buffers))]
         assert all(torch.equal(a, b) for a, b in zip(seen, rounded, strict=True))
@@ -569,7 +569,7 @@ def test_the_forward_waits_for_its_own_parameters_only() -> None:
     drive(eng, buffers, 2)  # returns with the update on the CPU
     first = model[0]()  # the buffer's last view: updated first
     assert not torch.equal(first, first_before)
-    assert eng._inflight is not None and not eng._inflight[1].done()
+    assert eng.link.inflight is not None and not eng.link.inflight[1].done()
     last_before = buffers.views[0].clone()
     finished = []
     waiter = threading.Thread(target=lambda: finished.append(model[-1]()))
@@ -592,9 +592,9 @@ def test_delayed_mode_stops_watching_the_forward_when_its_delayed_steps_begin() 
     for step in (1, 2):
         drive(eng, buffers, step)
         [layer() for layer in model]
-        assert eng._hooks and eng._inflight is None
+        assert eng.link.hooks and eng.link.inflight is None
     drive(eng, buffers, 3)
-    assert not eng._hooks and not any(layer._forward_pre_hooks for layer in model)
+    assert not eng.link.hooks and not any(layer._forward_pre_hooks for layer in model)
     eng.close()
 
 
@@ -614,7 +614,7 @@ def test_an_update_that_fails_raises_in_the_forward() -> None:
     drive(eng, buffers, 2)
     with pytest.raises(RuntimeError, match="adam failed"):
         model[0]()
-    assert eng._inflight is None
+    assert eng.link.inflight is None
     eng.close()
 
 
@@ -720,9 +720,9 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
         before = buffers.param.clone()
         with no_sync():
             model().backward()  # an earlier micro-batch: nothing moves
-            assert not eng._early
+            assert not eng.delay.early
         model().backward()  # the last
-        copied = dict(eng._early)
+        copied = dict(eng.delay.early)
         cpu_adam.before_clip([eng])
         assert all(job.done() for job in copied.values())
         norm = raw.norm().item()
@@ -739,7 +739,7 @@ def test_delayed_mode_copies_during_the_last_backward_and_clips_on_the_cpu(share
         cpu_adam.grads_clipped([eng], norm)
         ref.step(step, clipped)
         assert len(copied) == (len(eng._pieces) if step > exact else 0), f"step {step}"
-        for job in eng._jobs:  # the worker's update (not landed)
+        for job in eng.delay.jobs:  # the worker's update (not landed)
             job.result()
         a, b = torch.cat(masters(eng, buffers)), torch.cat([p.detach() for p in ref.params])
         assert (a - b).abs().max() <= 1e-6 * b.abs().max(), f"step {step}"
@@ -816,7 +816,7 @@ def test_a_run_resumed_into_a_delayed_step_copies_during_its_first_backward() ->
         with no_sync():
             model().backward()
         model().backward()
-        crossed = dict(eng._early)
+        crossed = dict(eng.delay.early)
         cpu_adam.before_clip([eng])
         for group in eng.param_groups:
             group["lr"] = lr_at(step)
@@ -867,7 +867,7 @@ def test_an_update_copied_during_the_backward_waits_for_the_clip_factor() -> Non
             pass
         model().backward()
         eng.step()
-    assert any(eng._pending.unclipped) and not eng._pending.scaled.is_set()
+    assert any(eng.delay.pending.unclipped) and not eng.delay.pending.scaled.is_set()
     with pytest.raises(RuntimeError, match="grads_clipped"):
         eng.finish()
     closer = threading.Thread(target=eng.close)
@@ -924,7 +924,7 @@ def test_delayed_updates_run_in_the_order_the_gradients_came_down() -> None:
         with no_sync():
             pass
         model().backward()
-        crossed.append(list(eng._early))
+        crossed.append(list(eng.delay.early))
         eng.step()
         cpu_adam.grads_clipped([eng], None)
 
@@ -963,15 +963,15 @@ def test_a_gpu_share_through_the_window_is_bit_identical_too(fraction: float, sh
     for step in range(1, STEPS + 1):
         ref.step(step, drive(eng, buffers, step))
         seen = [layer() for layer in model]  # the next forward
-        assert eng._inflight is None or share == 1.0
+        assert eng.link.inflight is None or share == 1.0
         kept = len(buffers.views) - len(eng.offloaded)  # Adam on the GPU as before
         rounded = [m.to(torch.bfloat16) for m in reversed(masters(eng, buffers))]
         assert all(torch.equal(a, b) for a, b in zip(seen, rounded, strict=True)), kept
         assert_matches(masters(eng, buffers), ref.params, step)
-    pieces, on_cpu = len(eng._pieces), eng._on_cpu
+    pieces, on_cpu = len(eng._pieces), eng.share.on_cpu
     on_gpu = sum(p.numel for p in eng._pieces[on_cpu:])
     assert on_gpu / eng.offloaded_numel == pytest.approx(share, abs=1500 / eng.offloaded_numel)
-    assert eng._streamed == eng._pieces[on_cpu:] and (on_cpu == 0) == (share == 1.0)
+    assert eng.share.streamed == eng._pieces[on_cpu:] and (on_cpu == 0) == (share == 1.0)
     assert pieces > on_cpu > 0 or share == 1.0
     assert eng.history[-1].params == eng.offloaded_numel - on_gpu
     assert eng.streams_states and eng.window_bytes == SLOTS * 12 * 1500
@@ -992,16 +992,16 @@ def test_an_armed_gpu_share_splits_before_the_last_backward_and_stays_exact() ->
     for step in range(1, STEPS + 1):
         with no_sync():
             pass
-        window = eng._window
+        window = eng.share.window
         if step > 1:
-            assert window.prefetched and window._pass.pieces is eng._streamed
-            split = eng._on_cpu
+            assert window.prefetched and window._pass.pieces is eng.share.streamed
+            split = eng.share.on_cpu
             assert window.grow(step % 3 * window.slot_bytes) == step % 3
         ref.step(step, drive(eng, buffers, step))
         assert step == 1 or eng.history[-1].on_cpu == split
         [layer() for layer in model]  # the next forward
         assert_matches(masters(eng, buffers), ref.params, step)
-    assert sum(n > 0 for n in eng._window.grown) == sum(s % 3 > 0 for s in range(2, STEPS + 1))
+    assert sum(n > 0 for n in eng.share.window.grown) == sum(s % 3 > 0 for s in range(2, STEPS + 1))
     eng.close()
 
 
@@ -1014,7 +1014,7 @@ def test_no_gpu_share_with_weight_prediction_nor_at_zero() -> None:
     ):
         eng = engine(buffers, 1.0, **kwargs)
         drive(eng, buffers, 1)
-        assert not eng.streams_states and eng._on_cpu == len(eng._pieces)
+        assert not eng.streams_states and eng.share.on_cpu == len(eng._pieces)
         eng.close()
 
 
@@ -1026,27 +1026,27 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
     total = eng.offloaded_numel
     for step in range(1, 4):
         drive(eng, buffers, step)
-    on_gpu = sum(p.numel for p in eng._pieces[eng._on_cpu :])
+    on_gpu = sum(p.numel for p in eng._pieces[eng.share.on_cpu :])
     assert on_gpu / total == pytest.approx(0.5, abs=500 / total)  # no timing on the CPU: kept
     # the CPU updated its share at half the rate the window passed its own: 2/3 should go to the
     # GPU, so the next split takes the GPU share half way there
     last = eng.history[-1]
     last.wall_s = 2.0 * last.params / total
-    eng._window.history.append((1.0 * on_gpu / total, on_gpu))
-    eng._rebalance()
+    eng.share.window.history.append((1.0 * on_gpu / total, on_gpu))
+    eng.share.rebalance()
     share = on_gpu / total
-    assert eng._share == pytest.approx(share + 0.5 * (2 / 3 - share))
-    moved = sum(p.numel for p in eng._pieces[eng._cpu_pieces(eng._share) :]) / total
-    assert moved == pytest.approx(eng._share, abs=500 / total)
-    eng._rebalance()  # the same step's timing moves it once
-    assert eng._share == pytest.approx(share + 0.5 * (2 / 3 - share))
+    assert eng.share.share == pytest.approx(share + 0.5 * (2 / 3 - share))
+    moved = sum(p.numel for p in eng._pieces[eng.share.cpu_pieces(eng.share.share) :]) / total
+    assert moved == pytest.approx(eng.share.share, abs=500 / total)
+    eng.share.rebalance()  # the same step's timing moves it once
+    assert eng.share.share == pytest.approx(share + 0.5 * (2 / 3 - share))
     # a delayed update's late pass: its link also carries every piece's landing (4 B per 16 of
     # the window's), so the CPU keeps more: (2 - 1/4) / 3 goes to the GPU
-    last.late_share, eng._balanced_at = True, 0
-    eng._rebalance()
-    assert eng._share == pytest.approx(share + 0.5 * ((2 - 0.25) / 3 - share))
+    last.late_share, eng.share.balanced_at = True, 0
+    eng.share.rebalance()
+    assert eng.share.share == pytest.approx(share + 0.5 * ((2 - 0.25) / 3 - share))
     # far from balance it keeps a piece on each side, so both rates stay measured
-    assert eng._cpu_pieces(1.0) == 1 and eng._cpu_pieces(0.0) == len(eng._pieces) - 1
+    assert eng.share.cpu_pieces(1.0) == 1 and eng.share.cpu_pieces(0.0) == len(eng._pieces) - 1
     eng.close()
     # the run stays exact while the split moves between steps
     buffers = Buffers()
@@ -1054,8 +1054,8 @@ def test_the_balance_moves_the_split_half_way_to_where_both_finish_together() ->
     ref = Reference(buffers)
     for step in range(1, 8):
         ref.step(step, drive(eng2, buffers, step))
-        eng2._share = [0.9, 0.1, 0.6, 0.8, 0.3, 0.5, 0.2][step - 1]  # moved between every step
-        eng2._window.finish()
+        eng2.share.share = [0.9, 0.1, 0.6, 0.8, 0.3, 0.5, 0.2][step - 1]  # moved between every step
+        eng2.share.window.finish()
     assert_matches(masters(eng2, buffers), ref.params, 7)
     eng2.close()
 
@@ -1074,11 +1074,11 @@ def test_a_balanced_gpu_share_is_fixed_after_the_balance_steps_and_checkpointed(
         last = eng.history[-1]  # the CPU twice as slow per param as the window: 2/3 to the GPU
         last.wall_s = 2.0 * last.params / total
         on_gpu = total - last.params
-        eng._window.history.append((1.0 * on_gpu / total, on_gpu))
-        shares.append(eng._share)
+        eng.share.window.history.append((1.0 * on_gpu / total, on_gpu))
+        shares.append(eng.share.share)
     moving, fixed = shares[1:BALANCE_STEPS], shares[BALANCE_STEPS:]
     assert len(set(moving)) == len(moving)  # balanced: it moved at every step up to there
-    assert len(set(fixed)) == 1 and eng._fixed
+    assert len(set(fixed)) == 1 and eng.share.fixed
     assert eng.param_groups[0][GPU_SHARE] == fixed[0]
     eng.finish()
     saved = copy.deepcopy(eng.state_dict())
@@ -1087,11 +1087,11 @@ def test_a_balanced_gpu_share_is_fixed_after_the_balance_steps_and_checkpointed(
     b = engine(b_buf, 1.0, gpu_share=0.5, balance=True, chunk_bytes=4 * 500)
     b.load_state_dict(saved)
     b.restore_after_load()
-    assert b._share == fixed[0] and b._fixed
+    assert b.share.share == fixed[0] and b.share.fixed
     for step in range(BALANCE_STEPS + 4, BALANCE_STEPS + 7):
         drive(eng, buffers, step)
         drive(b, b_buf, step)
-        assert b._on_cpu == eng._on_cpu
+        assert b.share.on_cpu == eng.share.on_cpu
         assert torch.equal(buffers.param, b_buf.param), f"step {step}"
     eng.close()
     b.close()

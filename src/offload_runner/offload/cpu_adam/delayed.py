@@ -1,9 +1,10 @@
 """Delayed mode of the CPU-Adam engine: the order the worker takes a delayed update's pieces in,
 the step boundary's copies during the last micro-batch's backward (with the clip factor applied
-on the CPU afterwards), and weight prediction's extrapolation."""
+on the CPU afterwards), the update in flight, and weight prediction's extrapolation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 from offload_runner.offload.cpu_adam.update import Update
@@ -13,22 +14,38 @@ LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last upd
 GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
 
 
-class DelayedUpdates:
-    """CpuAdam's delayed mode (the engine's state lives in CpuAdam)."""
+class Delay:
+    """A CpuAdam's delayed mode, owning the update not landed yet (and its worker's job), the
+    backward's hooks and what they copied, and whether the guess is made; it reads the engine's
+    pieces and host arrays and copies through its link (``engine``: the CpuAdam that owns it)."""
 
-    def _update_order(self, delayed: bool, crossed: list[int]) -> list[int]:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.pending: Update | None = None  # a delayed update, not landed
+        self.jobs: list[concurrent.futures.Future] = []  # ... its worker's job
+        self.guessed = False  # host_guess holds the next weights' extrapolation
+        self.grad_hooks: list = []
+        self.hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
+        self.param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
+        self.piece_params: list[int] = []  # per piece: how many hooked params touch it
+        self.remaining: list[int] | None = None  # armed: per piece, params not yet final
+        self.previous: Update | None = None  # armed: the update the backward lands
+        self.early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
+        self.taken_s = 0.0  # copies_taken's wait for them, before this step()
+
+    def order(self, delayed: bool, crossed: list[int]) -> list[int]:
         """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
-        the next forward waits for them), the CPU's share of them (``_on_cpu``). Delayed: the
-        order their gradients went down during the backward (``crossed``), then backward-ready
-        order: the worker starts on the gradients that are down first, and the next step lands
-        its pieces in that order again (during the backward, or at ``step()``, which follows
-        this order too); in forward order it would start on the first layers' gradients, the
-        last to come down, and every landing of the next backward would wait for the update's
-        end."""
-        pieces = range(len(self._pieces))
+        the next forward waits for them), the CPU's share of them. Delayed: the order their
+        gradients went down during the backward (``crossed``), then backward-ready order: the
+        worker starts on the gradients that are down first, and the next step lands its pieces
+        in that order again (during the backward, or at ``step()``, which follows this order
+        too); in forward order it would start on the first layers' gradients, the last to come
+        down, and every landing of the next backward would wait for the update's end."""
+        e = self.engine
+        pieces = range(len(e._pieces))
         if not delayed:
-            return list(pieces[: self._on_cpu])
-        backward = pieces[::-1] if self.land_during_forward else pieces  # the DDP buffer's order
+            return list(pieces[: e.share.on_cpu])
+        backward = pieces[::-1] if e.land_during_forward else pieces  # the DDP buffer's order
         seen = set(crossed)
         return crossed + [i for i in backward if i not in seen]
 
@@ -41,58 +58,60 @@ class DelayedUpdates:
         ``arm`` (the schedule's ``no_sync`` exit: the last micro-batch follows); only on a shard
         whose gradients nothing edits after the backward (``OffloadMode.copies_during_backward``);
         the CPU applies the clip factor (``grads_clipped``)."""
-        self._grad_hooks += after_each_grad(chunks, self._after_grad)
-        self._hooked.update(
+        self.grad_hooks += after_each_grad(chunks, self._after_grad)
+        self.hooked.update(
             (id(p), p) for chunk in chunks for p in chunk.parameters() if p.requires_grad
         )
 
     def arm(self) -> None:
-        """The last micro-batch's backward follows: the GPU share's states may come in during
-        it (exact steps: ``_arm_window``), and this step's gradients go down during it where
-        the coming step is delayed (the exact steps before need them clipped at ``step()``)."""
-        self._arm_window()
-        self._early.clear()
-        if not (self._grad_hooks and self.mode.delayed_at(self.steps_taken + 1)):
-            self._remaining = None
+        """The last micro-batch's backward follows: this step's gradients go down during it
+        where the coming step is delayed (the exact steps before need them clipped at
+        ``step()``)."""
+        e = self.engine
+        self.early.clear()
+        if not (self.grad_hooks and e.mode.delayed_at(e.steps_taken + 1)):
+            self.remaining = None
             return
-        self._ensure_pieces()  # a run resumed into a delayed step copies during its first backward
-        if self._param_pieces is None:
-            self._param_pieces = {key: self._pieces_of(p) for key, p in self._hooked.items()}
-            self._piece_params = [0] * len(self._pieces)
-            for pieces in self._param_pieces.values():
+        e._ensure_pieces()  # a run resumed into a delayed step copies during its first backward
+        if self.param_pieces is None:
+            spans = e._piece_spans()
+            self.param_pieces = {key: spans.holding([p]) for key, p in self.hooked.items()}
+            self.piece_params = [0] * len(e._pieces)
+            for pieces in self.param_pieces.values():
                 for i in pieces:
-                    self._piece_params[i] += 1
-        self._previous = self._pending
-        self._remaining = list(self._piece_params)
+                    self.piece_params[i] += 1
+        self.previous = self.pending
+        self.remaining = list(self.piece_params)
 
     def _after_grad(self, param) -> None:
         """A parameter's gradient is accumulated: the pieces it completes start their copies."""
-        remaining = self._remaining
+        remaining = self.remaining
         if remaining is None:
             return
-        for i in self._param_pieces.get(id(param), ()):
+        link = self.engine.link
+        for i in self.param_pieces.get(id(param), ()):
             remaining[i] -= 1
             if remaining[i] == 0:
                 event = None
-                if self._streams is not None:  # the backward so far, on this thread's stream
+                if link.streams is not None:  # the backward so far, on this thread's stream
                     import torch
 
                     event = torch.cuda.Event()
                     event.record()
-                self._early[i] = self._lander.submit(self._cross, i, self._previous, event)
+                self.early[i] = link.lander.submit(self.cross, i, self.previous, event)
 
-    def _cross(self, i: int, previous: Update | None, after=None) -> None:
+    def cross(self, i: int, previous: Update | None, after=None) -> None:
         """Piece ``i`` across the step boundary: the last update's masters up once the worker
         has them (``previous``: the update not landed, if any), this step's gradients down, both
         after the CUDA event ``after`` where given (the landing thread during the backward, else
         ``step()``)."""
-        piece = self._pieces[i]
+        link, piece = self.engine.link, self.engine._pieces[i]
         if previous is not None:
             previous.done[i].wait()
             if previous.failed:
                 return  # step() raises the worker's error
-            self._land(piece, previous.guess, after)
-        self._fetch(piece, after)
+            link.land(piece, previous.guess, after)
+        link.fetch(piece, after)
 
     def copies_taken(self) -> None:
         """Before Megatron-Core's step, whose clipping scales the gradients in place: the copies
@@ -101,54 +120,55 @@ class DelayedUpdates:
         gradient (``grads_clipped`` divides by the factor once). Its wait counts in the step's
         boundary time (``Update.boundary_s``)."""
         began = time.perf_counter()
-        for job in self._early.values():
+        for job in self.early.values():
             job.result()
-        self._taken_s = time.perf_counter() - began
-        if self._early and self._streams is not None:
-            import torch
-
-            torch.cuda.current_stream().wait_stream(self._streams[0])
+        self.taken_s = time.perf_counter() - began
+        if self.early:
+            self.engine.link.downs_done()
 
     def grads_clipped(self, grad_norm: float | None) -> None:
         """After Megatron-Core's step (whose clipping scaled the GPU gradients by clip_grad /
         (grad_norm + 1e-6) where that is below 1): the gradients copied during the backward
         were taken before, so the worker divides them by the inverse of that factor."""
-        update = self._pending
+        update, clip = self.pending, self.engine.clip_grad
         if update is None or update.scaled.is_set():
             return
-        coeff = (
-            self.clip_grad / (float(grad_norm) + 1.0e-6)
-            if self.clip_grad > 0 and grad_norm is not None
-            else 1.0
-        )
+        coeff = clip / (float(grad_norm) + 1.0e-6) if clip > 0 and grad_norm is not None else 1.0
         if coeff < 1.0:
             import torch
 
             update.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32)
         update.scaled.set()
 
-    def _guess_from_states(self) -> None:
+    def guess_from_states(self) -> None:
         """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
         before the last update are gone): the last update recomputed from exp_avg, exp_avg_sq,
         the step count and the param groups' hyperparameters, added once more."""
-        step = self.steps_taken
+        e = self.engine
+        step = e.steps_taken
         if step < 1:
-            self.host_guess.copy_(self.host_master)
+            e.host_guess.copy_(e.host_master)
         else:  # the learning rate of that update: the scheduler has moved the groups' since
-            hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in self.param_groups]
-            for gi, p in self.offloaded:
-                a = self._flat[id(p)]
+            hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in e.param_groups]
+            for gi, p in e.offloaded:
+                a = e._flat[id(p)]
                 self._extrapolate(a, a + p.numel(), hypers[gi], step)
-        self._guessed = True
+        self.guessed = True
 
     def _extrapolate(self, a: int, b: int, h: dict, step: int) -> None:
         """host_guess[a:b] = master - lr wd master - lr / (1 - beta1^t) m / (sqrt(v / (1 -
         beta2^t)) + eps): torch's AdamW update of step t applied once more."""
-        guess, master = self.host_guess[a:b], self.host_master[a:b]
+        e = self.engine
+        guess, master = e.host_guess[a:b], e.host_master[a:b]
         bias1, bias2 = 1 - h["beta1"] ** step, 1 - h["beta2"] ** step
-        guess.copy_(self.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
-        guess.reciprocal_().mul_(self.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
+        guess.copy_(e.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
+        guess.reciprocal_().mul_(e.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
         guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
+
+    def close(self) -> None:
+        for _, hook in self.grad_hooks:
+            hook.remove()
+        self.grad_hooks.clear()
 
 
 def before_clip(built: list) -> None:

@@ -1,7 +1,8 @@
 """The CPU-Adam engine: Adam for one DistributedOptimizer's shard, a fraction of it on the CPU
-(the package's docstring says what lives where). Its concerns are mixed in from their own
-modules: the link and landing during the forward (landing.py), the GPU share (gpu_share.py),
-delayed mode (delayed.py); its mode is an object (modes.py)."""
+(the package's docstring says what lives where). It owns three parts, each with its own state:
+its link and landing during the forward (``Link``, landing.py), its GPU share (``Share``,
+gpu_share.py) and delayed mode's update in flight (``Delay``, delayed.py); its mode is an
+object (modes.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import threading
 import time
 
 from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES
-from offload_runner.offload.cpu_adam.cores import cpu_worker, init_thread
-from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, DelayedUpdates
-from offload_runner.offload.cpu_adam.gpu_share import GPU_SHARE, GpuShare
-from offload_runner.offload.cpu_adam.landing import Landing
+from offload_runner.offload.cpu_adam.cores import cpu_worker
+from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, Delay
+from offload_runner.offload.cpu_adam.gpu_share import Share
+from offload_runner.offload.cpu_adam.landing import Link
 from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import (
@@ -25,7 +26,6 @@ from offload_runner.offload.host_adam import (
     grad_of,
     main_grad_views,
 )
-from offload_runner.offload.window import StatesWindow
 
 log = logging.getLogger("offload_runner")
 
@@ -34,7 +34,7 @@ HISTORY = 500  # CPU updates kept for the metrics
 EXACT = Exact()
 
 
-class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
+class CpuAdam(HostAdam):
     """Adam for one DistributedOptimizer's shard, ``fraction`` of it on the CPU, in ``mode``
     (see the package's docstring and host_adam.HostAdam for the layout and checkpoints)."""
 
@@ -76,127 +76,73 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             moment_dtypes=moment_dtypes,
         )
         self.mode = mode
-        self._guessed = False  # host_guess holds the next weights' extrapolation
         self.threads = threads
         self.land_during_forward = land_during_forward
-        self._inflight: tuple[Update, concurrent.futures.Future] | None = None  # see watch()
-        self._hooks: list = []
         self.clip_grad = clip_grad
-        # the GPU share (see prefetch and _late_pass): Adam on the GPU, the states streamed
-        # (weight prediction extrapolates on the CPU: none there)
-        self.gpu_share = 0.0 if mode.predict else gpu_share
-        self.balance = balance and not mode.predict
-        self._share = self.gpu_share  # the share now (the balance moves it)
-        self._fixed = not self.balance  # the share moves no more (BALANCE_STEPS, or loaded)
-        self._window: StatesWindow | None = None
-        self._late: concurrent.futures.ThreadPoolExecutor | None = None  # issues late passes
-        self._late_stream = None  # ... on this side stream
-        self._on_cpu = 0  # exact: pieces [0, _on_cpu) run on the CPU, the rest through the window
-        self._streamed: list[Piece] = []  # this step's GPU share: _pieces[_on_cpu:]
-        self._balanced_at = 0  # the step whose timing last moved the split
-        self._grad_hooks: list = []
-        self._hooked: dict[int, object] = {}  # id(param) -> param, the backward hooks' params
-        self._unbound: dict | None = None  # see _grad
-        self._param_pieces: dict[int, list[int]] | None = None  # id(param) -> pieces it touches
-        self._piece_params: list[int] = []  # per piece: how many hooked params touch it
-        self._remaining: list[int] | None = None  # armed: per piece, params not yet final
-        self._previous: Update | None = None  # armed: the update the backward lands
-        self._early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
-        self._taken_s = 0.0  # copies_taken's wait for them, before this step()
-        self._pending: Update | None = None  # a delayed update, not landed
-        self._jobs: list[concurrent.futures.Future] = []
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
+        self._unbound: dict | None = None  # see _grad
         self.history: list[Update] = []
-        self._land_lock = threading.Lock()  # the GPU ring: the worker and step() both land
+        self.link = Link(self)
+        self.share = Share(self, gpu_share, balance)
+        self.delay = Delay(self)
         self._worker = worker or cpu_worker(cpus, threads, self.device)
         self._worker.submit(self._allocate).result()
-        self._lander = self._new_lander()
-
-    def _new_lander(self) -> concurrent.futures.ThreadPoolExecutor:
-        """Exact mode's landings: enqueueing a piece's copies costs the calling thread real time
-        (cudaMemcpyAsync in docs/evidence/profile-gbs4-cpu-adam.txt), so a thread of its own
-        enqueues them while the worker runs Adam on the next piece."""
-        return concurrent.futures.ThreadPoolExecutor(
-            1,
-            thread_name_prefix="cpu-adam-land",
-            initializer=init_thread,
-            initargs=(None, None, self.device),
-        )
 
     def _allocate(self) -> None:
         """In the worker, so its own threads touch the host pages first (NUMA placement): the
         masters and a gradient staging array page-locked (the copy engines read and write them),
         the moments pageable where only the CPU touches them (page-locked, and a state window,
-        with a GPU share), with weight prediction the
-        page-locked guess the landings read; a ring of two pieces of fp32 masters on the GPU,
-        rounded into the bf16 params there."""
+        with a GPU share), with weight prediction the page-locked guess the landings read; a
+        ring of two pieces of fp32 masters on the GPU, rounded into the bf16 params there."""
         import torch
 
-        streams = bool(self.gpu_share or self.balance) and self.offloaded_numel > 0
+        streams = self.share.wanted
         self._allocate_states(pin_moments=streams, what="cpu_adam")
         self.host_grad = self._host_array(self.grad_dtype, self.on_cuda, "cpu_adam")
         if streams:  # the copy engines read and write the moments of the GPU share
-            self._window = StatesWindow(
-                (self.host_master, self.host_exp_avg, self.host_exp_avg_sq),
-                self.device,
-                min(self.chunk_numel, self.offloaded_numel),
-                host_grad=self.host_grad if self.delayed else None,
-            )
-            if self.delayed:  # late passes: issued from a thread of their own, on a side stream
-                self._late = concurrent.futures.ThreadPoolExecutor(
-                    1,
-                    thread_name_prefix="cpu-adam-late",
-                    initializer=init_thread,
-                    initargs=(None, None, self.device),
-                )
-                self._late_stream = torch.cuda.Stream() if self.on_cuda else None
+            self.share.allocate()
         if self.mode.predict:  # delayed mode lands the masters extrapolated by their last update
             self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
-        ring = min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0  # see
-        # plan.cpu_adam_ring_bytes
-        self._ring = [torch.empty(ring, dtype=torch.float32, device=self.device) for _ in range(2)]
-        self._landings = 0
+        self.link.allocate(min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0)
 
     def step(self, closure=None):
-        import torch
-
         began = time.perf_counter()
-        self._complete()  # the last exact update, where the forward did not wait for all of it
-        early, self._early, self._remaining = self._early, {}, None  # copied during the backward
+        link, share, delay = self.link, self.share, self.delay
+        link.complete()  # the last exact update, where the forward did not wait for all of it
+        early, delay.early, delay.remaining = delay.early, {}, None  # copied during the backward
         self._ensure_pieces()
-        self.prefetch()
+        share.prefetch()
         step, hypers = self._next_step()
         delayed = self.mode.delayed_at(step)
-        order = self._update_order(delayed, list(early))
+        order = delay.order(delayed, list(early))
         if delayed:
             self._enter_delayed(step)
-        self._start_fetch()
-        if delayed and self.mode.predict and self._unlanded and not self._guessed:
-            self._worker.submit(self._guess_from_states).result()  # after a checkpoint load
+        link.start()
+        if delayed and self.mode.predict and self._unlanded and not delay.guessed:
+            self._worker.submit(delay.guess_from_states).result()  # after a checkpoint load
         # Delayed mode lands the guess from the first delayed step on (the last exact update
         # made one); masters loaded or finished without a guess land as they are.
-        guess = delayed and self._guessed
+        guess = delayed and delay.guessed
         update = self._new_update(step, hypers, order, delayed)
         in_forward = self.land_during_forward and not delayed
         job = self._worker.submit(self._run_update, update)
-        previous, self._pending = self._pending, None  # a delayed update: it lands piece by piece
+        previous, delay.pending = delay.pending, None  # a delayed update: it lands piece by piece
         self._hand_over(update, early, previous, guess, began)
         self._unlanded = False
-        if self._window is not None and not delayed:  # the GPU share, on the compute stream
-            self._window.run(self._streamed, step, hypers)
+        if share.window is not None and not delayed:  # the GPU share, on the compute stream
+            share.window.run(share.streamed, step, hypers)
         self._gpu_step(step, hypers)
         if delayed:
-            self._pending = update
-            self._jobs.append(job)
+            delay.pending = update
+            delay.jobs.append(job)
         elif in_forward:
-            self._inflight = (update, job)  # the forward waits for it, module by module
+            link.inflight = (update, job)  # the forward waits for it, module by module
         else:
             job.result()
         if not in_forward:
-            self._wait_for_landings()
-        if self._streams is not None:  # the grad buffer may be zeroed
-            torch.cuda.current_stream().wait_stream(self._streams[0])
+            link.wait_for_landings()
+        link.downs_done()  # the grad buffer may be zeroed
         self._end_step(step)
         self._checkpointed(hypers)
         return None
@@ -204,8 +150,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
     def _enter_delayed(self, step: int) -> None:
         """A delayed step: nothing lands during the forward any more (only exact steps do), and
         the switch is said once."""
-        if self._hooks:
-            self._unwatch()
+        if self.link.hooks:
+            self.link.unwatch()
         if not self._announced_delay:
             self._announced_delay = True
             log.info(
@@ -227,10 +173,10 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             hypers,
             land_in_worker=not delayed,
             guess=guess_next,
-            on_cpu=self._on_cpu,
+            on_cpu=self.share.on_cpu,
             params=sum(self._pieces[i].numel for i in order),
             order=order,
-            late_share=delayed and self._window is not None,
+            late_share=delayed and self.share.window is not None,
             ready=[threading.Event() for _ in self._pieces],
             done=[threading.Event() for _ in self._pieces],
             landed=[threading.Event() for _ in self._pieces],
@@ -239,34 +185,30 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
 
     def _checkpointed(self, hypers: list[dict]) -> None:
         """What a checkpoint keeps in the param groups: each group's last learning rate (for
-        ``_guess_from_states``) and the fixed GPU share (a resume keeps the same split)."""
+        ``Delay.guess_from_states``) and the fixed GPU share (a resume keeps the same split)."""
         for group, h in zip(self.param_groups, hypers, strict=True) if self.mode.predict else ():
             group[LAST_LR] = h["lr"]
-        for group in self.param_groups if self._window is not None and self._fixed else ():
-            group[GPU_SHARE] = self._share
+        self.share.checkpointed(self.param_groups)
 
     def _ensure_pieces(self) -> None:
         """The pieces (forward order where updates land during the forward), the side streams
         and the CPU's share of the pieces, at the first step or the first armed backward."""
-        import torch
-
         if self._pieces is not None:
             return
         self._pieces = self._plan()
         if self.land_during_forward:  # forward order: the buffer is in backward order
             self._pieces.reverse()
-        self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.on_cuda else None
-        self._on_cpu = self._cpu_pieces(self._share) if self._window else len(self._pieces)
+        self.link.open()
+        self.share.first_split()
 
     def _grad(self, p):
         """... or, before the first ``step()`` bound it (a run resumed into a delayed step plans
         its pieces at its first backward), its model parameter's ``main_grad`` view."""
         grad = grad_of(p)
-        if grad is None and self._hooked:
+        hooked = self.delay.hooked
+        if grad is None and hooked:
             if self._unbound is None:
-                self._unbound = main_grad_views(
-                    [q for _, q in self.offloaded], self._hooked.values()
-                )
+                self._unbound = main_grad_views([q for _, q in self.offloaded], hooked.values())
             grad = self._unbound.get(id(p))
         return grad
 
@@ -285,16 +227,16 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
                     copied.result()
                     update.unclipped[i] = True
                 if previous is None and (self._unlanded or guess):
-                    self._land(piece, guess)
+                    self.link.land(piece, guess)
                 if copied is None:  # as the worker finishes the last update, fetching behind it
-                    self._cross(i, previous)
+                    self.delay.cross(i, previous)
                 update.ready[i].set()
             if not any(update.unclipped):
                 update.scaled.set()  # every gradient went down clipped
-            update.boundary_s = time.perf_counter() - began + self._taken_s  # + before_clip's
-            self._taken_s = 0.0
+            update.boundary_s = time.perf_counter() - began + self.delay.taken_s  # + before_clip's
+            self.delay.taken_s = 0.0
             if previous is not None:
-                self._jobs.pop(0).result()
+                self.delay.jobs.pop(0).result()
         except BaseException:
             update.cancelled = True
             update.scaled.set()
@@ -317,7 +259,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         import torch
 
         began = time.perf_counter()
-        late = self._split_late(update) if update.late_share else None
+        late = self.share.split_late(update) if update.late_share else None
         steps = torch.tensor(float(update.step))
         landings: list[concurrent.futures.Future] = []
         on_gpu = set(update.on_gpu)
@@ -333,7 +275,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             update.wait_s += t1 - t0
             update.busy_s += time.perf_counter() - t1
             if update.land_in_worker:
-                landings.append(self._lander.submit(self._land_marked, self._pieces[i], update, i))
+                piece = self._pieces[i]
+                landings.append(self.link.lander.submit(self.link.land_marked, piece, update, i))
             update.done[i].set()
         for landing in landings:  # enqueued (and errors raised) before step() waits on them
             landing.result()
@@ -341,16 +284,6 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         if late is not None:
             late.result()
         self._keep(update)
-
-    def _split_late(self, update: Update):
-        """Delayed mode's GPU share: once the last update and its pass are done, this update's
-        split (rebalanced), its GPU pieces' late pass handed to that pass's thread (its future;
-        None where the GPU takes none)."""
-        self._window.finish()
-        self._rebalance()
-        update.on_gpu = self._late_pieces(update.order)
-        update.params -= sum(self._pieces[i].numel for i in update.on_gpu)
-        return self._late.submit(self._late_pass, update) if update.on_gpu else None
 
     def _piece_ready(self, update: Update, i: int):
         """Wait until piece ``i``'s gradients are on the host and its last masters have gone
@@ -382,7 +315,7 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
                 self._adam(c, d, update.hyper[gi], steps, scale)
                 self.host_guess[c:d].lerp_(self.host_master[c:d], 2.0)  # 2 new - old
         if update.guess:
-            self._guessed = True
+            self.delay.guessed = True
 
     def _keep(self, update: Update) -> None:
         """``update`` into the history the metrics read (the first two, warm-up, and the
@@ -409,18 +342,19 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
     def finish(self) -> None:
         """Wait for a delayed update (checkpoints: masters and states consistent; not landed)
         or an exact one landing during the forward, and the GPU share's copies out."""
-        self._complete()
-        if self._window is not None:
-            self._window.finish()
-        if self._pending is not None and not self._pending.scaled.is_set():
+        delay = self.delay
+        self.link.complete()
+        if self.share.window is not None:
+            self.share.window.finish()
+        if delay.pending is not None and not delay.pending.scaled.is_set():
             raise RuntimeError(
                 "cpu_adam: an update whose gradients went down during the "
                 "backward waits for grads_clipped(grad_norm) after the step"
             )
-        while self._jobs:
-            self._jobs.pop(0).result()
-        if self._pending is not None:
-            self._pending = None
+        while delay.jobs:
+            delay.jobs.pop(0).result()
+        if delay.pending is not None:
+            delay.pending = None
             self._unlanded = True
 
     def flush(self) -> None:
@@ -429,39 +363,34 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
         if self._pieces is None or not self._unlanded:
             return
         for piece in self._pieces:
-            self._land(piece)
+            self.link.land(piece)
         self._unlanded = False
-        self._wait_for_landings()
+        self.link.wait_for_landings()
 
     def restore_after_load(self) -> None:
         """... and a GPU share the saved run had fixed: the resumed run splits as it did."""
         super().restore_after_load()
-        saved = self.param_groups[0].get(GPU_SHARE) if self.param_groups else None
-        if saved is not None and self._window is not None:
-            self._share, self._fixed = float(saved), True
+        self.share.restore(self.param_groups)
 
     def _land_loaded_masters(self) -> None:
         """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
         the uninterrupted run would."""
         if self.delayed:
-            self._unlanded, self._guessed = True, False
+            self._unlanded, self.delay.guessed = True, False
             return
         super()._land_loaded_masters()
         self._unlanded = False
 
     def close(self) -> None:
-        if self._pending is not None and not self._pending.scaled.is_set():
-            self._pending.cancelled = True  # a run that stopped between step and clip factor
-            self._pending.scaled.set()
+        pending = self.delay.pending
+        if pending is not None and not pending.scaled.is_set():
+            pending.cancelled = True  # a run that stopped between step and clip factor
+            pending.scaled.set()
         self.finish()
-        self._unwatch()
-        for _, hook in self._grad_hooks:
-            hook.remove()
-        self._grad_hooks.clear()
+        self.link.close()
+        self.delay.close()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
-        self._lander.shutdown(wait=True)
-        if self._late is not None:
-            self._late.shutdown(wait=True)
+        self.share.close()
         self._arenas.release()
 
     def metrics(self, skip: int = 2) -> dict:
@@ -470,7 +399,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             return {}
         busy = statistics.median(u.busy_s for u in steady)
         on_cpu = statistics.median(u.params for u in steady)
-        passes = self._window.timing()[skip:] if self._window is not None else []
+        window = self.share.window
+        passes = window.timing()[skip:] if window is not None else []
         return {
             "cpu_offloaded_params": self.offloaded_numel,
             "cpu_adam_params_on_cpu": on_cpu,
@@ -479,8 +409,8 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
             "cpu_adam_params_on_gpu": statistics.median(n for _, n in passes) if passes else 0,
             "cpu_adam_stream_s_median": statistics.median(t for t, _ in passes) if passes else 0.0,
             # the GPU share's params whose states came in during the last backward
-            "cpu_adam_in_backward_params": statistics.median(self._window.grown[skip:])
-            if passes and self._window.grown[skip:]
+            "cpu_adam_in_backward_params": statistics.median(window.grown[skip:])
+            if passes and window.grown[skip:]
             else 0,
             "cpu_adam_wall_s_median": statistics.median(u.wall_s for u in steady),
             "cpu_adam_wait_s_median": statistics.median(u.wait_s for u in steady),
@@ -500,3 +430,36 @@ class CpuAdam(Landing, GpuShare, DelayedUpdates, HostAdam):
     def delayed(self) -> bool:
         """Delayed mode (its first exact steps included)."""
         return isinstance(self.mode, Delayed)
+
+    # What the engines' callers ask (host_adam.HostAdam's hooks), answered by the parts.
+    @property
+    def streams_states(self) -> bool:
+        return self.share.window is not None
+
+    @property
+    def window_bytes(self) -> int:
+        return self.share.window.nbytes if self.share.window is not None else 0
+
+    def arm(self) -> None:
+        """The last micro-batch's backward follows: the GPU share's states may come in during
+        it (exact steps), this step's gradients go down during it (delayed steps)."""
+        self.share.arm()
+        self.delay.arm()
+
+    def grow(self, reserve: int = 0) -> None:
+        self.share.grow(reserve)
+
+    def prefetch(self) -> None:
+        self.share.prefetch()
+
+    def watch(self, chunks) -> None:
+        self.link.watch(chunks)
+
+    def watch_backward(self, chunks) -> None:
+        self.delay.watch_backward(chunks)
+
+    def copies_taken(self) -> None:
+        self.delay.copies_taken()
+
+    def grads_clipped(self, grad_norm: float | None) -> None:
+        self.delay.grads_clipped(grad_norm)

@@ -5,62 +5,99 @@ parameters."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
+from offload_runner.offload.cpu_adam.cores import init_thread
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import Piece, before_each_forward
 
 
-class Landing:
-    """CpuAdam's copies and its forward hooks (the engine's state lives in CpuAdam)."""
+class Link:
+    """A CpuAdam's copies, owning their streams (down, up), the GPU ring the masters land in,
+    the thread that enqueues landings and the exact update landing during the forward; it reads
+    the engine's host arrays and pieces (``engine``: the CpuAdam that owns it)."""
 
-    def _start_fetch(self) -> None:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.streams = None  # (down, up) side streams, from the first step, CUDA only
+        self.ring: list = []  # two pieces of fp32 masters on the GPU (plan.cpu_adam_ring_bytes)
+        self.landings = 0  # so far: which half of the ring the next one takes
+        self.lock = threading.Lock()  # the ring: the lander and step() both land
+        self.inflight: tuple[Update, concurrent.futures.Future] | None = None  # see watch()
+        self.hooks: list = []
+        # enqueueing a piece's copies costs the calling thread real time (cudaMemcpyAsync in
+        # docs/evidence/profile-gbs4-cpu-adam.txt): a thread of its own enqueues the landings
+        # while the worker runs Adam on the next piece
+        self.lander = concurrent.futures.ThreadPoolExecutor(
+            1,
+            thread_name_prefix="cpu-adam-land",
+            initializer=init_thread,
+            initargs=(None, None, engine.device),
+        )
+
+    def allocate(self, ring_numel: int) -> None:
         import torch
 
-        if self._streams is not None:  # clipping wrote the grads on the compute stream, and
-            for stream in self._streams:  # the backward read the parameters the landings write
-                stream.wait_stream(torch.cuda.current_stream())
+        device = self.engine.device
+        self.ring = [torch.empty(ring_numel, dtype=torch.float32, device=device) for _ in range(2)]
 
-    def _fetch(self, piece: Piece, after=None) -> None:
-        """A piece's gradients down (on ``d2h``, after the CUDA event ``after`` where given;
-        synchronously without CUDA)."""
+    def open(self) -> None:
+        """The side streams, at the first step (CUDA only)."""
         import torch
 
-        target = self.host_grad[piece.start : piece.stop]
-        if self._streams is None:
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.engine.on_cuda else None
+
+    def start(self) -> None:
+        """The streams wait for the compute stream: clipping wrote the grads there, and the
+        backward read the parameters the landings write."""
+        import torch
+
+        for stream in self.streams or ():
+            stream.wait_stream(torch.cuda.current_stream())
+
+    def fetch(self, piece: Piece, after=None) -> None:
+        """A piece's gradients down (on the down stream, after the CUDA event ``after`` where
+        given; synchronously without CUDA)."""
+        import torch
+
+        target = self.engine.host_grad[piece.start : piece.stop]
+        if self.streams is None:
             target.copy_(piece.grad)
             return
-        with torch.cuda.stream(self._streams[0]):
+        with torch.cuda.stream(self.streams[0]):
             if after is not None:
-                self._streams[0].wait_event(after)
+                self.streams[0].wait_event(after)
             target.copy_(piece.grad, non_blocking=True)
             piece.fetched = torch.cuda.Event(blocking=True)  # the worker sleeps on it
-            piece.fetched.record(self._streams[0])
+            piece.fetched.record(self.streams[0])
 
-    def _land(self, piece: Piece, guess: bool = False, after=None) -> None:
+    def land(self, piece: Piece, guess: bool = False, after=None) -> None:
         """A piece's masters (or, with ``guess``, their extrapolation) up and rounded into its
-        bf16 parameters (on ``h2d``, after the CUDA event ``after`` where given; on the CPU,
-        synchronously, without CUDA)."""
+        bf16 parameters (on the up stream, after the CUDA event ``after`` where given; on the
+        CPU, synchronously, without CUDA)."""
         import torch
 
-        source = (self.host_guess if guess else self.host_master)[piece.start : piece.stop]
-        if self._streams is None:
+        engine = self.engine
+        source = (engine.host_guess if guess else engine.host_master)[piece.start : piece.stop]
+        if self.streams is None:
             piece.param.copy_(source)
             return
-        with self._land_lock, torch.cuda.stream(self._streams[1]):  # ring reuse: this stream
+        with self.lock, torch.cuda.stream(self.streams[1]):  # ring reuse: this stream
             if after is not None:
-                self._streams[1].wait_event(after)
-            ring = self._ring[self._landings % 2][: piece.numel]
-            self._landings += 1
+                self.streams[1].wait_event(after)
+            ring = self.ring[self.landings % 2][: piece.numel]
+            self.landings += 1
             ring.copy_(source, non_blocking=True)
             piece.param.copy_(ring)
             piece.landed = torch.cuda.Event(blocking=True)
-            piece.landed.record(self._streams[1])
+            piece.landed.record(self.streams[1])
 
-    def _land_marked(self, piece: Piece, update: Update, index: int) -> None:
+    def land_marked(self, piece: Piece, update: Update, index: int) -> None:
         """Exact mode's landing of a piece, then the mark the next forward waits for."""
         try:
-            self._land(piece)
+            self.land(piece)
         except BaseException:
             update.failed = True
             raise
@@ -73,18 +110,18 @@ class Landing:
         parameters alone, so ``step()`` returns once the update is handed to the worker, which
         runs it in forward order while the forward follows it. Only where nothing reads the
         parameters between the step and the forward (no data-parallel parameter all-gather)."""
-        self._hooks += [hook for _, hook in before_each_forward(chunks, self._before_forward)]
+        self.hooks += [hook for _, hook in before_each_forward(chunks, self._before_forward)]
 
-    def _unwatch(self) -> None:
-        for hook in self._hooks:
+    def unwatch(self) -> None:
+        for hook in self.hooks:
             hook.remove()
-        self._hooks.clear()
+        self.hooks.clear()
 
     def _before_forward(self, params: list, module, args) -> None:
-        inflight = self._inflight
+        inflight = self.inflight
         if inflight is None:
             return
-        index = self._last_piece_needed(module, params)
+        index = self.engine._last_piece_needed(module, params)
         update = inflight[0]
         index = min(index, update.on_cpu - 1)  # the GPU share lands on the compute stream
         if index < update.waited:
@@ -93,32 +130,39 @@ class Landing:
         update.landed[index].wait()
         update.forward_wait_s += time.perf_counter() - began
         if update.failed:
-            self._complete()  # raises the worker's error
+            self.complete()  # raises the worker's error
             return
-        if self._streams is not None:  # landings run in order on one stream: all before it too
+        if self.streams is not None:  # landings run in order on one stream: all before it too
             import torch
 
-            torch.cuda.current_stream().wait_event(self._pieces[index].landed)
+            torch.cuda.current_stream().wait_event(self.engine._pieces[index].landed)
         update.waited = index + 1
         if update.waited == update.on_cpu:
-            self._complete()
+            self.complete()
 
-    def _pieces_of(self, param) -> list[int]:
-        """The pieces (indices in update order) holding any of ``param``'s elements."""
-        return self._piece_spans().holding([param])
-
-    def _complete(self) -> None:
+    def complete(self) -> None:
         """Wait for an exact update the forward has not waited for to its end (errors raise
         here), and make the compute stream wait for its landings."""
-        inflight, self._inflight = self._inflight, None
+        inflight, self.inflight = self.inflight, None
         if inflight is None:
             return
         inflight[1].result()
-        self._wait_for_landings()
+        self.wait_for_landings()
 
-    def _wait_for_landings(self) -> None:
+    def wait_for_landings(self) -> None:
         """The compute stream waits for every landing enqueued so far: the bf16 params are back."""
-        if self._streams is not None:
+        if self.streams is not None:
             import torch
 
-            torch.cuda.current_stream().wait_stream(self._streams[1])
+            torch.cuda.current_stream().wait_stream(self.streams[1])
+
+    def downs_done(self) -> None:
+        """The compute stream waits for the copies down (the grad buffer may be zeroed)."""
+        if self.streams is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_stream(self.streams[0])
+
+    def close(self) -> None:
+        self.unwatch()
+        self.lander.shutdown(wait=True)
