@@ -511,6 +511,19 @@ def test_checkpoint_moves_between_hybrid_and_cpu_adam(
     assert delta < RESUME_TOLERANCE
 
 
+def test_a_profiled_run_writes_its_trace_and_summary(root: str) -> None:
+    """profiling.use_pytorch_profiler: the window's trace, its ops table and the trace's summary,
+    whose GPU kernels took part of the window (the summary's first line in the rank's log)."""
+    out = Path(root) / "profiled"
+    window = ("profiling.profile_step_start=4", "profiling.profile_step_end=5")
+    train(out, "profiling.use_pytorch_profiler=true", *window)
+    summary = (out / "profile/rank0-summary.txt").read_text().splitlines()
+    busy = re.match(r"window ([\d.]+) ms, kernels busy ([\d.]+) ms \((\d+)%\)", summary[1])
+    assert busy and 0 < float(busy[2]) < float(busy[1]), summary[1]
+    assert (out / "profile/rank0.json.gz").stat().st_size > 0
+    assert summary[1] in rank_log(out, 0).read_text()
+
+
 def test_tensorboard_event_file_of_a_real_run(root: str) -> None:
     """logger.tensorboard_dir: loss, step time and GPU memory of every iteration."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
