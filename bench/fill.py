@@ -224,7 +224,8 @@ def seeds(pattern: str) -> str:
     )
 
 
-EVIDENCE_PARTS = {
+# The parts every report's template may use: evidence quotes, results tables, seeds' verdicts.
+SHARED_PARTS = {
     "first": first,
     "matching": matching,
     "count": count,
@@ -241,7 +242,7 @@ def main() -> int:
     if len(sys.argv) != 2 or sys.argv[1] not in names:
         print(f"usage: python bench/fill.py {{{'|'.join(names)}}}", file=sys.stderr)
         return 2
-    print(fill(f"{sys.argv[1]}.md", EVIDENCE_PARTS), end="")
+    print(fill(f"{sys.argv[1]}.md", SHARED_PARTS), end="")
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fill import EVIDENCE_PARTS, fill, printed  # noqa: E402
+from fill import SHARED_PARTS, fill, printed  # noqa: E402
 
 
 def order() -> str:
@@ -172,7 +172,7 @@ def engines() -> None:
 
 
 PARTS = {
-    **EVIDENCE_PARTS,
+    **SHARED_PARTS,
     "micro_batches": micro_batches,
     "order": order,
     "drift": drift,

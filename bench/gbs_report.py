@@ -222,9 +222,9 @@ PARTS = {"cost": cost, "asks": asks}
 
 def report(plot: Path | None = None) -> str:
     """The template's words with each ``{{part}}`` filled in; the plot drawn where asked."""
-    from fill import EVIDENCE_PARTS, fill
+    from fill import SHARED_PARTS, fill
 
-    text = fill("optimizer-offload.md", {**PARTS, **EVIDENCE_PARTS})
+    text = fill("optimizer-offload.md", {**PARTS, **SHARED_PARTS})
     if plot is not None:
         draw(plot)
     return text

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fill import EVIDENCE, EVIDENCE_PARTS, fill  # noqa: E402
+from fill import EVIDENCE, SHARED_PARTS, fill  # noqa: E402
 
 
 def tails() -> str:
@@ -73,7 +73,7 @@ at 4 layers."""
 
 PARTS = {
     "full_4gpu": full_4gpu,
-    **EVIDENCE_PARTS,
+    **SHARED_PARTS,
     "tails": tails,
     "verify": verify,
 }

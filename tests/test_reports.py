@@ -108,7 +108,7 @@ def test_the_cpu_adam_report_is_its_template_filled() -> None:
     """docs/benchmarks/cpu-adam.md is what bench/fill.py makes of its template now."""
     import fill
 
-    made = fill.fill("cpu-adam.md", fill.EVIDENCE_PARTS)
+    made = fill.fill("cpu-adam.md", fill.SHARED_PARTS)
     assert "{{" not in made and len(made.splitlines()) <= 300
     assert (PROJECT_ROOT / "docs/benchmarks/cpu-adam.md").read_text() == made
 

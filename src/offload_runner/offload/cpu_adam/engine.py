@@ -387,9 +387,9 @@ class CpuAdam(HostAdam):
             pending.cancelled = True  # a run that stopped between step and clip factor
             pending.scaled.set()
         self.finish()
-        self.link.close()
         self.delay.close()
         self._worker.shutdown(wait=True)  # shared by a rank's engines: the first close waits
+        self.link.close()  # after the worker: it hands the lander exact mode's landings
         self.share.close()
         self._arenas.release()
 
