@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import PROJECT_ROOT
@@ -141,3 +142,35 @@ def test_the_optimizer_offload_report_fills_its_template() -> None:
     assert "| 32 | `gbs-32-beside" in text
     committed = PROJECT_ROOT / "docs" / "benchmarks" / "optimizer-offload.md"
     assert committed.read_text().strip() == text.strip()
+
+
+def _code_lines(path: Path) -> int:
+    """Lines holding code: not blank, not only a comment, not a docstring."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    lines = {
+        n
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+        if tok.type not in skip | {tokenize.ENDMARKER}
+        for n in range(tok.start[0], tok.end[0] + 1)
+    }
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                lines -= set(range(first.lineno, first.end_lineno + 1))
+    return len(lines)
+
+
+def test_bench_outside_its_probes_stays_under_3000_code_lines() -> None:
+    """bench/ as a small product: suites, runner, reports and their analyses; one-off
+    measurements live in bench/probes/. No shell file carries Python of its own."""
+    bench = PROJECT_ROOT / "bench"
+    files = [p for p in bench.rglob("*.py") if "probes" not in p.relative_to(bench).parts]
+    assert sum(_code_lines(p) for p in files) <= 3000
+    for script in bench.rglob("*.sh"):
+        assert "<<" not in script.read_text() and "python -c" not in script.read_text(), script
