@@ -45,6 +45,23 @@ def test_indexed_dataset_feeds_micro_batches(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_indexing_a_large_corpus_is_said_with_its_size(tmp_path: Path, monkeypatch, capsys):
+    """Over progress.SAY_GB of .bin files, rank 0 says the indexing before and after."""
+    from offload_runner import progress
+
+    prefix = tmp_path / "corpus_text_document"
+    write_indexed_dataset(prefix)
+    run = compose_run("recipe=tiny", "data=indexed", f"dataset.data_path=[{prefix}]")
+    monkeypatch.setattr(progress, "SAY_GB", 1e-6)
+    monkeypatch.setenv("RANK", "0")
+    build_datasets(run)
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "index" in ln]
+    gb = Path(f"{prefix}.bin").stat().st_size / 1e9
+    assert said[0] == f"indexing {gb:.1f} GB of tokens (1 file(s)) ..."
+    assert said[1].startswith("  ... indexed in ")
+
+
+@pytest.mark.filterwarnings("ignore")
 def test_blend_of_two_prefixes(tmp_path: Path) -> None:
     for name in ("a", "b"):
         write_indexed_dataset(tmp_path / name, documents=60)

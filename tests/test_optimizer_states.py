@@ -521,20 +521,3 @@ def test_each_window_copy_is_followed_by_a_gap_kernel() -> None:
         _copy_all(list(zip(targets, sources, strict=True)), gap)
         assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
         assert gap.item() == sign
-
-
-def test_long_page_locking_is_said_on_rank_0_only(monkeypatch, capsys) -> None:
-    """SAY_GB or more of page-locking takes a while: rank 0 says what and how fast."""
-    from offload_runner.offload import host_memory
-
-    monkeypatch.setattr(host_memory, "SAY_GB", 1e-3)
-    monkeypatch.setenv("RANK", "1")
-    host_memory._saying(2 * 10**6, "offload/optimizer=states")()
-    assert capsys.readouterr().out == ""
-    monkeypatch.setenv("RANK", "0")
-    host_memory._saying(2 * 10**6, "offload/optimizer=states")()
-    first, second = capsys.readouterr().out.splitlines()
-    assert first == "page-locking 0.0 GB of host memory for offload/optimizer=states ..."
-    assert second.startswith("  ... page-locked in ") and second.endswith("GB/s)")
-    host_memory._saying(10**5, "small")()  # below SAY_GB: nothing
-    assert capsys.readouterr().out == ""

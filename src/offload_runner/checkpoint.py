@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from offload_runner.progress import timed_line
+
 LATEST = "latest_checkpointed_iteration.txt"
 # 8-bit moments' block scales and the random state stochastic rounding draws from, per rank
 QUANTIZED_FILE = "quantized_states_rank{rank}.pt"
@@ -123,6 +125,8 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
+    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file())
+    said = timed_line(f"loading checkpoint {load_dir}: {{size}}", "loaded", size)
     with host_adam.fp32_masters(optimizer):  # the templates of the saved fp32 masters
         with _pageable_weights(model):
             state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
@@ -136,6 +140,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
             engine.restore_after_load()
         _load_quantized(load_dir, optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
+    said()
     return int(loaded["iteration"])
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from offload_runner.config.schema import DatasetConfig, DatasetKind, RunConfig
+from offload_runner.progress import timed_line
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -139,7 +140,11 @@ def build_datasets(run: RunConfig, cache_dir: Path | None = None) -> tuple:
     # A weighted blend needs a size for every split; only what is read is drawn.
     weighted = config.blend is not None and config.blend[1] is not None
     sizes = [samples, valid, 0] if weighted else [samples, valid or None, None]
+    bins = [Path(f"{prefix}.bin") for prefix in data_prefixes(run)]
+    size = sum(b.stat().st_size for b in bins if b.exists())
+    said = timed_line(f"indexing {{size}} of tokens ({len(bins)} file(s))", "indexed", size)
     train, validation, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    said()
     return train, validation if valid else None
 
 

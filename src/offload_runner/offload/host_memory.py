@@ -22,8 +22,9 @@ docs/evidence/host-pinning-probe-h100.txt, ``bench/probes/host_pinning_probe.py`
 
 from __future__ import annotations
 
+from offload_runner.progress import timed_line
+
 ALIGN = 4096  # slices of an arena start on page boundaries
-SAY_GB = 10  # page-locking this much or more is said on the terminal (rank 0): it takes a while
 MADV_DONTFORK, MADV_HUGEPAGE = 10, 14  # linux/mman.h
 
 
@@ -42,7 +43,8 @@ class HostArenas:
         """A flat uint8 tensor of ``nbytes`` zeros on the host (page-locked when ``pin``)."""
         import torch
 
-        said = _saying(nbytes, what) if pin else lambda: None
+        doing = f"page-locking {{size}} of host memory for {what}"
+        said = timed_line(doing, "page-locked", nbytes) if pin else lambda: None
         arena = torch.empty(0, dtype=torch.uint8)
         if nbytes:
             arena = torch.frombuffer(_private_pages(nbytes), dtype=torch.uint8, count=nbytes)
@@ -80,25 +82,6 @@ class HostArenas:
             for pointer in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(pointer)
         self._arenas, self._registered = [], []
-
-
-def _saying(nbytes: int, what: str):
-    """On global rank 0 (whose stdout is the terminal), for SAY_GB or more: a line before a long
-    page-locking, and a function that says how long it took."""
-    import os
-    import time
-
-    if nbytes < SAY_GB * 1e9 or os.environ.get("RANK", "0") != "0":
-        return lambda: None
-    print(f"page-locking {nbytes / 1e9:.1f} GB of host memory for {what} ...", flush=True)
-    began = time.perf_counter()
-
-    def done() -> None:
-        seconds = time.perf_counter() - began
-        rate = nbytes / 1e9 / max(seconds, 1e-9)
-        print(f"  ... page-locked in {seconds:.1f} s ({rate:.1f} GB/s)", flush=True)
-
-    return done
 
 
 def _private_pages(nbytes: int):

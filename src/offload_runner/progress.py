@@ -1,0 +1,33 @@
+"""Long start-up phases said on the terminal: a line with the size before, the time and rate
+after, on global rank 0 (whose stdout is the terminal) and only where the phase is large enough
+to keep a user waiting (page-locking the engines' host arrays, loading a checkpoint, indexing a
+corpus)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+SAY_GB = 10  # a phase over this much is said: it keeps the terminal silent for a while
+
+
+def timed_line(
+    doing: str, done: str, nbytes: int, least_gb: float | None = None
+) -> Callable[[], None]:
+    """Print ``doing`` (its ``{size}`` filled in) and return a function that prints how long
+    it took as ``done``; nothing for under ``least_gb`` (default SAY_GB) or off rank 0."""
+    if (
+        nbytes < (SAY_GB if least_gb is None else least_gb) * 1e9
+        or os.environ.get("RANK", "0") != "0"
+    ):
+        return lambda: None
+    print(doing.format(size=f"{nbytes / 1e9:.1f} GB") + " ...", flush=True)
+    began = time.perf_counter()
+
+    def finished() -> None:
+        seconds = time.perf_counter() - began
+        rate = nbytes / 1e9 / max(seconds, 1e-9)
+        print(f"  ... {done} in {seconds:.1f} s ({rate:.1f} GB/s)", flush=True)
+
+    return finished
