@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from suites import CONVERGENCE_TAIL  # noqa: E402
 
-from offload_runner.report import fmt, markdown_table, max_abs_delta  # noqa: E402
+from offload_runner.report import fmt, markdown_table, max_abs_delta, ratio  # noqa: E402
 
 EVIDENCE = ROOT / "docs" / "evidence"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -92,8 +92,7 @@ def _vs(key: str) -> Callable[[dict, dict], str]:
     """``key`` over the baseline's (none on the baseline itself)."""
 
     def cell(s: dict, base: dict) -> str:
-        value, b = s.get(key), base.get(key)
-        return fmt(value / b if value and b and s is not base else None, ".2f", "x")
+        return fmt(None if s is base else ratio(s.get(key), base.get(key)), ".2f", "x")
 
     return cell
 

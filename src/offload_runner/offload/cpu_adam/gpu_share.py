@@ -223,7 +223,6 @@ class Share:
             self.share, self.fixed = float(saved), True
 
     def close(self) -> None:
-        if self.window is not None:
-            self.window.finish()
+        """After the engine's ``finish`` (the window's copies out): the late passes' thread."""
         if self.late is not None:
             self.late.shutdown(wait=True)

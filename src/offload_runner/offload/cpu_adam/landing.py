@@ -151,17 +151,19 @@ class Link:
 
     def wait_for_landings(self) -> None:
         """The compute stream waits for every landing enqueued so far: the bf16 params are back."""
-        if self.streams is not None:
-            import torch
-
-            torch.cuda.current_stream().wait_stream(self.streams[1])
+        self._compute_waits(1)
 
     def downs_done(self) -> None:
         """The compute stream waits for the copies down (the grad buffer may be zeroed)."""
+        self._compute_waits(0)
+
+    def _compute_waits(self, side: int) -> None:
+        """The compute stream waits for the work enqueued so far on stream ``side`` (0 down,
+        1 up); nothing without CUDA."""
         if self.streams is not None:
             import torch
 
-            torch.cuda.current_stream().wait_stream(self.streams[0])
+            torch.cuda.current_stream().wait_stream(self.streams[side])
 
     def close(self) -> None:
         self.unwatch()
