@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offload_runner.progress import timed_line
+from offload_runner.progress import on_terminal, timed_line
 
 LATEST = "latest_checkpointed_iteration.txt"
 # 8-bit moments' block scales and the random state stochastic rounding draws from, per rank
@@ -125,7 +125,9 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
-    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file())
+    # its size on rank 0 alone: every rank stat-ing a sharded checkpoint's files is a burst of
+    # metadata calls on a shared filesystem
+    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file()) if on_terminal() else 0
     said = timed_line(f"loading checkpoint {load_dir}: {{size}}", "loaded", size)
     with host_adam.fp32_masters(optimizer):  # the templates of the saved fp32 masters
         with _pageable_weights(model):

@@ -12,15 +12,17 @@ from collections.abc import Callable
 SAY_GB = 10  # a phase over this much is said: it keeps the terminal silent for a while
 
 
+def on_terminal() -> bool:
+    """This process is global rank 0, whose stdout is the terminal."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def timed_line(
     doing: str, done: str, nbytes: int, least_gb: float | None = None
 ) -> Callable[[], None]:
     """Print ``doing`` (its ``{size}`` filled in) and return a function that prints how long
     it took as ``done``; nothing for under ``least_gb`` (default SAY_GB) or off rank 0."""
-    if (
-        nbytes < (SAY_GB if least_gb is None else least_gb) * 1e9
-        or os.environ.get("RANK", "0") != "0"
-    ):
+    if nbytes < (SAY_GB if least_gb is None else least_gb) * 1e9 or not on_terminal():
         return lambda: None
     print(doing.format(size=f"{nbytes / 1e9:.1f} GB") + " ...", flush=True)
     began = time.perf_counter()
