@@ -11,6 +11,15 @@ LATEST = "latest_checkpointed_iteration.txt"
 # 8-bit moments' block scales and the random state stochastic rounding draws from, per rank
 QUANTIZED_FILE = "quantized_states_rank{rank}.pt"
 PRECISION_FILE = "optimizer_precision.json"  # the precision of a native checkpoint's states
+WEIGHTS_ONLY_FILE = "weights_only.json"  # in an iteration folder saved without optimizer
+MODEL_FILE = "model.yaml"  # beside the iterations: the model's architecture (--export-hf)
+HF_FILES_DIR = "hf"  # beside them too: config.json and tokenizer files of an imported model
+# A checkpoint key and the name another layer spec gives the same tensor: the local spec files
+# an MoE layer's pre-MLP norm under the fused norm's name, Transformer Engine's under its own.
+KEY_ALIASES = {
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 # Megatron-LM's default layout for the distributed optimizer's state (reshardable over DP); the
 # older default, fully_sharded_model_space, is refused by megatron-core 0.19's dist_checkpointing.
 OPTIMIZER_METADATA = {
@@ -94,7 +103,9 @@ def save_checkpoint(
     optimizer,
     scheduler,
     fully_parallel: bool = False,
+    with_optimizer: bool = True,
 ) -> Path:
+    """Model, optimizer and schedule (``with_optimizer=False``: the weights alone)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -104,12 +115,21 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    strategy = _save_strategy(fully_parallel)
+    if not with_optimizer:
+        with _pageable_weights(model):
+            dist_checkpointing.save(
+                _weights_state(model, iteration), str(path), sharded_strategy=strategy
+            )
+        if dist.get_rank() == 0:
+            mark_weights_only(path, "saved with checkpoint.save_optim=false")
     # fp32 masters in the checkpoint: the host engines' layout, whatever an engine keeps
-    with _pageable_weights(model), host_adam.fp32_masters(optimizer):
-        state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
-        dist_checkpointing.save(state, str(path), sharded_strategy=_save_strategy(fully_parallel))
-    _save_weight_offload(path, model)
-    _save_quantized(path, optimizer)
+    else:
+        with _pageable_weights(model), host_adam.fp32_masters(optimizer):
+            state = _checkpoint_state(model, optimizer, scheduler, iteration, is_loading=False)
+            dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
+        _save_weight_offload(path, model)
+        _save_quantized(path, optimizer)
     dist.barrier()
     if dist.get_rank() == 0:
         (Path(root) / LATEST).write_text(str(iteration))
@@ -144,6 +164,160 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     scheduler.load_state_dict(loaded["scheduler"])
     said()
     return int(loaded["iteration"])
+
+
+def _weights_state(model: list, iteration: int) -> dict:
+    from megatron.core.utils import unwrap_model
+
+    chunks = zip(model_keys(len(model)), model, strict=True)
+    return {**{k: model_weights(unwrap_model(c)) for k, c in chunks}, "iteration": iteration}
+
+
+def model_weights(bare) -> dict:
+    """A bare GPTModel's sharded tensors, without the layers' ``_extra_state`` objects: what a
+    weights-only checkpoint holds and a pretrained start asks of any checkpoint."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = bare.sharded_state_dict()
+    return {k: v for k, v in state.items() if not isinstance(v, ShardedObject)}
+
+
+def stored_tensors(load_dir: Path) -> dict:
+    """Checkpoint key -> its metadata (dtype, global shape) of every tensor saved there."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_tensors_metadata(str(load_dir))
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint without tensors this model has."""
+
+
+def aligned(weights: dict, stored: dict) -> dict:
+    """``weights`` with each key the checkpoint spells as another layer spec does renamed."""
+    import dataclasses
+
+    out, missing = {}, []
+    for name, entry in weights.items():
+        key = entry.key
+        for ours, theirs in KEY_ALIASES.items():
+            if key not in stored and key.endswith(ours):
+                key = key.removesuffix(ours) + theirs
+        if key not in stored:
+            missing.append(entry.key)
+        out[name] = dataclasses.replace(entry, key=key) if key != entry.key else entry
+    if missing:
+        raise CheckpointMismatch(
+            f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:2]}"
+        )
+    return out
+
+
+def load_pretrained(path: str | Path, model: list) -> None:
+    """The weights of any checkpoint of this model (an import, a saved run) into ``model``,
+    before the optimizer is built from them; the layers' extra states stay as built."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from offload_runner.offload import weight
+
+    load_dir = resolve_load_dir(path)
+    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file()) if on_terminal() else 0
+    said = timed_line(f"loading weights {load_dir}: {{size}}", "loaded", size)
+    stored = stored_tensors(load_dir)
+    with _pageable_weights(model):
+        for chunk in model:
+            bare = unwrap_model(chunk)
+            wanted = aligned(model_weights(bare), stored)
+            padded = {n: wanted.pop(n) for n in list(wanted) if _vocab_differs(wanted[n], stored)}
+            loaded = dist_checkpointing.load(wanted, str(load_dir))
+            loaded.update({n: _vocab_rows(e, stored, load_dir) for n, e in padded.items()})
+            bare.load_state_dict(loaded, strict=False)
+    for offload in weight.of(model):  # its masters were taken from the weights at build
+        offload.master.copy_(offload.weights)
+    said()
+
+
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _vocab_differs(entry, stored: dict) -> bool:
+    """A vocabulary table padded to another multiple than the checkpoint's (the padding
+    grows with TP: Qwen3's 151,936 rows are 152,064 at TP 4)."""
+    saved = stored[entry.key].global_shape
+    if entry.key not in VOCAB_TENSORS or saved == entry.global_shape:
+        return False
+    if saved[1:] != entry.global_shape[1:]:
+        raise CheckpointMismatch(
+            f"{entry.key} is {list(saved)} there, {list(entry.global_shape)} here"
+        )
+    return True
+
+
+def whole(key: str, meta):
+    """A request for the stored tensor ``key`` whole, on the CPU, in its stored dtype."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
+
+
+def _vocab_rows(entry, stored: dict, load_dir: Path):
+    """This rank's rows of a vocabulary table saved with other padding: the rows saved,
+    zeros past them (padding rows are never a token's)."""
+    from megatron.core import dist_checkpointing
+
+    table = dist_checkpointing.load({"t": whole(entry.key, stored[entry.key])}, str(load_dir))["t"]
+    first, rows = entry.global_offset[0], entry.local_shape[0]
+    mine = table[first : first + rows]
+    out = mine.new_zeros(entry.local_shape)
+    out[: mine.shape[0]] = mine
+    return out
+
+
+def mark_weights_only(path: Path, how: str) -> None:
+    import json
+
+    (path / WEIGHTS_ONLY_FILE).write_text(json.dumps({"weights_only": how}) + "\n")
+
+
+def weights_only(path: str | Path | None) -> bool:
+    """The checkpoint at ``path`` holds weights alone (an import, or save_optim=false)."""
+    return has_checkpoint(path) and (resolve_load_dir(path) / WEIGHTS_ONLY_FILE).is_file()
+
+
+def checkpoint_root(path: str | Path) -> Path:
+    """The save folder of a checkpoint named by its save folder or an iteration folder."""
+    path = Path(path)
+    return (
+        path if (path / LATEST).is_file() or not (path.parent / LATEST).is_file() else path.parent
+    )
+
+
+def saved_architecture(path: str | Path | None) -> dict | None:
+    """model.yaml of the checkpoint at ``path`` (None: none there)."""
+    from omegaconf import OmegaConf
+
+    if not has_checkpoint(path):
+        return None
+    found = checkpoint_root(path) / MODEL_FILE
+    return OmegaConf.to_container(OmegaConf.load(found)) if found.is_file() else None
+
+
+def write_model_file(root: Path, arch: dict) -> None:
+    from omegaconf import OmegaConf
+
+    (Path(root) / MODEL_FILE).write_text(OmegaConf.to_yaml(arch))
+
+
+def describe_save(root: str | Path, arch: dict, pretrained: str | None) -> None:
+    """Rank 0, beside a run's saves: its model.yaml, and an imported model's HF files."""
+    import shutil
+
+    write_model_file(Path(root), arch)
+    kept = checkpoint_root(pretrained) / HF_FILES_DIR if pretrained else None
+    if kept and kept.is_dir() and not (Path(root) / HF_FILES_DIR).exists():
+        shutil.copytree(kept, Path(root) / HF_FILES_DIR)
 
 
 def _pageable_weights(model: list):

@@ -687,6 +687,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--prepare"]:  # text -> indexed data: its own arguments, no config
         return _prepare(argv[1:])
+    if argv[:1] in (["--import-hf"], ["--export-hf"]):  # HF checkpoints in and out
+        from offload_runner.hf import command
+
+        return command.main(argv)
     try:
         options, hydra_args = split_argv(argv)
     except UsageError as err:

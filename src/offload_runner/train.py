@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from offload_runner.config.schema import RunConfig
+from offload_runner.hf.families import arch_of
 from offload_runner.metrics import (
     GB,
     MetricsReporter,
@@ -206,6 +207,7 @@ def build(run: RunConfig) -> Rank:
     config = build_transformer_config(run.model)
     model = build_model(run, config)
     startup.phase("model")
+    _start_from_pretrained(run, model, startup)
     optimizer = build_optimizer(run, model, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     engines = Engines(run, model, optimizer)
     try:
@@ -221,6 +223,18 @@ def build(run: RunConfig) -> Rank:
     except BaseException:
         engines.close()
         raise
+
+
+def _start_from_pretrained(run: RunConfig, model: list, startup: Startup) -> None:
+    """checkpoint.pretrained_checkpoint's weights, unless checkpoint.load resumes a run (the
+    optimizer and its host engines are built from these weights next)."""
+    from offload_runner import checkpoint
+
+    c = run.checkpoint
+    if c.pretrained_checkpoint and not checkpoint.has_checkpoint(c.load):
+        checkpoint.load_pretrained(c.pretrained_checkpoint, model)
+        log.info("weights from %s", c.pretrained_checkpoint)
+        startup.phase("pretrained_load")
 
 
 def _resume(run: RunConfig, model: list, optimizer, scheduler, startup: Startup) -> int:
@@ -361,15 +375,19 @@ def loop(rank: Rank, run_dir: Path) -> dict:
 def _save(rank: Rank, iteration: int) -> None:
     from offload_runner import checkpoint
 
+    c = rank.run.checkpoint
     rank.engines.before_save()
     checkpoint.save_checkpoint(
-        rank.run.checkpoint.save,
+        c.save,
         iteration,
         rank.model,
         rank.optimizer,
         rank.scheduler,
-        rank.run.checkpoint.fully_parallel_save,
+        c.fully_parallel_save,
+        with_optimizer=c.save_optim,
     )
+    if dist.get_rank() == 0:
+        checkpoint.describe_save(c.save, arch_of(rank.run.model), c.pretrained_checkpoint)
 
 
 class Step:

@@ -162,6 +162,10 @@ class ModelConfig:
     position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.rope
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # Llama 3's RoPE frequency scaling (GPTModel's rope_scaling; Megatron-Core fixes all but the
+    # factor: low/high frequency factors 1 and 4, original context 8192)
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -409,6 +413,11 @@ class CheckpointConfig:
     # FullyParallelSaveStrategyWrapper) instead of DP rank 0 writing it all.
     fully_parallel_save: bool = False
     async_save: bool = False
+    # Weights to start from (a fresh optimizer, iteration 0): a --import-hf folder or any saved
+    # checkpoint; checkpoint.load, when it holds a checkpoint, resumes instead.
+    pretrained_checkpoint: Optional[str] = None
+    # false: save the model's weights only (no optimizer, no schedule), for export and for disk
+    save_optim: bool = True
 
 
 @dataclass

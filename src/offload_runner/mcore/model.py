@@ -73,6 +73,23 @@ def through_host(run: RunConfig) -> bool:
     return mine.ddp_build > free
 
 
+def gpt_model_kwargs(run: RunConfig) -> dict:
+    """GPTModel's arguments besides its config and pipeline stage."""
+    m = run.model
+    return dict(
+        transformer_layer_spec=layer_spec(run),
+        vocab_size=padded_vocab_size(m),
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type.value,
+        rotary_percent=m.rotary_percent,
+        rotary_base=int(m.rotary_base),
+        rope_scaling=m.rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
+    )
+
+
 def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
     """This rank's model chunks (one per virtual pipeline stage, else one), on the GPU, each
     wrapped as Megatron-LM does."""
@@ -94,16 +111,9 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
         stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
         model = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=layer_spec(run),
-            vocab_size=padded_vocab_size(m),
-            max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(**stage),
             post_process=parallel_state.is_pipeline_last_stage(**stage),
-            parallel_output=True,
-            share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
-            position_embedding_type=m.position_embedding_type.value,
-            rotary_percent=m.rotary_percent,
-            rotary_base=int(m.rotary_base),
+            **gpt_model_kwargs(run),
             **({"vp_stage": vp_stage} if vpp else {}),
         )
         model.cuda(torch.cuda.current_device())
