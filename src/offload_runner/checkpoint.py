@@ -44,6 +44,18 @@ def has_checkpoint(path: str | Path | None) -> bool:
     )
 
 
+def holds_checkpoint(path: str | Path | None) -> bool:
+    """``path`` is a save folder whose tracker names a saved iteration, or an iteration folder
+    (a stricter ``has_checkpoint``: any other folder is not one)."""
+    if not path:
+        return False
+    path = Path(path)
+    tracker = path / LATEST
+    if tracker.is_file() and tracker.read_text().strip().isdigit():
+        path = iteration_dir(path, int(tracker.read_text().strip()))
+    return (path / "metadata.json").is_file()
+
+
 def resolve_load_dir(path: str | Path) -> Path:
     """A save folder (its latest iteration) or an iteration folder."""
     path = Path(path)
@@ -231,8 +243,12 @@ def load_pretrained(path: str | Path, model: list) -> None:
             wanted = aligned(model_weights(bare), stored)
             padded = {n: wanted.pop(n) for n in list(wanted) if _vocab_differs(wanted[n], stored)}
             loaded = dist_checkpointing.load(wanted, str(load_dir))
+            loaded = {k: loaded[k] for k in wanted}  # not the checkpoint's common state
             loaded.update({n: _vocab_rows(e, stored, load_dir) for n, e in padded.items()})
-            bare.load_state_dict(loaded, strict=False)
+            missing, unexpected = bare.load_state_dict(loaded, strict=False)
+            left = [k for k in missing + unexpected if not k.endswith("_extra_state")]
+            if left:
+                raise CheckpointMismatch(f"{load_dir} and the model differ on {left[:3]}")
     for offload in weight.of(model):  # its masters were taken from the weights at build
         offload.master.copy_(offload.weights)
     said()

@@ -132,8 +132,9 @@ def host_save_strategy():
     return None if torch.cuda.is_available() else HostSave("torch_dist", 1)
 
 
-def meta_model(run):
-    """``run``'s GPTModel on the meta device: shapes and checkpoint keys, no memory."""
+def meta_model(run, device: str = "meta"):
+    """``run``'s GPTModel on the meta device: shapes and checkpoint keys, no memory (tests
+    build it on the CPU to load weights into)."""
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -143,7 +144,7 @@ def meta_model(run):
 
     kwargs = transformer_config_kwargs(run.model)
     kwargs.update(use_cpu_initialization=True, perform_initialization=False)
-    with torch.device("meta"):
+    with torch.device(device):
         return GPTModel(config=TransformerConfig(**kwargs), **gpt_model_kwargs(run))
 
 
@@ -227,9 +228,9 @@ def read_config(source: Path):
         ) from None
     try:
         return AutoConfig.from_pretrained(source)
-    except (ValueError, KeyError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 - transformers' config checks raise many kinds
         raise HfError(
-            f"--import-hf: {source}/config.json: {str(err).splitlines()[0][:200]}",
+            f"--import-hf: {source}/config.json: {' '.join(str(err).split())[:300]}",
             f"offload-runner imports model_type {', '.join(FAMILIES)}",
         ) from None
 
@@ -310,6 +311,13 @@ class Reader:
 
     def close(self) -> None:
         self.stack.close()
+
+
+def with_data(entry, tensor):
+    """A ShardedTensor (or factory) of the meta model holding ``tensor`` in its own dtype."""
+    if any(f.name == "dtype" for f in dataclasses.fields(entry)):
+        return dataclasses.replace(entry, data=tensor, dtype=tensor.dtype)
+    return dataclasses.replace(entry, data=tensor)
 
 
 def planned(rows: list, weights: dict, reader: Reader, s: Shapes) -> None:
@@ -403,7 +411,7 @@ def import_hf(source: Path, output: Path, recipe: str | None, progress: Progress
             filled = {}
             for name, hf_names, how in rows:
                 tensor = join(how, [reader.tensor(n) for n in hf_names], s)
-                filled[name] = dataclasses.replace(weights[name], data=tensor)
+                filled[name] = with_data(weights[name], tensor)
                 progress(1, len(rows))
             shutil.rmtree(partial, ignore_errors=True)
             where = checkpoint.iteration_dir(partial, 0)
@@ -468,7 +476,7 @@ def peak_host_gb() -> float:
 
 def checkpoint_dirs(path: Path) -> tuple[Path, Path]:
     """The save folder (with model.yaml) and the iteration folder to read, from either."""
-    if not checkpoint.has_checkpoint(path):
+    if not checkpoint.holds_checkpoint(path):
         raise HfError(
             f"--export-hf: {path} holds no checkpoint",
             "name a checkpoint folder (an --import-hf output or checkpoint.save's folder)",
@@ -566,7 +574,7 @@ def _request(entry, stored: dict):
     meta = stored[entry.key]
     if entry.key in checkpoint.VOCAB_TENSORS and meta.global_shape != entry.global_shape:
         return checkpoint.whole(entry.key, meta)
-    return dataclasses.replace(entry, data=torch.empty(entry.data.shape, dtype=meta.dtype))
+    return with_data(entry, torch.empty(entry.data.shape, dtype=meta.dtype))
 
 
 def _export_dtype(config: dict | None, stored):
