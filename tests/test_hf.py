@@ -61,15 +61,16 @@ CONFIGS = {
 }
 
 
-def save_hf(folder: Path, name: str) -> Path:
-    """A random model of one of CONFIGS, saved as transformers saves a published one."""
-    config_class, kwargs, dtype = CONFIGS[name]
+def save_hf(folder: Path, name: str, dtype: torch.dtype | None = None) -> Path:
+    """A random model of one of CONFIGS (in its dtype, or ``dtype``), saved as transformers
+    saves a published one."""
+    config_class, kwargs, own_dtype = CONFIGS[name]
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or own_dtype)
     with torch.no_grad():
         for p in model.parameters():  # norms start at 1: random, so a swap shows
-            p.normal_()
+            p.normal_(1.0, 0.2) if p.dim() == 1 else p.normal_(0.0, 0.05)
     model.save_pretrained(folder)
     return folder
 
