@@ -238,3 +238,23 @@ def test_hf_cli_refusals_are_one_line_and_exit_2(tmp_path) -> None:
         assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.count("error:") == 1
     assert (taken / "mine.txt").read_text() == "keep" and not Path(new).exists()
+
+
+def test_hf_checkpoint_rules_refuse_a_wrong_start(imported, tmp_path) -> None:
+    """A weights-only checkpoint is no resume; a pretrained folder must hold a checkpoint of
+    this model's shapes."""
+    from offload_runner.validation import Environment, errors, validate
+    from tests.conftest import compose_run
+
+    _, _, ckpt = imported
+
+    def broken(*overrides: str) -> set[str]:
+        run = compose_run("recipe=tiny", *overrides)
+        return {v.rule for v in errors(validate(run, Environment(te_available=True)))}
+
+    assert "load_weights_only" in broken(f"checkpoint.load={ckpt}")
+    assert "pretrained_checkpoint_missing" in broken(f"checkpoint.pretrained_checkpoint={tmp_path}")
+    assert "pretrained_architecture_differs" in broken(f"checkpoint.pretrained_checkpoint={ckpt}")
+    arch = checkpoint.saved_architecture(ckpt)
+    same = [f"model.{k}={v}" for k, v in arch.items() if v is not None]
+    assert not broken(f"checkpoint.pretrained_checkpoint={ckpt}", *same, "speed=plain")

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from offload_runner.checkpoint import has_checkpoint, precision, saved_precision
+from offload_runner.checkpoint import (
+    has_checkpoint,
+    holds_checkpoint,
+    precision,
+    saved_architecture,
+    saved_precision,
+    weights_only,
+)
 from offload_runner.config.checks import Level, Violation
 from offload_runner.config.schema import (
     TE_FUSIONS,
@@ -96,6 +103,36 @@ def missing_prefixes(c: RunConfig) -> str:
     return ", ".join(
         p for p in data_prefixes(c) if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))
     )
+
+
+# what a checkpoint's tensors' shapes follow (model.yaml against this run's model.*)
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "share_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "vocab_size",
+)
+
+
+def pretrained_differs(c: RunConfig) -> str:
+    """The first shape keys where checkpoint.pretrained_checkpoint's model.yaml and this run
+    disagree, as "key=saved (this run: ours)" ("" where they agree or nothing says)."""
+    saved = saved_architecture(c.checkpoint.pretrained_checkpoint)
+    if not saved or has_checkpoint(c.checkpoint.load):
+        return ""
+    differ = [
+        f"{k}={saved[k]} (this run: {getattr(c.model, k)})"
+        for k in SHAPE_KEYS
+        if k in saved and saved[k] != getattr(c.model, k)
+    ]
+    return ", ".join(differ[:3])
 
 
 def loaded_precision(c: RunConfig) -> str:
@@ -900,6 +937,30 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- run-level -------------------------------------------------------------------------------
     Rule(
+        "pretrained_checkpoint_missing",
+        lambda c, e: (
+            bool(c.checkpoint.pretrained_checkpoint)
+            and not holds_checkpoint(c.checkpoint.pretrained_checkpoint)
+        ),
+        "checkpoint.pretrained_checkpoint={c.checkpoint.pretrained_checkpoint} holds no checkpoint",
+        "point it at an --import-hf output or a saved run's checkpoint folder",
+    ),
+    Rule(
+        "load_weights_only",
+        lambda c, e: weights_only(c.checkpoint.load),
+        "checkpoint.load={c.checkpoint.load} holds weights only (an --import-hf output or a "
+        "checkpoint.save_optim=false save): there is no optimizer or schedule to resume",
+        "start from its weights with checkpoint.pretrained_checkpoint={c.checkpoint.load}",
+    ),
+    Rule(
+        "pretrained_architecture_differs",
+        lambda c, e: bool(pretrained_differs(c)),
+        "checkpoint.pretrained_checkpoint={c.checkpoint.pretrained_checkpoint} holds a model with "
+        "{pretrained_differs}",
+        "train it with the recipe beside it (--recipe {c.checkpoint.pretrained_checkpoint}/"
+        "recipe.yaml) or with model.* set to match",
+    ),
+    Rule(
         "save_interval_without_save",
         lambda c, e: c.checkpoint.save_interval is not None and not c.checkpoint.save,
         "checkpoint.save_interval is set but checkpoint.save (the folder) is not: nothing is saved",
@@ -1159,6 +1220,7 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         te_fusions=", ".join(te_fusions(run)),
         prepared_vocab=prepared_vocab(run),
         loaded_precision=loaded_precision(run),
+        pretrained_differs=pretrained_differs(run),
         run_precision=run_precision(run),
         missing_prefixes=missing_prefixes(run),
         prepared_eods=", ".join(map(str, prepared_eods(run))),
