@@ -79,3 +79,18 @@ def step_metrics(iteration: int, loss: float):
         gpu_allocated_gb=10.0,
         host_pinned_gb=3.0,
     )
+
+
+CHAT_SAMPLE = PROJECT_ROOT / "tests/data/chat/sotu_chat.jsonl"  # made by tools/make_chat_data.py
+CHAT_TOKENIZER = PROJECT_ROOT / "tests/data/chat_tokenizer"  # a ChatML template, 4,096 ids
+
+
+@pytest.fixture(scope="session")
+def chat_prepared(tmp_path_factory) -> Path:
+    """The chat sample's tokens and loss mask, through --prepare."""
+    from offload_runner.cli import EXIT_OK, main
+
+    prefix = tmp_path_factory.mktemp("chat") / "chat"
+    args = ["--prepare", str(CHAT_SAMPLE), "--output", str(prefix)]
+    assert main([*args, "--tokenizer", str(CHAT_TOKENIZER)]) == EXIT_OK
+    return prefix

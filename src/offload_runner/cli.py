@@ -741,6 +741,16 @@ def _prepare(argv: list[str]) -> int:
     except PrepareError as err:
         console.fail(str(err), err.fix)
         return EXIT_USAGE
+    if meta.get("chat"):
+        console.console.print(
+            f"wrote {args.output}.bin/.idx and its loss mask {args.output}.mask.bin/.idx: "
+            f"{meta['documents']} conversations, {meta['tokens']:,} tokens of which "
+            f"{meta['trained_tokens']:,} are answers (trained); train with: data=sft "
+            f"dataset.data_path=[{args.output}] model.vocab_size={meta['vocab_size']}",
+            soft_wrap=True,
+            markup=False,
+        )
+        return EXIT_OK
     what = "trained on the input" if meta["tokenizer_trained"] else f"from {args.tokenizer}"
     if "tokenizer_encoding" in meta:
         what += f" (tiktoken's {meta['tokenizer_encoding']}, known by its size)"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offload_runner import chat
 from offload_runner.tokenizer import TextTokenizer, TokenizerError
 from offload_runner.tokenizer import load as load_tokenizer
 from offload_runner.tokenizer import train as train_tokenizer
@@ -82,7 +83,13 @@ def texts(path: Path) -> Iterator[str]:
     if path.suffix != ".jsonl":
         yield path.read_text(encoding="utf-8", errors="replace")
         return
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise PrepareError(
+            f"--prepare: {path} is not UTF-8 text (byte {err.start})", "save it as UTF-8"
+        ) from None
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -137,11 +144,7 @@ def sha256(path: Path) -> str:
 def check(args: PrepareArgs) -> int:
     """Collect the inputs (unless done) and count their documents; refuse what cannot make a
     dataset."""
-    if args.output.is_dir() or not args.output.name:
-        raise PrepareError(
-            f"--output {args.output} is a folder",
-            "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
-        )
+    check_output(args)
     args.sources = args.sources or collect(args.inputs)
     count = sum(1 for _ in documents(args))
     if not count:
@@ -159,6 +162,9 @@ def check(args: PrepareArgs) -> int:
 def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None) -> dict:
     """Write PREFIX.bin/.idx/.tokenizer.json/.json; returns the metadata. Raises PrepareError
     before writing anything."""
+    args.sources = args.sources or collect(args.inputs)
+    if any(map(chat.is_chat, args.sources)):
+        return prepare_chat(args, on_bytes)
     count = check(args)
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -193,6 +199,103 @@ def prepare(args: PrepareArgs, on_bytes: Callable[[int], None] = lambda n: None)
     }
     metadata_path(args.output).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def mask_prefix(prefix: str | Path) -> str:
+    """Where chat data's loss mask lies beside its tokens (an indexed dataset of 0/1)."""
+    return f"{prefix}.mask"
+
+
+def prepare_chat(args: PrepareArgs, on_bytes: Callable[[int], None]) -> dict:
+    """Conversations -> tokens (PREFIX.bin/.idx), their loss mask (PREFIX.mask.bin/.idx), the
+    tokenizer folder (PREFIX.tokenizer/) and PREFIX.json. Everything is read and checked before
+    anything is written."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    check_output(args)
+    encoded, tokenizer = _encoded_chats(args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(f"{args.output}.partial")
+    tokens = IndexedDatasetBuilder(
+        f"{partial}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size)
+    )
+    masks = IndexedDatasetBuilder(f"{partial}.mask.bin", dtype=numpy.uint8)
+    for ids, mask in encoded:
+        tokens.add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
+        masks.add_document(numpy.array(mask, dtype=numpy.uint8), [len(mask)])
+    tokens.finalize(f"{partial}.idx")
+    masks.finalize(f"{partial}.mask.idx")
+    for suffix in (".bin", ".idx", ".mask.bin", ".mask.idx"):
+        Path(f"{partial}{suffix}").replace(f"{args.output}{suffix}")
+    folder = Path(f"{args.output}.tokenizer")
+    tokenizer.hf.save_pretrained(folder)
+    lengths = [len(ids) for ids, _ in encoded]
+    meta = {
+        "chat": True,
+        "tokenizer": str(folder),
+        "tokenizer_kind": "huggingface",
+        "tokenizer_trained": False,
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": tokenizer.pad,  # pads a conversation to the sequence length (masked)
+        "end_of_turn_ids": sorted(tokenizer.end_of_turn),
+        "documents": len(encoded),
+        "tokens": sum(lengths),
+        "trained_tokens": sum(sum(m) for _, m in encoded),
+        "longest": max(lengths),
+        "sources": [{"path": str(p), "sha256": sha256(p)} for p in args.sources],
+    }
+    metadata_path(args.output).write_text(json.dumps(meta, indent=1) + "\n")
+    on_bytes(sum(p.stat().st_size for p in args.sources))
+    return meta
+
+
+def check_output(args: PrepareArgs) -> None:
+    """A prefix (not a folder) in a folder that exists or can be made, and can be written."""
+    import os
+
+    if args.output.is_dir() or not args.output.name:
+        raise PrepareError(
+            f"--output {args.output} is a folder",
+            "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
+        )
+    folder = args.output.resolve().parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PrepareError(
+            f"--prepare: {folder} can not be written here", "name an --output you can write"
+        )
+
+
+def _encoded_chats(args: PrepareArgs) -> tuple[list, chat.ChatTokenizer]:
+    """Every conversation's tokens and mask, or the PrepareError that refuses the input."""
+    plain = [p for p in args.sources if not chat.is_chat(p)]
+    if plain:
+        raise PrepareError(
+            f"--prepare: {plain[0]} is plain text beside chat data",
+            "prepare chat and plain text separately (data=sft and data=indexed)",
+        )
+    if args.tokenizer is None:
+        raise PrepareError(
+            "--prepare: chat data needs --tokenizer HF_DIR (its chat template renders it)",
+            "--tokenizer the model's Hugging Face folder (an --import-hf output's hf/ has it)",
+        )
+    try:
+        tokenizer = chat.ChatTokenizer.load(args.tokenizer)
+        encoded = [
+            tokenizer.encode(messages, f"{path}:{n}")
+            for path in args.sources
+            for n, messages in enumerate(chat.conversations(path), start=1)
+        ]
+    except chat.ChatError as err:
+        raise PrepareError(str(err), err.fix) from None
+    if len(encoded) < MIN_DOCUMENTS:
+        raise PrepareError(
+            f"--prepare: {len(encoded)} conversations are too few for a validation split "
+            f"(at least {MIN_DOCUMENTS})",
+            "add conversations",
+        )
+    return encoded, tokenizer
 
 
 def the_tokenizer(args: PrepareArgs) -> TextTokenizer:

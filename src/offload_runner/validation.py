@@ -961,6 +961,26 @@ RULES: tuple[Rule, ...] = (
         "recipe.yaml) or with model.* set to match",
     ),
     Rule(
+        "sft_needs_chat_data",
+        lambda c, e: (
+            c.dataset.kind == DatasetKind.sft
+            and any(not m.get("chat") for m in prepared_metadata(c))
+        ),
+        "data=sft trains on chat data's answers: dataset.data_path holds a prefix --prepare made "
+        "from plain text (no loss mask)",
+        "prepare chat jsonl with --prepare FILE.jsonl --tokenizer HF_DIR, or use data=indexed",
+    ),
+    Rule(
+        "chat_data_without_sft",
+        lambda c, e: (
+            c.dataset.kind == DatasetKind.indexed
+            and any(m.get("chat") for m in prepared_metadata(c))
+        ),
+        "data=indexed on chat data trains on every token, prompts and role headers too",
+        "use data=sft to train on the answers only",
+        Level.warning,
+    ),
+    Rule(
         "save_interval_without_save",
         lambda c, e: c.checkpoint.save_interval is not None and not c.checkpoint.save,
         "checkpoint.save_interval is set but checkpoint.save (the folder) is not: nothing is saved",
@@ -969,8 +989,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "indexed_needs_data_path",
-        lambda c, e: c.dataset.kind.value == "indexed" and not c.dataset.data_path,
-        "dataset.kind=indexed needs dataset.data_path (a .bin/.idx prefix or a blend)",
+        lambda c, e: c.dataset.kind != DatasetKind.mock and not c.dataset.data_path,
+        "dataset.kind={c.dataset.kind.value} needs dataset.data_path (a .bin/.idx prefix or a "
+        "blend)",
         "add dataset.data_path=[/data/my_text_document], or data=mock",
     ),
     Rule(

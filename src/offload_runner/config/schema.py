@@ -136,6 +136,7 @@ class CheckpointFormat(str, Enum):
 class DatasetKind(str, Enum):
     mock = "mock"
     indexed = "indexed"
+    sft = "sft"  # --prepare's chat output: loss on the answers (mcore/sft.py)
 
 
 @dataclass
@@ -422,7 +423,8 @@ class CheckpointConfig:
 
 @dataclass
 class DatasetConfig:
-    """``mock``: Megatron-Core's MockGPTDataset; ``indexed``: Megatron .bin/.idx prefixes."""
+    """``mock``: Megatron-Core's MockGPTDataset; ``indexed``: Megatron .bin/.idx prefixes;
+    ``sft``: chat prefixes of --prepare, one conversation a sample, the answers trained."""
 
     kind: DatasetKind = DatasetKind.mock
     # One prefix, several prefixes, or a blend "weight prefix weight prefix ..."

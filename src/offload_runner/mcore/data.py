@@ -29,7 +29,7 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
 def data_prefixes(run: RunConfig) -> list[str]:
     """dataset.data_path's prefixes (none for mock data, or where the blend does not parse:
     a rule's to say)."""
-    if run.dataset.kind != DatasetKind.indexed or not run.dataset.data_path:
+    if run.dataset.kind == DatasetKind.mock or not run.dataset.data_path:
         return []
     try:
         prefixes, _ = parse_blend(run.dataset.data_path)
@@ -76,7 +76,7 @@ def dataset_config(run: RunConfig, cache_dir: Path | None = None):
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     d: DatasetConfig = run.dataset
-    blend = parse_blend(d.data_path) if d.kind == DatasetKind.indexed else None
+    blend = parse_blend(d.data_path) if d.kind != DatasetKind.mock else None
     return GPTDatasetConfig(
         random_seed=run.dataset.random_seed,
         sequence_length=run.model.seq_length,
@@ -133,7 +133,10 @@ def build_datasets(run: RunConfig, cache_dir: Path | None = None) -> tuple:
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    cls = MockGPTDataset if run.dataset.kind == DatasetKind.mock else GPTDataset
+    from offload_runner.mcore.sft import SFTDataset
+
+    kinds = {DatasetKind.mock: MockGPTDataset, DatasetKind.indexed: GPTDataset}
+    cls = kinds.get(run.dataset.kind, SFTDataset)
     config = dataset_config(run, cache_dir)
     samples = run.train.train_iters * run.train.global_batch_size
     valid = validation_samples(run)
