@@ -21,7 +21,7 @@ from offload_runner.hf.families import (
     model_keys,
     tensor_rows,
 )
-from tests.conftest import run_cli
+from tests.conftest import CHAT_TOKENIZER, run_cli
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -61,11 +61,11 @@ CONFIGS = {
 }
 
 
-def save_hf(folder: Path, name: str, dtype: torch.dtype | None = None) -> Path:
-    """A random model of one of CONFIGS (in its dtype, or ``dtype``), saved as transformers
-    saves a published one."""
+def save_hf(folder: Path, name: str, dtype: torch.dtype | None = None, **changes) -> Path:
+    """A random model of one of CONFIGS (in its dtype, or ``dtype``; config keys changed as
+    given), saved as transformers saves a published one."""
     config_class, kwargs, own_dtype = CONFIGS[name]
-    config = getattr(transformers, config_class)(**kwargs)
+    config = getattr(transformers, config_class)(**(kwargs | changes))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or own_dtype)
     with torch.no_grad():
@@ -258,3 +258,37 @@ def test_hf_checkpoint_rules_refuse_a_wrong_start(imported, tmp_path) -> None:
     arch = checkpoint.saved_architecture(ckpt)
     same = [f"model.{k}={v}" for k, v in arch.items() if v is not None]
     assert not broken(f"checkpoint.pretrained_checkpoint={ckpt}", *same, "speed=plain")
+
+
+def readme_section_commands() -> list[list[str]]:
+    import re
+    import shlex
+
+    from tests.conftest import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "README.md").read_text()
+    section = text.split("## Fine-tune a Hugging Face checkpoint", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith("python")]
+
+
+def test_hf_readme_commands_run_on_the_cpu(tmp_path) -> None:
+    """README's fine-tuning section as printed, on a tiny Qwen3-MoE in its place: import,
+    prepare, the fine-tune as a dry run, export (of the import: no GPU trained it here)."""
+    from tests.conftest import CHAT_SAMPLE
+
+    import_, prepare, finetune, export = readme_section_commands()
+    save_hf(tmp_path / import_[1], "qwen3_moe-fp32-untied", vocab_size=4096)  # the tokenizer's
+    (tmp_path / "chat.jsonl").write_bytes(CHAT_SAMPLE.read_bytes())
+    tokenizer = tmp_path / import_[1] / "tokenizer.json"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / import_[1] / name).write_bytes((CHAT_TOKENIZER / name).read_bytes())
+    assert tokenizer.is_file()
+    export = [a.replace("ckpt/tuned", "ckpt/qwen3") for a in export]
+    for args in (import_, prepare, [*finetune, "--dry-run"], export):
+        done = run_cli(*args, cwd=tmp_path)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
+    exported = tmp_path / export[3]
+    assert (exported / "tokenizer_config.json").is_file()
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "qwen3_moe"

@@ -67,8 +67,16 @@ def recipe_description(path: Path) -> str:
     return ""
 
 
+# Megatron-Bridge's fine-tuning recipe functions: NAME_sft_config (NAME_finetune_config before)
+SFT_ALIAS_SUFFIXES = ("_sft_config", "_finetune_config")
+
+
 def normalize_recipe_name(name: str) -> str:
-    """Accept Megatron-Bridge's ``NAME_pretrain_config`` spelling for ``NAME``."""
+    """Accept Megatron-Bridge's ``NAME_pretrain_config`` spelling for ``NAME`` and its
+    ``NAME_sft_config`` for ``NAME_sft``."""
+    for suffix in SFT_ALIAS_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + "_sft"
     return name.removesuffix(RECIPE_ALIAS_SUFFIX)
 
 

@@ -375,9 +375,8 @@ def check_output(output: Path, flag: str) -> None:
             "name a new folder (nothing is overwritten)",
         )
     parent = output.resolve().parent
-    if not parent.is_dir():
-        raise HfError(f"{flag}: {parent} does not exist", f"mkdir -p {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise HfError(f"{flag}: {parent} can not be written", "name a folder you can write")
 
 
@@ -414,7 +413,7 @@ def import_hf(source: Path, output: Path, recipe: str | None, progress: Progress
                 filled[name] = with_data(weights[name], tensor)
                 progress(1, len(rows))
             shutil.rmtree(partial, ignore_errors=True)
-            where = checkpoint.iteration_dir(partial, 0)
+            where = checkpoint.iteration_dir(partial, 0)  # its parents made too
             where.mkdir(parents=True)
             size = sum(t.data.numel() * t.data.element_size() for t in filled.values())
             params = sum(t.data.numel() for t in filled.values())
@@ -507,7 +506,7 @@ def export_hf(path: Path, output: Path, progress: Progress) -> dict:
     )
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    partial.mkdir(parents=True)
     with single_process():
         written = _write_tensors(run, family, load_dir, partial, config, progress)
     _write_configs(partial, kept, family, run.model, config, written["dtype"])
