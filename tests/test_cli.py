@@ -164,7 +164,10 @@ def test_help_lists_groups_options_and_recipes(capsys) -> None:
     assert "offload/activation: auto, disabled, enabled" in printed
     for flag in ("--plan", "--json", "--verify", "--collect"):
         assert flag in printed
-    assert "recipe: llama3_8b, qwen3_30b_a3b, qwen3_30b_a3b_proxy, qwen3_moe_small, tiny" in printed
+    assert (
+        "recipe: llama3_8b, llama3_8b_sft, qwen3_30b_a3b, qwen3_30b_a3b_proxy, "
+        "qwen3_30b_a3b_sft, qwen3_moe_small, tiny" in printed
+    )
     assert "--dry-run" in printed
 
 

@@ -21,6 +21,9 @@ WITH_TE = Environment(te_available=True, launching=True)
 # metadata --prepare wrote for the shipped sample (4096 and 2048 ids; .bin/.idx not kept)
 PREPARED = PROJECT_ROOT / "tests/data/prepared"
 LOAD = f"checkpoint.load={PREPARED}"
+SOTU_PREPARED = PREPARED / "sotu"  # --prepare's metadata alone: the rules read nothing else
+CHAT_PREPARED = PREPARED / "chat"
+WEIGHTS_ONLY = PROJECT_ROOT / "tests/data/weights_only"  # an import's files, no tensors
 ACT = ("offload/activation=enabled",)
 WEIGHT = ("offload/weight=enabled",)
 
@@ -509,6 +512,37 @@ CASES = [
         "fp32 masters, which every engine loads, this run keeps exp_avg fp32, exp_avg_sq q8, "
         "2 B masters",
         Environment(te_available=True, launching=True),
+    ),
+    Case(
+        "pretrained_checkpoint_missing",
+        ("recipe=tiny", "checkpoint.pretrained_checkpoint=tests/data/sotu"),
+        ("recipe=tiny", f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY}", "model.num_layers=2"),
+        "checkpoint.pretrained_checkpoint=tests/data/sotu holds no checkpoint",
+    ),
+    Case(
+        "load_weights_only",
+        ("recipe=tiny", f"checkpoint.load={WEIGHTS_ONLY}"),
+        ("recipe=tiny", f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY}", "model.num_layers=2"),
+        f"checkpoint.load={WEIGHTS_ONLY} holds weights only",
+    ),
+    Case(
+        "pretrained_architecture_differs",
+        ("recipe=tiny", f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY}"),
+        ("recipe=tiny", f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY}", "model.num_layers=2"),
+        f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY} holds a model with num_layers=2 "
+        "(this run: 4)",
+    ),
+    Case(
+        "sft_needs_chat_data",
+        ("recipe=tiny", "data=sft", f"dataset.data_path=[{SOTU_PREPARED}]"),
+        ("recipe=tiny", "data=sft", f"dataset.data_path=[{CHAT_PREPARED}]"),
+        "data=sft trains on chat data's answers",
+    ),
+    Case(
+        "chat_data_without_sft",
+        ("recipe=tiny", "data=indexed", f"dataset.data_path=[{CHAT_PREPARED}]"),
+        ("recipe=tiny", "data=sft", f"dataset.data_path=[{CHAT_PREPARED}]"),
+        "data=indexed on chat data trains on every token",
     ),
     Case(
         "states_fraction_range",
