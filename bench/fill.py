@@ -61,6 +61,15 @@ def first(argument: str) -> str:
     return found.group(0) if found else f"(no {pattern!r} in {name})"
 
 
+def value(argument: str) -> str:
+    """``FILE|KEY.KEY...|FORMAT``: one figure of a results file (from the project root)."""
+    name, keys, spec = argument.split("|")
+    found = json.loads((ROOT / name).read_text())
+    for key in keys.split("."):
+        found = found[int(key) if key.isdigit() else key]
+    return format(found, spec)
+
+
 def matching(argument: str) -> str:
     """``FILE|REGEX``: the evidence file's lines that match, each a list item."""
     name, pattern = argument.split("|", 1)
@@ -146,7 +155,13 @@ COLUMNS: dict[str, tuple[str, Callable[[dict, dict], str]]] = {
     "offloaded": ("offloaded params", _of("cpu_offloaded_params", ".2f", 1e9, "B")),
     "delayed": ("delayed params", _of("cpu_adam_delayed_params", ".2f", 1e9, "B")),
     "startup": ("optimizer start-up s", lambda s, _: fmt(s.get("startup_s", {}).get("optimizer"))),
+    "auto": ("auto's pick", lambda s, _: (s.get("auto") or "-").split(" (")[0]),
+    "first_loss": ("first loss", _of("first_loss", ".2f")),
     "loss": ("final loss", _of("final_loss", ".4f")),
+    "valid": (
+        "validation loss",
+        lambda s, _: fmt((s.get("validation_losses") or [[0, None]])[-1][1], ".2f"),
+    ),
     "tail": (f"loss, last {CONVERGENCE_TAIL}", _tail),
     "dloss": ("max abs Δloss vs baseline", _delta),
 }
@@ -226,6 +241,7 @@ def seeds(pattern: str) -> str:
 # The parts every report's template may use: evidence quotes, results tables, seeds' verdicts.
 SHARED_PARTS = {
     "first": first,
+    "value": value,
     "matching": matching,
     "count": count,
     "tail": tail,

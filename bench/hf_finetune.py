@@ -13,7 +13,10 @@ data, out again, and transformers' forward of the export beside ours.
    weights saved without the optimizer;
 5. ``--export-hf`` of the first (time, peak host RAM), and hf/parity.py: our model from the saved
    weights against transformers' forward of the export.
-Each step's result is written to --out as it finishes.
+Each step's result is written to --out as it finishes. Its report, the words of
+templates/hf-finetune.md with the figures of its results file:
+
+    python bench/hf_finetune.py report > docs/benchmarks/hf-finetune.md
 """
 
 from __future__ import annotations
@@ -28,28 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from fill import SHARED_PARTS, fill
 from run_benchmarks import environment, run_case
 from suites import Case
 
 ROOT = Path(__file__).resolve().parents[1]
-PROXY = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    tie_word_embeddings=False,
-)
-TRAIN = (
+# the fine-tunes' overrides (the two runs share the machine and the card)
+TRAIN = [
     "model.seq_length=1024",
     "train.global_batch_size=8",
     "train.micro_batch_size=1",
@@ -57,16 +45,15 @@ TRAIN = (
     "optimizer.lr=1e-4",
     "validation.eval_interval=10",
     "validation.eval_iters=2",
-    "planner.host_memory_gb=60",  # two runs share the machine and the card
+    "planner.host_memory_gb=60",
     "checkpoint.save_optim=false",
-)
-ENGINES = {
-    "auto": ("offload/optimizer=auto", "planner.gpu_memory_gb=48"),  # picks an offload
+]
+ENGINES = {  # row: its overrides (auto on 48 GB picks an offload), its save folder
+    "auto": ("offload/optimizer=auto planner.gpu_memory_gb=48", "save-auto"),
     "states + 8-bit moments": (
+        "offload/optimizer=states optimizer.exp_avg_dtype=q8 optimizer.exp_avg_sq_dtype=q8 "
         "planner.gpu_memory_gb=64",
-        "offload/optimizer=states",
-        "optimizer.exp_avg_dtype=q8",
-        "optimizer.exp_avg_sq_dtype=q8",
+        "save-states",
     ),
 }
 PEAK = re.compile(r"peak host RAM ([\d.]+) GB")
@@ -75,109 +62,70 @@ PEAK = re.compile(r"peak host RAM ([\d.]+) GB")
 def cli(*args: str) -> dict:
     """run_recipe.py with ``args``: its wall time, its last line, the peak RAM it printed."""
     began = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "run_recipe.py"), *args], capture_output=True, text=True
-    )
-    if done.returncode:
-        raise SystemExit(f"{args[0]} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    command = [sys.executable, str(ROOT / "run_recipe.py"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     line = done.stdout.strip().splitlines()[-1]
     peak = PEAK.search(line)
+    took = time.perf_counter() - began
     return {
-        "command": ["python", "run_recipe.py", *args],
-        "wall_s": time.perf_counter() - began,
+        "command": command[1:],
+        "wall_s": took,
         "said": line,
-        "peak_host_gb": float(peak.group(1)) if peak else None,
+        "peak_host_gb": peak and float(peak[1]),
     }
 
 
 def make_source(folder: Path) -> dict:
+    """The proxy recipe's model as transformers' Qwen3-MoE, random, bf16, with a tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    began = time.perf_counter()
+    from offload_runner.config.compose import compose_config, to_run_config
+    from offload_runner.hf.families import FAMILIES, hf_config
+
+    model = to_run_config(compose_config(["recipe=qwen3_30b_a3b_proxy"])).model
+    config = hf_config(FAMILIES["qwen3_moe"], model, "bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**PROXY), dtype=torch.bfloat16)
-    model.save_pretrained(folder)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (folder / name).write_bytes((ROOT / "tests/data/chat_tokenizer" / name).read_bytes())
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    params = sum(p.numel() for p in model.parameters())
-    return {"params": params, "bytes": size, "wall_s": time.perf_counter() - began}
-
-
-def losses(run_dir: Path) -> list[list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [[r["iteration"], r["loss"]] for r in rows if "loss" in r and "iteration" in r]
+    return {"bytes": sum(p.stat().st_size for p in folder.glob("*.safetensors"))}
 
 
 def main() -> int:
+    from offload_runner.hf.parity import run as parity
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--work", required=True)
+    parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
-    work = Path(args.work)
+    work = args.work
     saved = {"suite": "hf-finetune", "environment": environment(), "iters": args.iters}
 
     def record(key: str, value) -> None:
         saved[key] = value
         Path(args.out).write_text(json.dumps(saved, indent=1))
-        print(key, json.dumps(value)[:400], flush=True)
 
     record("source", make_source(work / "hf"))
     record("import", cli("--import-hf", str(work / "hf"), "--output", str(work / "ckpt")))
-    chat = ["--prepare", str(ROOT / "tests/data/chat/sotu_chat.jsonl")]
-    record(
-        "prepare", cli(*chat, "--output", str(work / "chat"), "--tokenizer", str(work / "ckpt/hf"))
-    )
-    recipe = str(work / "ckpt/recipe.yaml")
+    chat = (str(ROOT / "tests/data/chat/sotu_chat.jsonl"), "--output", str(work / "chat"))
+    record("prepare", cli("--prepare", *chat, "--tokenizer", str(work / "ckpt/hf")))
+    data = f"dataset.data_path=[{work / 'chat'}]"
     cases = [
         Case(
-            name,
-            recipe,
-            (
-                *TRAIN,
-                f"dataset.data_path=[{work / 'chat'}]",
-                f"checkpoint.save={work / slug}",
-                *extra,
-            ),
+            name, str(work / "ckpt/recipe.yaml"), (*TRAIN, data, f"checkpoint.save={work / d}", *o)
         )
-        for (name, extra), slug in zip(ENGINES.items(), ("save-auto", "save-states"), strict=True)
+        for name, (o, d) in ENGINES.items()
     ]
-    with ThreadPoolExecutor(len(cases)) as pool:
-        runs = list(pool.map(lambda c: run_case(c, work / "runs", args.iters), cases))
-    results = [
-        asdict(r) | {"losses": losses(work / "runs" / c.slug)}
-        for r, c in zip(runs, cases, strict=True)
-    ]
-    record("results", results)
+    with ThreadPoolExecutor(len(cases)) as pool:  # their losses count, not their times
+        runs = pool.map(lambda c: asdict(run_case(c, work / "runs", args.iters)), cases)
+        record("results", list(runs))
     record("export", cli("--export-hf", str(work / "save-auto"), "--output", str(work / "out")))
     record("parity", parity(work / "save-auto", work / "out"))
     return 0
 
 
-def parity(ckpt: Path, folder: Path) -> dict:
-    import os
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = os.environ | {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
-    }
-    command = [sys.executable, "-m", "offload_runner.hf.parity", str(ckpt), str(folder)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode:
-        return {"failed": done.stderr[-3000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(print(fill("hf-finetune.md", SHARED_PARTS)) if sys.argv[1:] == ["report"] else main())

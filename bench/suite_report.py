@@ -286,6 +286,7 @@ IN_REPORTS = {
     "weight-offload-caps",
     "weight-offload-caps-proxy",
     "weight-offload-caps-reference",
+    "hf-finetune",  # hf_finetune.py's
 }
 
 

@@ -4,16 +4,13 @@ Engine, grouped experts) gives transformers' logits on the same tokens (hf/parit
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from offload_runner.hf import convert
+from offload_runner.hf.parity import run as run_parity
 from tests.test_hf import CONFIGS, hf_tensors, save_hf
 
 pytestmark = pytest.mark.gpu
@@ -32,38 +29,13 @@ def assert_at_bf16_floor(got: dict) -> None:
     assert ours["top1_agreement"] >= floor["top1_agreement"] - TOP1_MARGIN, got
 
 
-def parity(ckpt: Path, hf: Path, *overrides: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "NVIDIA_TF32_OVERRIDE": "0",
-        "PYTHONWARNINGS": "ignore",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "offload_runner.hf.parity", str(ckpt), str(hf), *overrides],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_imported_model_gives_transformers_logits(name: str, dtype: str, tmp_path: Path) -> None:
     source = save_hf(tmp_path / "hf", name, torch.float32 if dtype == "fp32" else torch.bfloat16)
     convert.import_hf(source, tmp_path / "ckpt", None, lambda n, total: None)
     extra = ["parallel=single"] + (["mixed_precision.bf16=false"] if dtype == "fp32" else [])
-    got = parity(tmp_path / "ckpt", source, *extra)
+    got = run_parity(tmp_path / "ckpt", source, *extra)
     (tmp_path / "parity.json").write_text(json.dumps(got))
     print(name, got)
     if dtype == "fp32":
@@ -107,7 +79,7 @@ def test_fine_tuned_checkpoint_exports_and_matches_transformers(offload, tmp_pat
     assert "weights from" in (tmp_path / "run" / "rank0.log").read_text()
     exported = tmp_path / "exported"
     convert.export_hf(saved, exported, lambda n, total: None)
-    got = parity(saved, exported, "parallel=single")
+    got = run_parity(saved, exported, "parallel=single")
     print(offload, got)
     assert_at_bf16_floor(got)
     moved = [

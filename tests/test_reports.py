@@ -148,3 +148,13 @@ def test_a_results_table_sets_each_run_against_its_own_files_baseline(tmp_path, 
         "| run | `b` bbb | 2500 | 1.25x |",
         "| run big | `b` bbb | oom | - |",
     ]
+
+
+def test_the_hf_finetune_report_is_its_template_filled() -> None:
+    """docs/benchmarks/hf-finetune.md is what bench/hf_finetune.py makes of its template and
+    the hf-finetune results now."""
+    from fill import SHARED_PARTS, fill
+
+    made = fill("hf-finetune.md", SHARED_PARTS) + "\n"
+    assert "{{" not in made and "results-hf-finetune-r1.json" in made
+    assert (PROJECT_ROOT / "docs/benchmarks/hf-finetune.md").read_text() == made

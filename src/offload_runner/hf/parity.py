@@ -97,5 +97,23 @@ def _differences(ours, theirs) -> dict:
     }
 
 
+def run(ckpt: Path, folder: Path, *overrides: str) -> dict:
+    """``compare`` in a process of its own, one rank (a test or a bench beside other work)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, **ranks, "MASTER_PORT": str(port), "NVIDIA_TF32_OVERRIDE": "0"}
+    command = [sys.executable, "-m", "offload_runner.hf.parity", str(ckpt), str(folder)]
+    done = subprocess.run([*command, *overrides], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"hf.parity failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
     print(json.dumps(compare(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])))
