@@ -292,3 +292,10 @@ def test_hf_readme_commands_run_on_the_cpu(tmp_path) -> None:
     exported = tmp_path / export[3]
     assert (exported / "tokenizer_config.json").is_file()
     assert json.loads((exported / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_hf_import_refuses_a_recipe_of_other_shapes(tmp_path) -> None:
+    source = save_hf(tmp_path / "hf", "qwen3-bf16-tied")
+    with pytest.raises(HfError, match="does not match recipe tiny: num_layers=2 \\(recipe 4\\)"):
+        convert.import_hf(source, tmp_path / "out", "tiny", print)
+    assert not (tmp_path / "out").exists()
