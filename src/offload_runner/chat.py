@@ -44,15 +44,19 @@ def is_chat(path: Path) -> bool:
     return False
 
 
-def conversations(path: Path) -> Iterator[list[dict]]:
-    """Each line's messages, checked: roles known, contents strings, an answer to train."""
+def utf8_lines(path: Path) -> list[str]:
+    """A .jsonl file's lines; one that is not UTF-8 is refused (ChatError)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise ChatError(
             f"--prepare: {path} is not UTF-8 text (byte {err.start})", "save it as UTF-8"
         ) from None
-    for number, line in enumerate(lines, start=1):
+
+
+def conversations(path: Path) -> Iterator[list[dict]]:
+    """Each line's messages, checked: roles known, contents strings, an answer to train."""
+    for number, line in enumerate(utf8_lines(path), start=1):
         if line.strip():
             yield _messages(line, f"{path}:{number}")
 

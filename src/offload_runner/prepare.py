@@ -84,11 +84,9 @@ def texts(path: Path) -> Iterator[str]:
         yield path.read_text(encoding="utf-8", errors="replace")
         return
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise PrepareError(
-            f"--prepare: {path} is not UTF-8 text (byte {err.start})", "save it as UTF-8"
-        ) from None
+        lines = chat.utf8_lines(path)
+    except chat.ChatError as err:
+        raise PrepareError(str(err), err.fix) from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue

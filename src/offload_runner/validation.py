@@ -40,6 +40,7 @@ from offload_runner.config.schema import (
     te_fusions,
 )
 from offload_runner.hardware import q8_moments, te_available
+from offload_runner.hf.families import SHAPE_KEYS
 from offload_runner.mcore.data import (
     data_prefixes,
     prepared_eods,
@@ -103,22 +104,6 @@ def missing_prefixes(c: RunConfig) -> str:
     return ", ".join(
         p for p in data_prefixes(c) if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))
     )
-
-
-# what a checkpoint's tensors' shapes follow (model.yaml against this run's model.*)
-SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "qk_layernorm",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_ffn_hidden_size",
-    "vocab_size",
-)
 
 
 def pretrained_differs(c: RunConfig) -> str:

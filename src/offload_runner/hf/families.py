@@ -131,6 +131,20 @@ ARCH_KEYS = (
     "moe_router_pre_softmax",
     "moe_aux_loss_coeff",
 )
+# Those the checkpoint's tensor shapes follow (a pretrained start checks them against model.*)
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "qk_layernorm",
+    "share_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "vocab_size",
+)
 # The architecture keys every family maps alike
 FIXED_KEYS = {
     "normalization": "RMSNorm",
