@@ -178,6 +178,8 @@ def calibrate(files: list[Path]) -> list[Calibration]:
             s = result["summary"]
             if result["status"] != "ok" or not s or is_whole_states(result):
                 continue  # the planner knows the offloads that exist
+            if "/" in result["case"]["recipe"]:
+                continue  # a recipe file --import-hf wrote where the run ran, not kept
             nproc = result["case"].get("nproc", 1)
             worst = plan_of(result).worst
             # every rank's peak where the run recorded them (rank 0's alone before)

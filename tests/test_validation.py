@@ -514,6 +514,12 @@ CASES = [
         Environment(te_available=True, launching=True),
     ),
     Case(
+        "chunked_loss_needs_tp1",
+        ("recipe=tiny", "model.chunked_loss=true", "parallel=tp2"),
+        ("recipe=tiny", "model.chunked_loss=true"),
+        "model.chunked_loss keeps the whole vocabulary on one GPU",
+    ),
+    Case(
         "pretrained_checkpoint_missing",
         ("recipe=tiny", "checkpoint.pretrained_checkpoint=tests/data/sotu"),
         ("recipe=tiny", f"checkpoint.pretrained_checkpoint={WEIGHTS_ONLY}", "model.num_layers=2"),

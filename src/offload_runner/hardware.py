@@ -34,6 +34,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "q8": 1 + 4 / 256}  # q8: a code
 # weight offload's update: params per piece (18 B each on the GPU: fp32 gradient, master and two
 # moments up, the bf16 rounding), and pieces holding GPU memory at once (coming up, in Adam,
 # going down)
+# model.chunked_loss (mcore/chunked_loss.py): one chunk's fp32 logits; at its peak, backward
+# holds them, their softmax and the output weight's fp32 gradient
+LOSS_CHUNK_BYTES = 1 << 30
 WEIGHT_OFFLOAD_PIECE = 1 << 24
 WEIGHT_OFFLOAD_IN_FLIGHT = 3
 

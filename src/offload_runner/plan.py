@@ -44,6 +44,7 @@ from offload_runner.hardware import (
     DTYPE_BYTES,
     HDO_PINNED_BYTES,
     LATE_BYTES,
+    LOSS_CHUNK_BYTES,
     REMAINDER_BYTES,
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
@@ -245,6 +246,16 @@ def recompute_stored_and_rebuilt(
 # throughput-16: 450 KB a token less at MB 1, 2 and 4 against Megatron-Core's plain kernels).
 LOGIT_BYTES = 6
 LOGIT_BYTES_TE_FUSED = 3
+
+
+def logits_and_loss_bytes(m, tokens: int, tp: int) -> int:
+    """What the output layer and its loss hold at their peak, for ``tokens`` of a micro-batch:
+    the whole logits, or with model.chunked_loss a chunk's fp32 logits and softmax and the
+    output weight's fp32 gradient."""
+    vocab = padded_vocab_size(m)
+    if getattr(m, "chunked_loss", False):
+        return 2 * min(LOSS_CHUNK_BYTES, 4 * vocab * tokens) + 4 * vocab * m.hidden_size
+    return int(logit_bytes(m) * vocab / tp * tokens)
 
 
 def logit_bytes(m) -> int:
@@ -489,7 +500,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     copies_at_boundary = run.mode.delayed and not run.mode.copies_during_backward(
         max(layout.dp, layout.edp)
     )
-    logits = int(logit_bytes(m) * padded_vocab_size(m) / layout.tp * tokens) if last else 0
+    logits = logits_and_loss_bytes(m, tokens, layout.tp) if last else 0
 
     return RankPlan(
         rank=rank,

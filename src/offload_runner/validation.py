@@ -922,6 +922,14 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- run-level -------------------------------------------------------------------------------
     Rule(
+        "chunked_loss_needs_tp1",
+        lambda c, e: c.model.chunked_loss and c.model.tensor_model_parallel_size > 1,
+        "model.chunked_loss keeps the whole vocabulary on one GPU; at "
+        "tensor_model_parallel_size={m.tensor_model_parallel_size} Megatron-Core's vocab-parallel "
+        "cross entropy already splits the logits over the TP ranks",
+        "drop model.chunked_loss, or use tensor_model_parallel_size=1",
+    ),
+    Rule(
         "pretrained_checkpoint_missing",
         lambda c, e: (
             bool(c.checkpoint.pretrained_checkpoint)

@@ -176,6 +176,9 @@ class ModelConfig:
     # Bit-reproducible runs: deterministic embedding backward and attention kernels (slower).
     deterministic_mode: bool = False
     transformer_impl: TransformerImpl = TransformerImpl.transformer_engine
+    # The output layer and cross entropy over chunks of tokens: the [tokens x vocabulary]
+    # logits never exist whole (mcore/chunked_loss.py; TP 1)
+    chunked_loss: bool = False
 
     # Mixture of experts
     num_moe_experts: Optional[int] = None

@@ -90,13 +90,23 @@ def gpt_model_kwargs(run: RunConfig) -> dict:
     )
 
 
+def model_class(run: RunConfig) -> type:
+    """GPTModel, or with model.chunked_loss its subclass whose loss never holds whole logits."""
+    from megatron.core.models.gpt import GPTModel
+
+    if run.model.chunked_loss:
+        from offload_runner.mcore.chunked_loss import ChunkedLossGPTModel
+
+        return ChunkedLossGPTModel
+    return GPTModel
+
+
 def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataParallel]
     """This rank's model chunks (one per virtual pipeline stage, else one), on the GPU, each
     wrapped as Megatron-LM does."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     from offload_runner.mcore.megatron_config import build_ddp_config
@@ -109,7 +119,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     vpp = m.virtual_pipeline_model_parallel_size
     for vp_stage in range(vpp or 1):
         stage = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp else {}
-        model = GPTModel(
+        model = model_class(run)(
             config=transformer_config,
             pre_process=parallel_state.is_pipeline_first_stage(**stage),
             post_process=parallel_state.is_pipeline_last_stage(**stage),
