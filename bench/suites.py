@@ -504,6 +504,14 @@ PROFILE_55 = [
 
 # Issue 55's miss: the state stream at MB 8 against the same shape without offload (no cap:
 # it fits one H200 whole), run interleaved.
+# Issue 70: the chunked loss beside Transformer Engine's fused cross entropy on whole logits,
+# deterministic, MB 4 (16k tokens a micro-batch: 7.3 GB of bf16 logits): losses and peaks.
+MB4_DETERMINISTIC = ("train.global_batch_size=8", "train.micro_batch_size=4", DETERMINISTIC[-1])
+CHUNKED_LOSS = [
+    Case(name, PROXY_RECIPE, (*MB4_DETERMINISTIC, *extra), "whole logits")
+    for name, extra in (("whole logits", ()), ("chunked loss", ("model.chunked_loss=true",)))
+]
+
 MB8_STATES = [
     Case(
         "MB8 fused",
@@ -615,6 +623,7 @@ SUITES: dict[str, list[Case]] = {
     "whole-model": WHOLE_MODEL,
     "profile-55": PROFILE_55,
     "mb8-states": MB8_STATES,
+    "chunked-loss": CHUNKED_LOSS,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)
     **{f"gbs-{gbs}": _cost_cases(gbs) for gbs in (4, 8, 32)},
