@@ -54,3 +54,20 @@ def test_a_chunk_holds_a_gib_of_fp32_logits_and_the_plan_drops_the_whole_logits(
     chunked = make_plan(compose_run(*common, "model.chunked_loss=true"), 1).worst
     assert whole.logits > 9 * 1024**3  # MB 8 x 4,096 tokens x 151,936 entries
     assert chunked.logits < 4 * 1024**3 and chunked.gpu_peak < whole.gpu_peak
+
+
+def test_the_weight_gradient_goes_into_main_grad_as_megatron_fused_layers_put_it() -> None:
+    """With a DDP main_grad (fp32) on the weight, the gradient is added there unrounded and
+    flagged, and the returned one is a dummy."""
+    torch.manual_seed(2)
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(20, 8))
+    labels = torch.randint(0, 20, (12,))
+    ChunkedCrossEntropy.apply(hidden, weight, labels, 5).sum().backward()
+    want = weight.grad.clone()
+    weight.grad = None
+    weight.main_grad = torch.ones(20, 8)
+    weight.grad_added_to_main_grad = False
+    ChunkedCrossEntropy.apply(hidden, weight, labels, 5).sum().backward()
+    torch.testing.assert_close(weight.main_grad, want + 1)
+    assert weight.grad_added_to_main_grad and not weight.grad.any()

@@ -58,7 +58,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             d_logits = probs.to(hidden.dtype)
             grad_hidden[s : s + ctx.chunk] = d_logits @ weight
             grad_weight += (d_logits.t() @ part).to(lse.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        return grad_hidden, _into_main_grad(weight, grad_weight), None, None
+
+
+def _into_main_grad(weight, grad_weight):
+    """The weight's gradient where Megatron-Core's DDP wants it: added to its fp32 ``main_grad``
+    as its fused linear layers add theirs (a dummy gradient returned, the flag set so DDP's hook
+    does not add it again), else returned in the weight's dtype."""
+    if getattr(weight, "main_grad", None) is None or not hasattr(weight, "grad_added_to_main_grad"):
+        return grad_weight.to(weight.dtype)
+    weight.main_grad.add_(grad_weight)
+    weight.grad_added_to_main_grad = True
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 def chunked_losses(hidden, weight, labels, chunk: int):
