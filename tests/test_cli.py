@@ -647,3 +647,12 @@ def test_library_warnings_go_to_the_rank_log(tmp_path, monkeypatch, capfd, verbo
     assert ("Unable to save indexes" in err) is verbose
     assert ("GPTModel IS DEPRECATED" in err) is verbose
     assert "our own line" not in err
+
+
+def test_an_empty_output_dir_is_refused_and_the_users_config_stays(tmp_path) -> None:
+    """output_dir= names the current folder: config.yaml there is the user's."""
+    (tmp_path / "config.yaml").write_text("mine: true\n")
+    done = run_cli("--recipe", "tiny", "output_dir=", "--dry-run", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE and "would be written over yours" in done.stderr
+    assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]

@@ -95,7 +95,23 @@ def _corrupt_sentencepiece(tmp: Path) -> list[str]:
     return [str(SAMPLE), "--chunk-kb", "2", "--tokenizer", str(tmp / "sp.model")]
 
 
+def _number_text(tmp: Path) -> list[str]:
+    (tmp / "n.jsonl").write_text('{"text": 3}\n')
+    return [str(tmp / "n.jsonl")]
+
+
+def _not_utf8(tmp: Path) -> list[str]:
+    (tmp / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    return [str(tmp / "latin.jsonl")]
+
+
 BAD = {
+    "a JSONL text that is a number": (_number_text, "n.jsonl:1 is not a JSON object with a text"),
+    "JSONL that is not UTF-8": (_not_utf8, "is not UTF-8 text"),
+    **{
+        f"--chunk-kb {kb}": (lambda tmp, kb=kb: [str(SAMPLE), "--chunk-kb", kb], "--chunk-kb a")
+        for kb in ("nan", "inf", "0.0009", "0")
+    },
     "a missing file": (lambda tmp: [str(tmp / "missing.txt")], "does not exist"),
     "a folder without text": (lambda tmp: [str(tmp)], "no .txt or .jsonl file"),
     "empty text": (_empty, "holds no text"),

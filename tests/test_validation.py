@@ -514,6 +514,40 @@ CASES = [
         Environment(te_available=True, launching=True),
     ),
     Case(
+        "adam_beta_below_one",
+        ("recipe=tiny", "optimizer.adam_beta2=1"),
+        ("recipe=tiny", "optimizer.adam_beta2=0.999"),
+        "optimizer.adam_beta1=0.9, adam_beta2=1.0: Adam's betas must be below 1",
+    ),
+    Case(
+        "min_lr_above_lr",
+        ("recipe=tiny", "optimizer.min_lr=0.01"),
+        ("recipe=tiny", "optimizer.min_lr=0.0001"),
+        "optimizer.min_lr=0.01 is above optimizer.lr=0.001",
+    ),
+    Case(
+        "warmup_init_above_lr",
+        ("recipe=tiny", "scheduler.lr_warmup_init=0.01"),
+        ("recipe=tiny", "scheduler.lr_warmup_init=0.0001"),
+        "scheduler.lr_warmup_init=0.01 is above optimizer.lr=0.001",
+    ),
+    Case(
+        "weight_decay_ramp_falls",
+        (
+            "recipe=tiny",
+            "scheduler.start_weight_decay=0.1",
+            "scheduler.end_weight_decay=0.01",
+            "scheduler.weight_decay_incr_style=linear",
+        ),
+        (
+            "recipe=tiny",
+            "scheduler.start_weight_decay=0.01",
+            "scheduler.end_weight_decay=0.1",
+            "scheduler.weight_decay_incr_style=linear",
+        ),
+        "scheduler.start_weight_decay is above end_weight_decay",
+    ),
+    Case(
         "chunked_loss_needs_tp1",
         ("recipe=tiny", "model.chunked_loss=true", "parallel=tp2"),
         ("recipe=tiny", "model.chunked_loss=true"),
@@ -1098,6 +1132,10 @@ def test_a_bare_megatron_core_assert_is_named_or_left_to_our_own_error() -> None
         "model.num_layers=-4",
         "optimizer.optimizer_offload_fraction=1.5",
         "optimizer.adam_beta2=2",
+        "optimizer.lr=inf",
+        "optimizer.lr=1e309",
+        "planner.gpu_memory_gb=inf",
+        "optimizer.lr=nan",
     ],
 )
 def test_out_of_range_values_are_refused(override: str, tmp_path, capsys) -> None:
@@ -1108,7 +1146,7 @@ def test_out_of_range_values_are_refused(override: str, tmp_path, capsys) -> Non
     captured = capsys.readouterr()
     out = " ".join((captured.out + captured.err).split())
     assert f"{override.partition('=')[0]}=" in out
-    assert "is out of range" in out or "offload_fraction" in out
+    assert "is out of range" in out or "offload_fraction" in out or "not a finite number" in out
     assert not (tmp_path / "x").exists()
 
 

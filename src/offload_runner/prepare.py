@@ -28,6 +28,7 @@ from offload_runner.tokenizer import TextTokenizer, TokenizerError
 from offload_runner.tokenizer import load as load_tokenizer
 from offload_runner.tokenizer import train as train_tokenizer
 
+MIN_CHUNK_KB = 0.1  # a document of ~100 characters; below a character the cutting never ends
 MIN_DOCUMENTS = 100  # so the 1% validation split of dataset.split=99,1,0 holds a document
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -91,7 +92,10 @@ def texts(path: Path) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)["text"]
+            text = json.loads(line)["text"]
+            if not isinstance(text, str):
+                raise TypeError(text)
+            yield text
         except (json.JSONDecodeError, KeyError, TypeError):
             raise PrepareError(
                 f"--prepare: {path}:{number} is not a JSON object with a text field",
@@ -329,10 +333,10 @@ class Parser:
                 "--prepare: --tokenizer and --vocab-size exclude each other",
                 "a file's tokenizer has its own vocabulary: drop --vocab-size",
             )
-        if ns.vocab_size < 300 or ns.chunk_kb <= 0:
+        if ns.vocab_size < 300 or not MIN_CHUNK_KB <= ns.chunk_kb < float("inf"):
             raise PrepareError(
                 "--prepare: --vocab-size must be at least 300 (256 bytes and some "
-                "merges) and --chunk-kb above 0",
+                f"merges) and --chunk-kb a number of at least {MIN_CHUNK_KB}",
                 USAGE,
             )
         return PrepareArgs(ns.inputs, ns.output, ns.tokenizer, ns.vocab_size, ns.chunk_kb)

@@ -37,6 +37,13 @@ def create_run_dir(
     the same second, this one gets ``<name>-2``, ``-3``, ... (mkdir is atomic between processes).
     """
     run_dir = Path(path)
+    if not str(path).strip() or run_dir.resolve() == Path.cwd().resolve():
+        raise RunDirError(
+            f"output_dir={str(path)!r} names this folder: its config.yaml and overrides.yaml "
+            "would be written over yours",
+            "set output_dir= to a folder of the run's own (e.g. output_dir=runs/first), or "
+            "leave it out for outputs/<date>/<time>-<recipe>/",
+        )
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         run_dir = _claim(run_dir) if unique else run_dir

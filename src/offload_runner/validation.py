@@ -13,6 +13,7 @@ often run on a login node without the GPU stack.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -104,6 +105,12 @@ def missing_prefixes(c: RunConfig) -> str:
     return ", ".join(
         p for p in data_prefixes(c) if not all(Path(f"{p}{s}").is_file() for s in (".bin", ".idx"))
     )
+
+
+def _weight_decay(c: RunConfig, end: str) -> float:
+    """scheduler.{start,end}_weight_decay, optimizer.weight_decay where unset."""
+    found = getattr(c.scheduler, f"{end}_weight_decay")
+    return c.optimizer.weight_decay if found is None else found
 
 
 def pretrained_differs(c: RunConfig) -> str:
@@ -922,6 +929,37 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- run-level -------------------------------------------------------------------------------
     Rule(
+        "adam_beta_below_one",
+        lambda c, e: c.optimizer.adam_beta1 >= 1 or c.optimizer.adam_beta2 >= 1,
+        "optimizer.adam_beta1={o.adam_beta1}, adam_beta2={o.adam_beta2}: Adam's betas must be "
+        "below 1 (torch refuses 1: the moments would never move)",
+        "e.g. optimizer.adam_beta1=0.9 optimizer.adam_beta2=0.95",
+    ),
+    Rule(
+        "min_lr_above_lr",
+        lambda c, e: c.optimizer.min_lr > c.optimizer.lr,
+        "optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}: the schedule would decay "
+        "upwards",
+        "set optimizer.min_lr at or below optimizer.lr (e.g. a tenth of it)",
+    ),
+    Rule(
+        "warmup_init_above_lr",
+        lambda c, e: c.scheduler.lr_warmup_init > c.optimizer.lr,
+        "scheduler.lr_warmup_init={c.scheduler.lr_warmup_init} is above optimizer.lr={o.lr}: "
+        "the warm-up would lower the learning rate",
+        "set scheduler.lr_warmup_init below optimizer.lr (0 is the usual start)",
+    ),
+    Rule(
+        "weight_decay_ramp_falls",
+        lambda c, e: (
+            c.scheduler.weight_decay_incr_style.value != "constant"
+            and _weight_decay(c, "start") > _weight_decay(c, "end")
+        ),
+        "scheduler.start_weight_decay is above end_weight_decay: Megatron-Core's weight-decay "
+        "schedule ({c.scheduler.weight_decay_incr_style.value}) only rises",
+        "swap them, or set scheduler.weight_decay_incr_style=constant",
+    ),
+    Rule(
         "chunked_loss_needs_tp1",
         lambda c, e: c.model.chunked_loss and c.model.tensor_model_parallel_size > 1,
         "model.chunked_loss keeps the whole vocabulary on one GPU; at "
@@ -1417,6 +1455,9 @@ def range_violations(run: RunConfig) -> list[Violation]:
     found = []
     for (section, key), (low, high) in RANGES.items():
         value = getattr(getattr(run, section), key)
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append(_not_finite(section, key, value))
+            continue
         if value is None or ((low is None or value >= low) and (high is None or value <= high)):
             continue
         if low is not None and high is not None:
@@ -1432,6 +1473,15 @@ def range_violations(run: RunConfig) -> list[Violation]:
             )
         )
     return found
+
+
+def _not_finite(section: str, key: str, value: float) -> Violation:
+    return Violation(
+        f"range_{section}_{key}",
+        Level.error,
+        f"{section}.{key}={value} is not a finite number",
+        f"set {section}.{key} to a number (1e309 and beyond read as inf)",
+    )
 
 
 def choice_violations(run: RunConfig) -> list[Violation]:
