@@ -102,36 +102,7 @@ FAMILIES = {
     )
 }
 
-# model.* an architecture is (model.yaml beside a checkpoint holds them, export reads them)
-ARCH_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "max_position_embeddings",
-    "vocab_size",
-    "make_vocab_size_divisible_by",
-    "normalization",
-    "layernorm_epsilon",
-    "qk_layernorm",
-    "activation_func",
-    "gated_linear_unit",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "position_embedding_type",
-    "rotary_base",
-    "rope_scaling",
-    "rope_scaling_factor",
-    "share_embeddings_and_output_weights",
-    "num_moe_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-    "moe_router_pre_softmax",
-    "moe_aux_loss_coeff",
-)
-# Those the checkpoint's tensor shapes follow (a pretrained start checks them against model.*)
+# model.* a checkpoint's tensor shapes follow (a pretrained start checks them against the run's)
 SHAPE_KEYS = (
     "num_layers",
     "hidden_size",
@@ -144,6 +115,24 @@ SHAPE_KEYS = (
     "num_moe_experts",
     "moe_ffn_hidden_size",
     "vocab_size",
+)
+# ... and the rest of the architecture (model.yaml beside a checkpoint holds them all)
+ARCH_KEYS = SHAPE_KEYS + (
+    "max_position_embeddings",
+    "make_vocab_size_divisible_by",
+    "normalization",
+    "layernorm_epsilon",
+    "activation_func",
+    "gated_linear_unit",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "position_embedding_type",
+    "rotary_base",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_aux_loss_coeff",
 )
 # The architecture keys every family maps alike
 FIXED_KEYS = {
