@@ -656,3 +656,9 @@ def test_an_empty_output_dir_is_refused_and_the_users_config_stays(tmp_path) -> 
     assert done.returncode == EXIT_USAGE and "would be written over yours" in done.stderr
     assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_auto_micro_batch_asked_and_forbidden_at_once_is_refused(capsys) -> None:
+    args = ["--recipe", "tiny", "train.micro_batch_size=auto", "planner.auto_micro_batch=false"]
+    assert main([*args, "--dry-run"]) == EXIT_USAGE
+    assert "forbids it" in capsys.readouterr().err

@@ -548,6 +548,14 @@ CASES = [
         "scheduler.start_weight_decay is above end_weight_decay",
     ),
     Case(
+        "q8_moments_need_torchao",
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=q8"),
+        ("recipe=tiny", "offload/optimizer=states", "optimizer.exp_avg_dtype=bf16"),
+        "8-bit moments (optimizer.exp_avg_dtype / exp_avg_sq_dtype=q8, or auto's last step) "
+        "quantize with torchao",
+        Environment(te_available=True, launching=True, torchao_available=False),
+    ),
+    Case(
         "chunked_loss_needs_tp1",
         ("recipe=tiny", "model.chunked_loss=true", "parallel=tp2"),
         ("recipe=tiny", "model.chunked_loss=true"),

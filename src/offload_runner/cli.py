@@ -173,6 +173,15 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
+    if "planner.auto_micro_batch=true" in hydra_args and any(
+        a.startswith("planner.auto_micro_batch=") and a.endswith(("false", "False", "0"))
+        for a in hydra_args
+    ):
+        raise UsageError(
+            f"{AUTO_MICRO_BATCH} asks auto for the micro-batch, planner.auto_micro_batch=false "
+            "forbids it",
+            "keep one: train.micro_batch_size=auto, or a number with auto_micro_batch=false",
+        )
     options.overrides = list(hydra_args)
     hydra_args = hydra_flags + hydra_args
     if full:

@@ -63,6 +63,7 @@ class Environment:
     deep_ep_available: bool = True
     # APEX's CUDA extension, which Megatron-Core's gradient_accumulation_fusion calls
     fused_wgrad_available: bool = True
+    torchao_available: bool = True  # 8-bit moments quantize with its helpers
 
     @staticmethod
     def detect(launching: bool = False, world_size: int | None = None) -> Environment:
@@ -77,6 +78,7 @@ class Environment:
             installed("wandb"),
             installed("deep_ep"),
             installed("fused_weight_gradient_mlp_cuda"),
+            installed("torchao"),
         )
 
 
@@ -958,6 +960,14 @@ RULES: tuple[Rule, ...] = (
         "scheduler.start_weight_decay is above end_weight_decay: Megatron-Core's weight-decay "
         "schedule ({c.scheduler.weight_decay_incr_style.value}) only rises",
         "swap them, or set scheduler.weight_decay_incr_style=constant",
+    ),
+    Rule(
+        "q8_moments_need_torchao",
+        lambda c, e: q8_moments(c) and not e.torchao_available,
+        "8-bit moments (optimizer.exp_avg_dtype / exp_avg_sq_dtype=q8, or auto's last step) "
+        "quantize with torchao, which is not installed here",
+        "pip install 'torchao>=0.10' where the job runs, or use bf16 moments",
+        environment=True,
     ),
     Rule(
         "chunked_loss_needs_tp1",
