@@ -173,15 +173,7 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
         else:
             _check_override_key(arg)
             hydra_args.append(arg)
-    if "planner.auto_micro_batch=true" in hydra_args and any(
-        a.startswith("planner.auto_micro_batch=") and a.endswith(("false", "False", "0"))
-        for a in hydra_args
-    ):
-        raise UsageError(
-            f"{AUTO_MICRO_BATCH} asks auto for the micro-batch, planner.auto_micro_batch=false "
-            "forbids it",
-            "keep one: train.micro_batch_size=auto, or a number with auto_micro_batch=false",
-        )
+    _check_auto_micro_batch(hydra_args)
     options.overrides = list(hydra_args)
     hydra_args = hydra_flags + hydra_args
     if full:
@@ -198,6 +190,21 @@ def split_argv(argv: Sequence[str]) -> tuple[CliOptions, list[str]]:
             )
         options.mode = Mode.plan_json if json_output else Mode.plan_largest
     return options, hydra_args
+
+
+def _check_auto_micro_batch(hydra_args: list[str]) -> None:
+    """train.micro_batch_size=auto beside planner.auto_micro_batch=false: refused, not the
+    last one winning."""
+    forbidden = any(
+        a.startswith("planner.auto_micro_batch=") and a.endswith(("false", "False", "0"))
+        for a in hydra_args
+    )
+    if forbidden and "planner.auto_micro_batch=true" in hydra_args:
+        raise UsageError(
+            f"{AUTO_MICRO_BATCH} asks auto for the micro-batch, planner.auto_micro_batch=false "
+            "forbids it",
+            "keep one: train.micro_batch_size=auto, or a number with auto_micro_batch=false",
+        )
 
 
 def _mixed_precision_recipe(name: str) -> list[str]:
