@@ -51,8 +51,9 @@ def holds_checkpoint(path: str | Path | None) -> bool:
         return False
     path = Path(path)
     tracker = path / LATEST
-    if tracker.is_file() and tracker.read_text().strip().isdigit():
-        path = iteration_dir(path, int(tracker.read_text().strip()))
+    saved = tracker.read_text().strip() if tracker.is_file() else ""
+    if saved.isdigit():
+        path = iteration_dir(path, int(saved))
     return (path / "metadata.json").is_file()
 
 
@@ -157,10 +158,7 @@ def load_checkpoint(path: str | Path, model: list, optimizer, scheduler) -> int:
     from offload_runner.offload import optimizer as hybrid_optimizer
 
     load_dir = resolve_load_dir(path)
-    # its size on rank 0 alone: every rank stat-ing a sharded checkpoint's files is a burst of
-    # metadata calls on a shared filesystem
-    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file()) if on_terminal() else 0
-    said = timed_line(f"loading checkpoint {load_dir}: {{size}}", "loaded", size)
+    said = _loading_line(load_dir, "checkpoint")
     with host_adam.fp32_masters(optimizer):  # the templates of the saved fp32 masters
         with _pageable_weights(model):
             state = _checkpoint_state(model, optimizer, scheduler, 0, is_loading=True)
@@ -234,14 +232,13 @@ def load_pretrained(path: str | Path, model: list) -> None:
     from offload_runner.offload import weight
 
     load_dir = resolve_load_dir(path)
-    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file()) if on_terminal() else 0
-    said = timed_line(f"loading weights {load_dir}: {{size}}", "loaded", size)
+    said = _loading_line(load_dir, "weights")
     stored = stored_tensors(load_dir)
     with _pageable_weights(model):
         for chunk in model:
             bare = unwrap_model(chunk)
             wanted = aligned(model_weights(bare), stored)
-            padded = {n: wanted.pop(n) for n in list(wanted) if _vocab_differs(wanted[n], stored)}
+            padded = {n: wanted.pop(n) for n in list(wanted) if vocab_differs(wanted[n], stored)}
             loaded = dist_checkpointing.load(wanted, str(load_dir))
             loaded = {k: loaded[k] for k in wanted}  # not the checkpoint's common state
             loaded.update({n: _vocab_rows(e, stored, load_dir) for n, e in padded.items()})
@@ -257,7 +254,7 @@ def load_pretrained(path: str | Path, model: list) -> None:
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-def _vocab_differs(entry, stored: dict) -> bool:
+def vocab_differs(entry, stored: dict) -> bool:
     """A vocabulary table padded to another multiple than the checkpoint's (the padding
     grows with TP: Qwen3's 151,936 rows are 152,064 at TP 4)."""
     saved = stored[entry.key].global_shape
@@ -334,6 +331,13 @@ def describe_save(root: str | Path, arch: dict, pretrained: str | None) -> None:
     kept = checkpoint_root(pretrained) / HF_FILES_DIR if pretrained else None
     if kept and kept.is_dir() and not (Path(root) / HF_FILES_DIR).exists():
         shutil.copytree(kept, Path(root) / HF_FILES_DIR)
+
+
+def _loading_line(load_dir: Path, what: str):
+    """The start-up line of a load, its size summed on rank 0 alone: every rank stat-ing a
+    sharded checkpoint's files is a burst of metadata calls on a shared filesystem."""
+    size = sum(f.stat().st_size for f in load_dir.rglob("*") if f.is_file()) if on_terminal() else 0
+    return timed_line(f"loading {what} {load_dir}: {{size}}", "loaded", size)
 
 
 def _pageable_weights(model: list):

@@ -571,7 +571,7 @@ def _request(entry, stored: dict):
     import torch
 
     meta = stored[entry.key]
-    if entry.key in checkpoint.VOCAB_TENSORS and meta.global_shape != entry.global_shape:
+    if checkpoint.vocab_differs(entry, stored):
         return checkpoint.whole(entry.key, meta)
     return with_data(entry, torch.empty(entry.data.shape, dtype=meta.dtype))
 
