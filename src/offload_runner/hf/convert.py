@@ -22,7 +22,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 
 from offload_runner import checkpoint
@@ -519,9 +518,8 @@ def export_hf(path: Path, output: Path, progress: Progress) -> dict:
 
 def exportable(model) -> Family:
     family = family_of_model(model)
-    wrong = [
-        f"{k}={getattr(model, k)}" for k, v in FIXED_KEYS.items() if _plain(getattr(model, k)) != v
-    ]
+    arch = arch_of(model)
+    wrong = [f"{k}={arch[k]}" for k, v in FIXED_KEYS.items() if arch[k] != v]
     if model.qk_layernorm != family.qk_norm:
         wrong.append(f"qk_layernorm={model.qk_layernorm}")
     if wrong:
@@ -530,10 +528,6 @@ def exportable(model) -> Family:
             f"export models of the architectures of {', '.join(FAMILIES)}",
         )
     return family
-
-
-def _plain(value):
-    return value.value if isinstance(value, Enum) else value
 
 
 def _write_tensors(
