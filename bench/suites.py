@@ -611,6 +611,24 @@ WHOLE_MODEL = [
     Case("whole model, no offload", "qwen3_30b_a3b", WHOLE, "whole model"),
 ]
 
+# Issue 70: the whole model at GBS 16 on one H200 (pass needs_h200): today's line against auto's
+# pick (one pair a call, the order swapped in the next: --start-at auto), and the planner's
+# peak at each micro-batch under full recompute (--iters 3; MB 8's logits in chunks).
+WHOLE_16 = (*WHOLE[:1], "train.global_batch_size=16", *WHOLE[3:], "offload/optimizer=auto")
+WHOLE_MODEL_FAST = [
+    Case(name, "qwen3_30b_a3b", (*WHOLE_16, f"train.micro_batch_size={mb}"), "today")
+    for name, mb in (("today", 1), ("auto", "auto"))
+]
+WHOLE_MODEL_MB = [
+    Case(
+        f"MB {mb}",
+        "qwen3_30b_a3b",
+        (*WHOLE_16, *FULL_RECOMPUTE, f"train.micro_batch_size={mb}", *extra),
+        "MB 1",
+    )
+    for mb, extra in ((8, ("model.chunked_loss=true",)), (4, ()), (2, ()), (1, ()))
+]
+
 
 # The suites a session may run again (earlier suites' results stay in bench/results and render
 # as they ran: the report needs no definition of them).
@@ -621,6 +639,8 @@ SUITES: dict[str, list[Case]] = {
     "convergence": _convergence_cases(),
     "convergence-ep2": CONVERGENCE_EP2,
     "whole-model": WHOLE_MODEL,
+    "whole-model-fast": WHOLE_MODEL_FAST,
+    "whole-model-mb": WHOLE_MODEL_MB,
     "profile-55": PROFILE_55,
     "mb8-states": MB8_STATES,
     "chunked-loss": CHUNKED_LOSS,

@@ -232,10 +232,11 @@ def test_auto_turns_to_weight_offload_only_where_nothing_else_fits() -> None:
 def test_a_gpu_memory_cap_is_the_planners_gpu() -> None:
     plan = make_plan(compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24"))
     assert (plan.gpu_capacity_gb, plan.gpu_capacity_source) == (24.0, "train.gpu_memory_cap_gb")
-    told = make_plan(
-        compose_run("recipe=tiny", "train.gpu_memory_cap_gb=24", "planner.gpu_memory_gb=40")
-    )
-    assert told.gpu_capacity_gb == 40.0
+    # both set: the smaller, since the run enforces the cap whatever the planner is told
+    both = ("recipe=tiny", "train.gpu_memory_cap_gb=24", "planner.gpu_memory_gb=40")
+    assert make_plan(compose_run(*both)).gpu_capacity_gb == 24.0
+    smaller = make_plan(compose_run(*both[:2], "planner.gpu_memory_gb=20"))
+    assert (smaller.gpu_capacity_gb, smaller.gpu_capacity_source) == (20.0, "planner.gpu_memory_gb")
 
 
 def test_minimal_world_of_the_full_recipe() -> None:

@@ -162,11 +162,16 @@ def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(
 
     from offload_runner.config.schema import RunConfig
     from offload_runner.launch import launch
+    from offload_runner.plan import planned_peaks
 
     run_dir = tmp_path / "run"
 
     def fail(_args) -> None:
-        (run_dir / "rank2.log").write_text("torch.OutOfMemoryError: CUDA out of memory.\n")
+        (run_dir / "rank2.log").write_text(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.27 GiB. GPU 0 has a "
+            "total capacity of 139.80 GiB of which 4.21 GiB is free. Of the allocated memory "
+            "131.90 GiB is allocated by PyTorch, and 1.2 GiB is reserved\n"
+        )
         failure = ProcessFailure(local_rank=2, pid=1, exitcode=1, error_file=str(tmp_path / "x"))
         raise ChildFailedError("offload_runner.worker", {2: failure})
 
@@ -177,6 +182,8 @@ def test_a_rank_out_of_gpu_memory_ends_the_job_with_a_clean_status(
     assert json.loads((run_dir / "status.json").read_text())["rank"] == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "rank 2 ran out of GPU memory" in err and "offload/optimizer=auto" in err
+    planned = planned_peaks(RunConfig(), 1)["planned_gpu_peak_gb"]
+    assert f"planned peak {planned:.1f} GB, it held 131.9 GB and asked 9.27 GB more" in err
     assert "Traceback" not in err
 
 

@@ -173,6 +173,7 @@ RECOMPUTE_FULL = {
     "model.recompute_num_layers": 1,
 }
 NO_RECOMPUTE = dict.fromkeys(RECOMPUTE_FULL)
+CHUNKED = "model.chunked_loss"
 
 
 # Settings predicted within this share of the fastest tie (the model's own error on its suite is
@@ -185,12 +186,16 @@ def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
     """The micro-batches and recompute auto tries: the configured micro-batch (with full
     recompute too, unless recompute is configured), or with planner.auto_micro_batch each
     divisor of the rank's batch, without and with full recompute (never where the run offloads
-    layers: Megatron-Core refuses recompute beside it)."""
+    layers: Megatron-Core refuses recompute beside it). Where the logits may come in chunks
+    (TP 1), the most frugal shape of each micro-batch is tried with model.chunked_loss too."""
+    layout = Layout.of(run, world)
     if not run.planner.auto_micro_batch:
         if run.model.cpu_offloading or run.model.recompute_granularity is not None:
-            return [("", {})]
-        return [("", {}), ("full recompute", RECOMPUTE_FULL)]
-    per_rank = max(1, run.train.global_batch_size // Layout.of(run, world).dp)
+            found = [("", {})]
+        else:
+            found = [("", {}), ("full recompute", RECOMPUTE_FULL)]
+        return [*found, *_chunked(run, layout, found[-1:])]
+    per_rank = max(1, run.train.global_batch_size // layout.dp)
     found = []
     for mb in (d for d in range(1, per_rank + 1) if per_rank % d == 0):
         name = f"train.micro_batch_size={mb}"
@@ -198,7 +203,18 @@ def shapes(run: RunConfig, world: int | None = None) -> list[tuple[str, dict]]:
         if not run.model.cpu_offloading:
             full = {"train.micro_batch_size": mb, **RECOMPUTE_FULL}
             found.append((f"{name} with full recompute", full))
+        found.extend(_chunked(run, layout, found[-1:]))
     return found
+
+
+def _chunked(run: RunConfig, layout: Layout, frugal: list) -> list[tuple[str, dict]]:
+    """``frugal`` with the logits and loss in chunks, where the run may and does not already."""
+    if run.model.chunked_loss or layout.tp > 1:
+        return []
+    return [
+        (", ".join(x for x in (name, "chunked loss") if x), {**ov, CHUNKED: True})
+        for name, ov in frugal
+    ]
 
 
 def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
@@ -265,9 +281,9 @@ def choose_offload(run: RunConfig, world: int | None = None) -> AutoChoice:
 
 
 def _simplest(fit: Fit) -> tuple:
-    """What breaks a tie: the smallest micro-batch, then no recompute."""
+    """What breaks a tie: the smallest micro-batch, then no recompute, then whole logits."""
     recompute = fit.run.model.recompute_granularity is not None
-    return (fit.run.train.micro_batch_size, recompute)
+    return (fit.run.train.micro_batch_size, recompute, fit.run.model.chunked_loss)
 
 
 def _label(fit: Fit) -> str:

@@ -9,6 +9,7 @@ cannot queue ahead. So a MoE layer's fixed time grows with its local experts (EP
 and a larger micro-batch spreads it over more tokens. Full recompute runs each layer's forward
 again (its FLOPs and fixed time x 4/3). Activation offload counts as free (its copies overlap
 compute); communication and the pipeline's bubble are not modelled beyond (PP - 1) / micro-batches.
+The chunked loss (model.chunked_loss) computes the output layer's product once more in backward.
 The rates (hardware.GPU_RATES) were fitted on the Qwen3-30B-A3B proxy on one H100.
 """
 
@@ -18,7 +19,11 @@ from dataclasses import dataclass
 
 from offload_runner.config.schema import RunConfig, te_fusions
 from offload_runner.hardware import GPU_ADAM_S_PER_PARAM, GPU_RATES, GpuRates
-from offload_runner.model_size import count_parameters, training_flops_per_token
+from offload_runner.model_size import (
+    count_parameters,
+    padded_vocab_size,
+    training_flops_per_token,
+)
 from offload_runner.plan import Layout, rank_micro_batches
 
 RECOMPUTE_FACTOR = 4 / 3  # full recompute: the layer's forward (a third of its work) again
@@ -53,7 +58,10 @@ def forward_backward_seconds(
     n = rank_micro_batches(run, layout)
     layers = m.num_layers // layout.pp
     tokens = t.micro_batch_size * m.seq_length
-    flops = training_flops_per_token(m) * tokens / (layout.tp * layout.pp * layout.cp)
+    per_token = training_flops_per_token(m)
+    if m.chunked_loss:
+        per_token += 2 * padded_vocab_size(m) * m.hidden_size
+    flops = per_token * tokens / (layout.tp * layout.pp * layout.cp)
     recompute = (
         RECOMPUTE_FACTOR
         if m.recompute_granularity is not None and m.recompute_granularity.value == "full"

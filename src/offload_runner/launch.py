@@ -11,6 +11,7 @@ A failing rank ends the job; the launcher names it and its log file and returns 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -143,9 +144,10 @@ def launch(
         oom = ran_out_of_memory(rank_log(run_dir, rank))
         write_status(run_dir, "oom" if oom else "failed", rank=rank, exitcode=failure.exitcode)
         what_fits = "; --plan shows what fits, offload/optimizer=auto picks the least offload"
+        against = oom_against_plan(run, rank_log(run_dir, rank), nproc) if oom else ""
         console.fail(
             f"rank {rank} {'ran out of GPU memory' if oom else 'failed'} (exit code "
-            f"{failure.exitcode}); the job was stopped",
+            f"{failure.exitcode}){against}; the job was stopped",
             f"see {rank_log(run_dir, rank)}" + (f"{what_fits} that does" if oom else ""),
         )
         return 1
@@ -154,6 +156,28 @@ def launch(
 
 
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+# torch's out-of-memory message: what was asked, and what PyTorch had allocated then
+OOM_ASKED = re.compile(r"Tried to allocate ([0-9.]+) (GiB|MiB)")
+OOM_HELD = re.compile(r"Of the allocated memory ([0-9.]+) (GiB|MiB) is allocated by PyTorch")
+
+
+def oom_against_plan(run: RunConfig, log: Path, nproc: int) -> str:
+    """', planned peak P GB: it held H GB and asked A GB more' from the rank's log and the
+    plan (plan.py), or '' where the log does not say."""
+    from offload_runner.plan import planned_peaks
+
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    asked, held = OOM_ASKED.findall(text), OOM_HELD.findall(text)
+    if not (asked and held):
+        return ""
+    gb = [float(v) / (1 if unit == "GiB" else 1024) for v, unit in (held[-1], asked[-1])]
+    planned = planned_peaks(run, planned_world_size(run.launcher, nproc))
+    return (
+        f": planned peak {planned['planned_gpu_peak_gb']:.1f} GB, it held {gb[0]:.1f} GB and "
+        f"asked {gb[1]:.2f} GB more"
+    )
 
 
 def ran_out_of_memory(log: Path) -> bool:

@@ -680,15 +680,28 @@ def planned_gpus_per_node(run: RunConfig, world: int | None = None) -> int:
     return run.launcher.nproc_per_node or min(Layout.of(run, world).world, 8)
 
 
+def planned_peaks(run: RunConfig, world: int | None = None) -> dict:
+    """The plan's GPU peak (busiest rank) and host RAM (busiest node), GB, for summary.json and
+    the out-of-memory line beside what the run measured."""
+    plan = make_plan(run, world)
+    return {
+        "planned_gpu_peak_gb": round(plan.worst.gpu_peak / GiB, 3),
+        "planned_host_gb": round(plan.max_node_host_gb, 3),
+    }
+
+
 def make_plan(run: RunConfig, world: int | None = None, gpus_per_node: int | None = None) -> Plan:
     """Plan every rank of ``run`` on ``world`` ranks (default: the smallest world it allows)."""
     notes = []
     layout = Layout.of(run, world)
     per_node = gpus_per_node or planned_gpus_per_node(run, layout.world)
-    if run.planner.gpu_memory_gb:
-        capacity, source = run.planner.gpu_memory_gb, "planner.gpu_memory_gb"
-    elif run.train.gpu_memory_cap_gb:
-        capacity, source = run.train.gpu_memory_cap_gb, "train.gpu_memory_cap_gb"
+    given = {
+        "planner.gpu_memory_gb": run.planner.gpu_memory_gb,
+        "train.gpu_memory_cap_gb": run.train.gpu_memory_cap_gb,  # the run enforces it
+    }
+    if given := {k: v for k, v in given.items() if v}:
+        source = min(given, key=given.get)
+        capacity = given[source]
     elif (detected := detect_gpu_gb()) is not None:
         capacity, source = detected, "detected"
     else:

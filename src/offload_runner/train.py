@@ -31,6 +31,7 @@ from offload_runner.metrics import (
 )
 from offload_runner.model_size import training_flops_per_token
 from offload_runner.offload.engines import Engines
+from offload_runner.plan import planned_peaks
 from offload_runner.rundir import resolved_config
 
 log = logging.getLogger("offload_runner")
@@ -465,6 +466,7 @@ def _summary_extra(rank: Rank, reporter: MetricsReporter, peak: float, is_writer
     every rank, the engines' own metrics."""
     extra = {"world_size": dist.get_world_size(), "optimizer": type(rank.optimizer).__name__}
     extra.update(rank.startup.gathered(peak))
+    extra.update(planned_peaks(rank.run, dist.get_world_size()))
     forward_backward_s = reporter.summary().get("fwd_bwd_time_s_median")
     extra.update(
         rank.engines.metrics(forward_backward_s, rank.micro_batches, rank.dp_size, is_writer)
