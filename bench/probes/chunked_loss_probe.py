@@ -63,7 +63,9 @@ def main(sizes: list[int]) -> None:
             print(f"T {tokens} {name}: {seconds * 1e3:.1f} ms, peak +{rows[-1][1]:.2f} GB")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         timed(chunked, hidden, weight, labels)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    )
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def recompute_stored_and_rebuilt(
         rebuilt = REBUILT_COPIES * per_layer
         return checkpointed * layer_input + (layers - checkpointed) * per_layer, rebuilt
     groups = math.ceil(layers / n)  # uniform: every group of n layers keeps its input
-    return groups * layer_input, REBUILT_COPIES * min(n, layers) * per_layer
+    return groups * 2 * layer_input, REBUILT_COPIES * min(n, layers) * per_layer
 
 
 # Bytes per vocabulary entry and token that the output layer and its loss hold at the peak: the
