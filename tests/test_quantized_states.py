@@ -48,6 +48,35 @@ def test_quantize_and_dequantize_are_torchao_8bit_optimizer_states() -> None:
         assert (back - values).abs().max() < 0.02 * values.abs().max()
 
 
+@pytest.mark.gpu
+def test_the_triton_kernels_give_the_torch_paths_codes_bit_for_bit(monkeypatch) -> None:
+    """q8_triton.py against the torch path on the GPU: codes, scales and dequantized values
+    equal over values spanning ten decades, an all-zero block and a partial last program."""
+    pytest.importorskip("triton")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 1001 * quantized.BLOCK
+    spread = torch.logspace(-8, 2, n, device="cuda")
+    moments = (
+        torch.randn(n, device="cuda", generator=g) * spread,
+        torch.rand(n, device="cuda", generator=g) * spread,
+    )
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(quantized, "_fused", lambda: None)
+        for signed, values in zip((True, False), moments, strict=True):
+            values[: quantized.BLOCK] = 0
+            codes = torch.empty(n, dtype=torch.uint8, device="cuda")
+            scales = torch.empty(n // quantized.BLOCK, device="cuda")
+            quantized.quantize(values, codes, scales, signed)
+            back = torch.empty(n, device="cuda")
+            quantized.dequantize(codes, scales, back, signed)
+            results[fused, signed] = (codes, scales, back)
+    for signed in (True, False):
+        for ours, theirs in zip(results[True, signed], results[False, signed], strict=True):
+            assert torch.equal(ours, theirs)
+
+
 class RoundTripReference(Reference):
     """torch's fused AdamW whose moments, after each step, are what 8-bit storage gives back:
     quantized and dequantized over the engine's blocks (each piece's, from its start, its last

@@ -3,7 +3,8 @@
 each way beside the forward, against 50.8 GB/s for bare copies both ways at once): one
 ``StatesWindow`` (offload/window.py) over N params of page-locked host state, the window of the
 runs (512 MiB, WINDOW_PIECES slots), Transformer Engine's remainder Adam, bf16 gradients, as
-state offload runs it at auto's 8-bit tier; the moments in 8 bits, in bf16 and in fp32.
+state offload runs it at auto's 8-bit tier: the moments in 8 bits (through q8_triton.py's
+kernels, and through the torch path), and in bf16.
 
     python bench/probes/state_pass_probe.py          # N=2G params by default (N=... to change)
 
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from offload_runner.hardware import WINDOW_SLOTS  # noqa: E402
+from offload_runner.offload import quantized  # noqa: E402
 from offload_runner.offload.host_adam import Piece  # noqa: E402
 from offload_runner.offload.quantized import BLOCK  # noqa: E402
 from offload_runner.offload.window import StatesWindow, te_adam  # noqa: E402
@@ -34,6 +36,8 @@ N = int(float(os.environ.get("N", str(2 * 1024**3))))
 WINDOW = 512 * 1024**2
 HYPERS = [dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)]
 MOMENTS = {"q8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
+# the cases: 8-bit moments through q8_triton.py's kernels and through the torch path, bf16 ones
+CASES = (("q8", True), ("q8", False), ("bf16", True))
 
 
 class Beside:
@@ -100,7 +104,9 @@ def main() -> None:
     param = torch.zeros(N, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn(N, dtype=torch.bfloat16, device="cuda") * 1e-3
     beside = Beside()
-    for kind in MOMENTS:
+    fused = quantized._fused
+    for kind, triton in CASES:
+        quantized._fused = fused if triton else lambda: None  # the torch path, for comparison
         window, pieces, moved = window_for(kind, param, grad)
         one_pass(window, pieces, 1, beside)  # warm-up
         alone = [one_pass(window, pieces, 2 + i, beside) for i in range(3)]
@@ -114,11 +120,12 @@ def main() -> None:
         for name, times in (("alone", alone), ("beside matmuls", loaded)):
             s = statistics.median(times)
             print(
-                f"{kind} {name}: {s:.3f} s for {N / 1e9:.2f}G params, "
+                f"{kind}{'' if triton else ' (torch path)'} {name}: {s:.3f} s for "
+                f"{N / 1e9:.2f}G params, "
                 f"{N * moved / s / 1e9:.1f} GB/s each way, {len(pieces)} pieces of "
                 f"{pieces[0].numel / 1e6:.1f}M"
             )
-        if kind == "q8":
+        if kind == "q8" and triton:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 one_pass(window, pieces, 9, beside)
             print(
