@@ -96,6 +96,8 @@ def max_delta(a: list[float], b: list[float]) -> float:
 def test_same_seed_twice_is_identical(root: str) -> None:
     again = train(Path(root) / "again")
     assert again["losses"] == baseline(root)["losses"]
+    # the plan beside what the run measured
+    assert again["planned_gpu_peak_gb"] > 0 and again["planned_host_gb"] > 0
 
 
 def test_activation_offload_tracks_baseline(root: str) -> None:

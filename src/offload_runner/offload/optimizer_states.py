@@ -478,7 +478,8 @@ class BesideForward:
     def __init__(self, engines: list[WindowedStates], chunks) -> None:
         import torch
 
-        self.stream = torch.cuda.Stream()
+        # high priority: the next forward waits for the passes, so their kernels go first
+        self.stream = torch.cuda.Stream(priority=-1)
         self.chunks = chunks
         self._thread = concurrent.futures.ThreadPoolExecutor(
             1,
