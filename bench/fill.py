@@ -253,7 +253,7 @@ SHARED_PARTS = {
 def main() -> int:
     """``python bench/fill.py NAME``: bench/templates/NAME.md filled with the evidence and
     table parts alone, on stdout."""
-    names = sorted(p.stem for p in TEMPLATES.glob("*.md"))
+    names = sorted(p.stem for p in TEMPLATES.glob("*.md") if p.stem != "README")  # readme.py's
     if len(sys.argv) != 2 or sys.argv[1] not in names:
         print(f"usage: python bench/fill.py {{{'|'.join(names)}}}", file=sys.stderr)
         return 2

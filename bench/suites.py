@@ -159,13 +159,6 @@ def expert_share(recipe: str) -> float:
 EXPERTS_ONLY = f"optimizer.optimizer_offload_fraction={expert_share(PROXY_RECIPE)}"
 
 
-PROFILE_AT = (
-    "profiling.use_pytorch_profiler=true",
-    "profiling.profile_step_start=5",
-    "profiling.profile_step_end=5",
-)
-
-
 # No offload and both exact host engines at 100%: the rows the exact-offload suites compare.
 EXACT_ROWS = (
     ("no offload", ()),
@@ -489,42 +482,12 @@ def _engine_cases(gbs: int, profile: tuple[str, ...] = ()) -> list[Case]:
     ]
 
 
-# Where the time goes (issue 55): state offload at MB 8 under the throughput suite's cap, and
-# the CPU-Adam engine's three rows at GBS 4, iteration 5 under the torch profiler each.
-PROFILE_55 = [
-    Case(
-        "MB8 fused states",
-        PROXY_RECIPE,
-        (*T16, "train.micro_batch_size=8", "offload/optimizer=states", *PROFILE_AT),
-        "MB8 fused states",
-    ),
-    *_engine_cases(4, PROFILE_AT),
-]
-
-
-# Issue 55's miss: the state stream at MB 8 against the same shape without offload (no cap:
-# it fits one H200 whole), run interleaved.
 # Issue 70: the chunked loss beside Transformer Engine's fused cross entropy on whole logits,
 # deterministic, MB 4 (16k tokens a micro-batch: 7.3 GB of bf16 logits): losses and peaks.
 MB4_DETERMINISTIC = ("train.global_batch_size=8", "train.micro_batch_size=4", DETERMINISTIC[-1])
 CHUNKED_LOSS = [
     Case(name, PROXY_RECIPE, (*MB4_DETERMINISTIC, *extra), "whole logits")
     for name, extra in (("whole logits", ()), ("chunked loss", ("model.chunked_loss=true",)))
-]
-
-MB8_STATES = [
-    Case(
-        "MB8 fused",
-        PROXY_RECIPE,
-        ("train.global_batch_size=16", "train.micro_batch_size=8"),
-        "MB8 fused",
-    ),
-    Case(
-        "MB8 fused states",
-        PROXY_RECIPE,
-        (*T16, "train.micro_batch_size=8", "offload/optimizer=states"),
-        "MB8 fused",
-    ),
 ]
 
 
@@ -597,24 +560,17 @@ CONVERGENCE_EP2 = [
         nproc=2,
     ),
 ]
-# Issue 58: the whole Qwen3-30B-A3B (48 layers) on one H200, auto's offload against none.
-WHOLE = (
-    "parallel=single",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=1",
-    "scheduler.lr_warmup_iters=2",
-    "planner.gpu_memory_gb=139",
-    "planner.host_memory_gb=125",
-)
-WHOLE_MODEL = [
-    Case("whole model auto", "qwen3_30b_a3b", (*WHOLE, "offload/optimizer=auto"), "whole model"),
-    Case("whole model, no offload", "qwen3_30b_a3b", WHOLE, "whole model"),
-]
-
 # Issue 70: the whole model at GBS 16 on one H200 (pass needs_h200): today's line against auto's
 # pick (one pair a call, the order swapped in the next: --start-at auto), and the planner's
 # peak at each micro-batch under full recompute (--iters 3; MB 8's logits in chunks).
-WHOLE_16 = (*WHOLE[:1], "train.global_batch_size=16", *WHOLE[3:], "offload/optimizer=auto")
+WHOLE_16 = (
+    "parallel=single",
+    "train.global_batch_size=16",
+    "scheduler.lr_warmup_iters=2",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=125",
+    "offload/optimizer=auto",
+)
 WHOLE_MODEL_FAST = [
     Case(name, "qwen3_30b_a3b", (*WHOLE_16, f"train.micro_batch_size={mb}"), "today")
     for name, mb in (("today", 1), ("auto", "auto"))
@@ -638,11 +594,8 @@ SUITES: dict[str, list[Case]] = {
     "throughput-37": THROUGHPUT_37,
     "convergence": _convergence_cases(),
     "convergence-ep2": CONVERGENCE_EP2,
-    "whole-model": WHOLE_MODEL,
     "whole-model-fast": WHOLE_MODEL_FAST,
     "whole-model-mb": WHOLE_MODEL_MB,
-    "profile-55": PROFILE_55,
-    "mb8-states": MB8_STATES,
     "chunked-loss": CHUNKED_LOSS,
     **{f"engines-{gbs}": _engine_cases(gbs) for gbs in (4, 8)},
     # exact offload's cost against the batch (no offload, both exact engines, HDO, delayed)

@@ -279,6 +279,19 @@ SUITES = {
         )
         for gbs in (4, 8)
     },
+    "whole-model-fast": (
+        "The whole model on one H200: today's line against auto",
+        "All 48 layers of Qwen3-30B-A3B (30.5B params), GBS 16, planned for 139 GB and 125 GB "
+        "of RAM, `offload/optimizer=auto`; `today` MB 1, `auto` `train.micro_batch_size=auto`. "
+        "A pair outlasts a device call: each row ran alone, so no ratio is taken.",
+        [],
+    ),
+    "whole-model-mb": (
+        "The whole model on one H200 at each micro-batch (the planner's suite)",
+        "All 48 layers, GBS 16, full recompute, `offload/optimizer=auto`, 3 iterations (one "
+        "steady step: memory, not speed); MB 8 with `model.chunked_loss`.",
+        [],
+    ),
     "mb8-states": (
         "State offload at MB 8: its stream against the same shape without offload",
         "The proxy, GBS 16, MB 8, fused kernels: no offload (no cap: it takes 85 GB) and "

@@ -96,30 +96,6 @@ def test_a_suite_run_in_two_calls_reports_each_row_against_its_own_call() -> Non
         assert f" {step / base:.2f}x |" in row, row
 
 
-def test_readme_states_what_the_whole_model_run_measured() -> None:
-    import re
-
-    found = json.loads((PROJECT_ROOT / "bench/results/results-whole-model.json").read_text())
-    auto, none = found["results"]
-    s = auto["summary"]
-    readme = " ".join((PROJECT_ROOT / "README.md").read_text().split())
-    host = s["host_used_gb_max_per_node"][0] - s["host_used_gb_before_per_node"][0]
-    for said in (
-        f"loss {s['first_loss']:.2f} -> {s['final_loss']:.2f}",
-        f"{s['step_time_s_median']:.2f} s/step",
-        f"{s['tokens_per_s_median']:,.0f} tokens/s",
-        f"{s['tflops_per_gpu_median']:.1f} TFLOP/s/GPU",
-        f"GPU peak {s['gpu_peak_allocated_gb']:.1f} GB",
-        f"RAM {host:.1f} GB above idle",
-    ):
-        assert said in readme, said
-    assert "full recompute, offload/optimizer=states, 8bit moments" in s["auto"]
-    planned = re.search(r"peak ([\d.]+) GB .* host ([\d.]+) of", s["auto"])
-    assert f"{s['gpu_peak_allocated_gb']:.1f} GB against {planned[1]} planned" in readme
-    assert f"{host:.1f} GB above idle against {planned[2]} planned" in readme
-    assert none["status"] == "OOM" and "out of GPU memory" in readme
-
-
 def test_benchmarks_is_an_index_of_reports_headline_and_suites() -> None:
     """docs/BENCHMARKS.md from every committed result: at most 150 lines, a link per report,
     a row per suite no report holds, and no run's own table (those: ``report --suite``)."""

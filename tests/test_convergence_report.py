@@ -59,26 +59,3 @@ def test_auto_cites_what_the_suite_measured_for_each_precision_tier() -> None:
     assert set(MEASURED_LOSS_COST) == {name for name, _ in PRECISION_TIERS[1:]}
     for tier, cost in MEASURED_LOSS_COST.items():
         assert abs(convergence.gap(rows, tier) - cost) < 5e-5, tier
-
-
-README_FIGURES = [  # what README.md says of a row's gap, and the row
-    ("exact `states` {:+.1%}", "states"),
-    ("`cpu_adam` {:+.1%}", "cpu_adam"),
-    ("`cpu_50` {:+.1%}", "HDO 50%"),
-    ("bf16 moments {:+.1%}", "bf16 moments"),
-    ("bf16 moments and gradients {:+.1%}", "bf16 moments and gradients"),
-    ("8-bit moments {:+.1%}", "8bit moments"),
-    ("stochastically rounded bf16 masters {:+.1%}", "8bit moments, sr bf16 masters"),
-    ("seed of the reference alone moved it {:+.1%}", "reference seed 2"),
-    ("learns slower: {:.1%} above", "cpu_adam_delayed"),
-    ("{:.1%} with `optimizer.cpu_adam_weight_prediction=true`", "cpu_adam_delayed predicted"),
-    ("(EP 1, at their fraction) ended {:.1%} above", "cpu_adam_delayed experts"),
-    ("at EP 2 ended {:.1%} above", "cpu_adam_delayed_experts EP2"),
-]
-
-
-def test_readme_states_what_the_suite_measured() -> None:
-    rows, _ = convergence.load(sorted((PROJECT_ROOT / "bench/results").glob("*convergence-*")))
-    readme = " ".join((PROJECT_ROOT / "README.md").read_text().split())
-    for said, row in README_FIGURES:
-        assert said.format(convergence.gap(rows, row)) in readme, row

@@ -158,3 +158,15 @@ def test_the_hf_finetune_report_is_its_template_filled() -> None:
     made = fill("hf-finetune.md", SHARED_PARTS) + "\n"
     assert "{{" not in made and "results-hf-finetune-r1.json" in made
     assert (PROJECT_ROOT / "docs/benchmarks/hf-finetune.md").read_text() == made
+
+
+def test_readme_is_its_template_filled_and_a_screenful_of_screens() -> None:
+    """README.md is what bench/readme.py makes of bench/templates/README.md from the results
+    now (every measured figure in it a part), at most 200 lines."""
+    from fill import fill
+    from readme import PARTS
+
+    made = fill("README.md", PARTS)
+    assert "{{" not in made and "results-whole-model-fast-auto-r1" not in made
+    assert (PROJECT_ROOT / "README.md").read_text() == made
+    assert len(made.splitlines()) <= 200

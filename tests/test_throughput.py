@@ -205,3 +205,10 @@ def test_delayed_cpu_adam_hides_under_the_predicted_forward_backward() -> None:
     assert "delayed: hidden under forward+backward" in cost.explain(run, rank)
     measured = step_cost(compose_run(*args, "planner.forward_backward_s=0.5"))
     assert measured.forward_backward_s == 0.5
+
+
+def test_the_throughput_report_is_what_the_results_make(tmp_path) -> None:
+    """docs/benchmarks/throughput.md is bench/throughput.py's report of the committed results
+    (its figures held: change a result or the text and this fails)."""
+    made = throughput.render(sorted((PROJECT_ROOT / "bench/results").glob("*.json")), tmp_path)
+    assert (PROJECT_ROOT / "docs/benchmarks/throughput.md").read_text().rstrip() == made.rstrip()

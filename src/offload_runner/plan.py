@@ -232,9 +232,9 @@ def recompute_stored_and_rebuilt(
     run: RunConfig, layers: int, per_layer: float, layer_input: float
 ) -> tuple[float, float]:
     """Full recompute: what a stage keeps per micro-batch in flight (checkpointed groups keep
-    CHECKPOINTED_COPIES of their input's size), and what backward holds at once to rebuild one checkpointed group. Selective
-    recompute of core attention saves nothing with flash attention, which keeps no score matrix;
-    no recompute keeps every layer."""
+    CHECKPOINTED_COPIES of their input's size), and what backward holds at once to rebuild one
+    checkpointed group. Selective recompute of core attention saves nothing with flash
+    attention, which keeps no score matrix; no recompute keeps every layer."""
     m = run.model
     if m.recompute_granularity is None or m.recompute_granularity.value != "full":
         return layers * per_layer, 0.0
