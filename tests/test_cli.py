@@ -323,6 +323,15 @@ def test_bridge_cpu_offloading_alone_is_a_warning(tmp_path: Path, capsys) -> Non
         ("", "empty.yaml", "is empty (it would run the built-in defaults)"),
         ("model: {num_layers: 2}\n", "notes.txt", "is not a .yaml/.yml file"),
         (None, "folder", "is a folder"),
+        ("defaults: tiny\n", "str.yaml", "defaults must be a list, not 'tiny'"),
+        ("defaults: [nosuch]\n", "r.yaml", "defaults name 'nosuch', not an option of recipe"),
+        ("defaults: [tiny, stats: x]\n", "g.yaml", "defaults name a group 'stats', which does"),
+        (
+            "defaults: [tiny, override /offload/optimizer: stats]\n",
+            "o.yaml",
+            "defaults name 'stats', not an option of offload/optimizer",
+        ),
+        ("model: {num_layers: 2}\n", "x" * 300 + ".yaml", "File name too long"),
     ],
 )
 def test_broken_recipe_files_are_usage_errors(
@@ -331,12 +340,20 @@ def test_broken_recipe_files_are_usage_errors(
     path = tmp_path / name
     if content is None:
         path.mkdir()
-    else:
+    elif len(name) < 255:
         path.write_text(content)
     assert main(["--recipe", str(path), "--dry-run", f"output_dir={tmp_path}/out"]) == EXIT_USAGE
     captured = capsys.readouterr()
     assert message in " ".join((captured.out + captured.err).split())
     assert not (tmp_path / "out").exists()
+
+
+def test_interpolation_to_nothing_and_a_name_too_long_are_usage_errors(tmp_path, capsys) -> None:
+    assert main(["--recipe", "x" * 5000, "--dry-run"]) == EXIT_USAGE
+    bad = ["--recipe", "tiny", "model.num_layers=${model.nosuch}", f"output_dir={tmp_path}/o"]
+    assert main([*bad, "--dry-run"]) == EXIT_USAGE and not (tmp_path / "o").exists()
+    said = " ".join(capsys.readouterr().err.split())
+    assert "(5000 characters)" in said and "Interpolation key 'model.nosuch' not found" in said
 
 
 def test_a_recipe_file_loads_alone_not_its_folder(tmp_path: Path, capsys) -> None:
@@ -456,15 +473,29 @@ def test_time_stamped_runs_of_one_second_get_their_own_folders(tmp_path: Path) -
 def test_dry_run_under_torchrun_is_rank_0s_alone(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(["--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/run"]) == EXIT_OK
     assert not (tmp_path / "run").exists()
     assert "recipe tiny" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("world", ["2", "two"])
+def test_a_stale_rank_in_the_shell_is_no_torchrun(monkeypatch, tmp_path, capsys, world) -> None:
+    """RANK / WORLD_SIZE left in a shell, no torchrun around (no LOCAL_RANK): a dry run is a
+    person's and answers."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert main(["--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/run"]) == EXIT_OK
+    assert "recipe tiny" in capsys.readouterr().out and (tmp_path / "run").is_dir()
 
 
 def test_no_cuda_under_torchrun_says_so(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["--recipe", "tiny", f"output_dir={tmp_path}/run"]) == EXIT_FAILED
     assert "no CUDA device" in capsys.readouterr().err
 

@@ -14,6 +14,7 @@ from offload_runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from offload_runner.hardware import cpu_adam_piece_bytes
 from offload_runner.model_size import count_parameters, largest_modules
 from offload_runner.plan import (
+    CHECKPOINTED_COPIES,
     HOST_PROCESS_BYTES,
     REBUILT_COPIES,
     WORKSPACE_BYTES,
@@ -46,7 +47,8 @@ def test_recompute_keeps_layer_inputs_and_rebuilds_one_group() -> None:
     )
     full = make_plan(full_run).ranks[0]
     hidden = 2 * 256 * 512
-    assert full.activations == 2 * hidden + 4 * hidden  # two groups' inputs + model level
+    # two groups keep CHECKPOINTED_COPIES of their inputs' size; then the model level
+    assert full.activations == 2 * CHECKPOINTED_COPIES * hidden + 4 * hidden
     # backward rebuilds one group of 2 layers, and holds their gradients beside them
     assert full.recomputed == REBUILT_COPIES * 2 * TINY_LAYER * 512
     assert full.fwd_bwd_peak == full.static + full.activations + max(full.logits, full.recomputed)

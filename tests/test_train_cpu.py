@@ -113,7 +113,9 @@ def test_worker_environment_sizes_te_and_torch_but_the_users_settings_win(monkey
 
 
 def test_rank_detection() -> None:
-    assert in_torchrun({"RANK": "0", "WORLD_SIZE": "2"})
+    assert in_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert in_torchrun({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+    assert not in_torchrun({"RANK": "0", "WORLD_SIZE": "2"})  # left in a shell
     assert not in_torchrun({"RANK": "0"}) and not in_torchrun({})
 
 
@@ -127,6 +129,7 @@ def test_planned_world_size(monkeypatch) -> None:
     assert planned_world_size(LauncherConfig(nnodes="1:4"), visible=8) is None
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert planned_world_size(LauncherConfig(), visible=8) == 32
 
 

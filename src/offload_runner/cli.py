@@ -30,7 +30,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.markup import escape
 
@@ -52,7 +52,7 @@ from offload_runner.config.compose import (
 )
 from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, REMOVED_KEYS, RunConfig
-from offload_runner.launch import submitit_rendezvous
+from offload_runner.launch import in_torchrun, submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
 from offload_runner.rundir import VERBOSE_ENV, RunDirError, create_run_dir
@@ -300,7 +300,7 @@ def _option_value(arg: str, rest: list[str]) -> str:
 
 def _recipe_choice(value: str, options: CliOptions) -> str:
     """A recipe name, its ``_pretrain_config`` alias, or the path of a recipe YAML of one's own."""
-    if value.endswith(RECIPE_SUFFIXES) or "/" in value or Path(value).is_dir():
+    if value.endswith(RECIPE_SUFFIXES) or "/" in value or _is_dir(value):
         path = _recipe_file(value)
         options.extra_recipes.append(path)
         return path.stem
@@ -309,16 +309,30 @@ def _recipe_choice(value: str, options: CliOptions) -> str:
     if name not in known:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
+        shown = value if len(value) <= 80 else f"{value[:60]}... ({len(value)} characters)"
         raise UsageError(
-            f"unknown recipe {value!r}{hint}",
+            f"unknown recipe {shown!r}{hint}",
             "--list-recipes shows the recipes; --recipe also takes a .yaml file",
         )
     return name
 
 
+def _is_dir(value: str) -> bool:
+    try:
+        return Path(value).is_dir()
+    except OSError:  # a name longer than the file system takes
+        return False
+
+
 def _recipe_file(value: str) -> Path:
     """A recipe file that exists, parses, and sets something; else a UsageError saying which."""
     path = Path(value)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # a name too long, a folder we may not enter
+        raise UsageError(f"recipe file {value[:80]}: {err.strerror}", "check the path") from None
     if path.is_dir():
         raise UsageError(
             f"--recipe {value} is a folder",
@@ -349,7 +363,43 @@ def _recipe_file(value: str) -> Path:
     if unknown:
         message, fix = _unknown_key_message(unknown[0])
         raise UsageError(f"recipe file {value}: {message}", fix)
+    if "defaults" in node:
+        _check_recipe_defaults(value, node.defaults, path.parent)
     return path.resolve()
+
+
+def _check_recipe_defaults(value: str, defaults, folder: Path) -> None:
+    """A recipe file's defaults list: recipes (of its folder too) and ``/group: option``
+    entries that exist, else a UsageError naming the entry (not Hydra's message about the
+    recipe group, which names the user's own file)."""
+    if not isinstance(defaults, ListConfig):
+        raise UsageError(
+            f"recipe file {value}: defaults must be a list, not {defaults!r}",
+            "write it as a list: 'defaults: [tiny]' or one '- NAME' a line",
+        )
+    groups = config_groups()
+    recipes = [*groups["recipe"], *(p.stem for p in folder.glob("*.y*ml"))]
+    for entry in defaults:
+        if isinstance(entry, str):
+            group, option = "recipe", normalize_recipe_name(entry)
+            if entry == "_self_":
+                continue
+        elif isinstance(entry, DictConfig) and len(entry) == 1:
+            ((key, option),) = entry.items()
+            group = str(key).removeprefix("override").strip().lstrip("/")
+        else:
+            raise UsageError(f"recipe file {value}: defaults entry {entry!r}", "write '- NAME'")
+        options = recipes if group == "recipe" else groups.get(group)
+        if options is None:
+            raise UsageError(
+                f"recipe file {value}: its defaults name a group {group!r}, which does not exist",
+                f"pick one of: {', '.join(g for g in groups if g != 'recipe')}",
+            )
+        if str(option) not in options:
+            raise UsageError(
+                f"recipe file {value}: its defaults name {option!r}, not an option of {group}",
+                f"pick one of: {', '.join(sorted(options))}",
+            )
 
 
 @dataclass
@@ -382,7 +432,7 @@ class _Job:
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
     quiet = (Mode.dry_run, Mode.dry_run_full, Mode.plan, Mode.plan_json, Mode.plan_largest)
-    if mode in quiet and os.environ.get("RANK", "0") != "0":
+    if mode in quiet and in_torchrun() and os.environ["RANK"] != "0":
         return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
     try:
         run = _typed_run(cfg)
@@ -399,11 +449,11 @@ def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
 def _typed_run(cfg: DictConfig) -> RunConfig:
     """The config as a RunConfig (with a Slurm job's rendezvous), its keys known and its values
     in range, its checkpoint to resume from there; else _Stop(2), said."""
-    unknown = unknown_keys(cfg)
-    if unknown:  # from a recipe file, or added with + on the command line
-        console.fail(*_unknown_key_message(unknown[0]))
-        raise _Stop(EXIT_USAGE)
     try:
+        unknown = unknown_keys(cfg)  # reads every value: a bad ${...} raises here
+        if unknown:  # from a recipe file, or added with + on the command line
+            console.fail(*_unknown_key_message(unknown[0]))
+            raise _Stop(EXIT_USAGE)
         run = to_run_config(cfg)
         rendezvous = submitit_rendezvous(run.launcher)  # a job of hydra/launcher=submitit_*
         if rendezvous:
@@ -418,7 +468,8 @@ def _typed_run(cfg: DictConfig) -> RunConfig:
                 OmegaConf.update(cfg, key, value)
             run = to_run_config(cfg)
     except OmegaConfBaseException as err:
-        console.fail(str(err).splitlines()[0], "set the key it names on the command line")
+        fix = "set the key it names on the command line, or mend the ${...} that names it"
+        console.fail(str(err).splitlines()[0], fix)
         raise _Stop(EXIT_USAGE) from None
     ranges = value_violations(run)
     if ranges:  # before the planner, which divides by some of them

@@ -1,6 +1,6 @@
 """Start training: torchrun through ``torch.distributed.run``'s Python API, or in place.
 
-- Inside torchrun already (RANK and WORLD_SIZE set): train in this process.
+- Inside torchrun already (``in_torchrun``): train in this process.
 - Otherwise: write the run directory, then start ``nproc_per_node`` workers (default: every
   visible GPU) running ``python -m offload_runner.worker --run-dir DIR``; each reads the resolved
   config from the run directory, so every rank trains exactly the same configuration.
@@ -20,14 +20,10 @@ from typing import Any
 from offload_runner import console
 from offload_runner.config.schema import LauncherConfig, RunConfig
 from offload_runner.metrics import LAUNCHED_AT_ENV
+from offload_runner.progress import in_torchrun
 from offload_runner.rundir import create_run_dir, rank_log, write_status
 
 WORKER_MODULE = "offload_runner.worker"
-
-
-def in_torchrun(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when a launcher (torchrun, SLURM + torchrun) already started this process as a rank."""
-    return "RANK" in environ and "WORLD_SIZE" in environ
 
 
 def nodes(launcher: LauncherConfig) -> int | None:
@@ -46,7 +42,7 @@ def planned_world_size(launcher: LauncherConfig, visible: int) -> int | None:
     """Ranks the job will have: WORLD_SIZE inside torchrun, else nodes x GPUs per node (None
     while the node count is an elastic range)."""
     if in_torchrun():
-        return int(os.environ["WORLD_SIZE"])
+        return int(os.environ["WORLD_SIZE"]) if os.environ["WORLD_SIZE"].isdigit() else None
     node_count = nodes(launcher)
     return None if node_count is None else node_count * gpus_per_node(launcher, visible)
 

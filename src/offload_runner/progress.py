@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 SAY_GB = 10  # a phase over this much is said: it keeps the terminal silent for a while
 
 
+def in_torchrun(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when torchrun (alone or under Slurm) started this process as a rank: RANK and
+    WORLD_SIZE beside torchrun's own LOCAL_RANK or TORCHELASTIC_RUN_ID (a RANK / WORLD_SIZE left
+    in a shell is no launcher: --dry-run, --plan and --prepare answer a person there)."""
+    launched = "LOCAL_RANK" in environ or "TORCHELASTIC_RUN_ID" in environ
+    return "RANK" in environ and "WORLD_SIZE" in environ and launched
+
+
 def on_terminal() -> bool:
-    """This process is global rank 0, whose stdout is the terminal."""
-    return os.environ.get("RANK", "0") == "0"
+    """This process is global rank 0 (whose stdout is the terminal), or no torchrun rank."""
+    return not in_torchrun() or os.environ["RANK"] == "0"
 
 
 def timed_line(
