@@ -582,6 +582,31 @@ def _junk_tracker(tmp: Path) -> list[str]:
     return [f"checkpoint.load={tmp / 'ckpt'}"]
 
 
+def _gone_iteration(tmp: Path) -> list[str]:
+    (tmp / "ckpt").mkdir()
+    (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5\n")
+    return [f"checkpoint.load={tmp / 'ckpt'}"]
+
+
+def _a_file(tmp: Path) -> list[str]:
+    (tmp / "notes").write_text("x")
+    return [f"checkpoint.load={tmp / 'notes'}"]
+
+
+def _save_under_a_file(tmp: Path) -> list[str]:
+    (tmp / "notes").write_text("x")
+    return [f"checkpoint.save={tmp / 'notes' / 'ckpt'}"]
+
+
+def _truncated_precision(tmp: Path) -> list[str]:
+    saved = tmp / "ckpt" / "iter_0000005"
+    saved.mkdir(parents=True)
+    (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5\n")
+    (saved / "metadata.json").write_text("{}")
+    (saved / "optimizer_precision.json").write_text('{"precision": "q8')
+    return [f"checkpoint.load={tmp / 'ckpt'}"]
+
+
 NEW_USER = {
     "group typo": (lambda tmp: ["offload/optimiser=states"], "no config group offload/optimiser"),
     "flag typo": (lambda tmp: ["--dry_run"], "unknown flag --dry_run (did you mean --dry-run?)"),
@@ -594,7 +619,16 @@ NEW_USER = {
         lambda tmp: ["optimizer.offload_states_window_mb=64"],
         "optimizer.offload_states_window_mb was removed",
     ),
-    "junk tracker": (_junk_tracker, "holds 'junk', not an iteration number"),
+    "junk tracker": (_junk_tracker, "holds 'junk', not an iteration"),
+    "a tracker whose folder is gone": (_gone_iteration, "names iter_0000005, which is not there"),
+    "load a file": (_a_file, "is a file, not a checkpoint folder"),
+    "load a folder of other files": (
+        lambda tmp: [f"checkpoint.load={Path(__file__).parent}"],
+        "holds files but no checkpoint",
+    ),
+    "a truncated precision file": (_truncated_precision, "does not read as the precision file"),
+    "save under /proc": (lambda tmp: ["checkpoint.save=/proc/ck"], "can not be written here"),
+    "save under a file": (_save_under_a_file, "can not be written here"),
 }
 
 

@@ -105,7 +105,13 @@ def _not_utf8(tmp: Path) -> list[str]:
     return [str(tmp / "latin.jsonl")]
 
 
+def _binary(tmp: Path) -> list[str]:
+    (tmp / "program").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 40)
+    return [str(tmp / "program")]
+
+
 BAD = {
+    "a binary file": (_binary, "is not text (it holds NUL bytes)"),
     "a JSONL text that is a number": (_number_text, "n.jsonl:1 is not a JSON object with a text"),
     "JSONL that is not UTF-8": (_not_utf8, "is not UTF-8 text"),
     **{
@@ -243,3 +249,12 @@ def _byte_level_alphabet() -> dict[int, str]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = (b for b in range(256) if b not in printable)
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def test_prepare_refuses_an_output_it_cannot_write_before_the_work(tmp_path, capsys) -> None:
+    """Under /proc (whose permission bits let root through) and under a file: refused before
+    a tokenizer is trained."""
+    (tmp_path / "file").write_text("x")
+    for output in ("/proc/offload-runner-test/data", str(tmp_path / "file" / "data")):
+        assert main(["--prepare", str(SAMPLE), "--output", output]) == EXIT_USAGE
+        assert "can not be written here" in capsys.readouterr().err

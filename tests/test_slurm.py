@@ -117,3 +117,25 @@ def test_a_slurm_sweep_dry_runs_away_from_slurm(tmp_path: Path) -> None:
     )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "no Slurm here" in result.stdout and (sweep / "0" / "config.yaml").is_file()
+
+
+def test_a_slurm_sweep_to_submit_away_from_slurm_is_one_line(tmp_path: Path) -> None:
+    """README's Slurm line where there is no srun: one line and a fix, exit 2, no sweep folder
+    (submitit said it in a traceback, and Hydra left multirun.yaml)."""
+    import shutil
+
+    from tests.conftest import run_cli
+
+    if shutil.which("srun"):
+        pytest.skip("Slurm is here: the sweep is submitted")
+    sweep = tmp_path / "sweep"
+    result = run_cli(
+        "-m",
+        "--recipe",
+        "tiny",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.nodes=4",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "there is no srun here" in result.stderr and not sweep.exists()

@@ -581,6 +581,12 @@ CASES = [
         "(this run: 4)",
     ),
     Case(
+        "prepared_metadata_foreign",
+        ("recipe=tiny", "data=indexed", f"dataset.data_path=[{PREPARED / 'foreign'}]"),
+        ("recipe=tiny", "data=indexed", f"dataset.data_path=[{SOTU_PREPARED}]"),
+        f"{PREPARED / 'foreign'}.json beside dataset.data_path's prefix is not --prepare's",
+    ),
+    Case(
         "sft_needs_chat_data",
         ("recipe=tiny", "data=sft", f"dataset.data_path=[{SOTU_PREPARED}]"),
         ("recipe=tiny", "data=sft", f"dataset.data_path=[{CHAT_PREPARED}]"),
@@ -1138,6 +1144,8 @@ def test_a_bare_megatron_core_assert_is_named_or_left_to_our_own_error() -> None
         "optimizer.lr=-1",
         "model.num_layers=0",
         "model.num_layers=-4",
+        "model.num_layers=99999999999999999999",  # planned a 1.9e18 GB peak
+        "model.hidden_size=10000000",
         "optimizer.optimizer_offload_fraction=1.5",
         "optimizer.adam_beta2=2",
         "optimizer.lr=inf",

@@ -417,6 +417,83 @@ def _label(exp_avg: str, exp_avg_sq: str, master_bytes: int) -> str:
     return f"exp_avg {exp_avg}, exp_avg_sq {exp_avg_sq}, {master_bytes} B masters"
 
 
+def load_problem(load: str | None, save: str | None) -> tuple[str, str] | None:
+    """What is wrong with ``checkpoint.load`` before anything starts, as (message, fix): a file;
+    a tracker that names no iteration, or one whose folder is gone; a folder that holds files
+    but no checkpoint; a precision file that does not read; a folder that is not there (unless
+    it is checkpoint.save too: resume if there, else start, a job that restarts itself)."""
+    if not load:
+        return None
+    path = Path(load)
+    point = "point it at a saved run's checkpoint folder or one of its iter_NNNNNNN folders"
+    if path.is_file():
+        return f"checkpoint.load={load} is a file, not a checkpoint folder", point
+    if not path.exists():
+        if load == save:
+            return None
+        return (
+            f"checkpoint.load={load} does not exist: the run would start from scratch",
+            f"{point}, set checkpoint.save to the same folder to resume it when there and "
+            "start it when not, or drop checkpoint.load",
+        )
+    try:
+        return _tracker_problem(load, path, point) or _precision_problem(load, path)
+    except OSError as err:  # unreadable: permissions, a broken link
+        return f"checkpoint.load={load}: {err.strerror}: {err.filename}", point
+
+
+def _tracker_problem(load: str, path: Path, point: str) -> tuple[str, str] | None:
+    tracker = path / LATEST
+    if not tracker.is_file():
+        if any(path.iterdir()) and not (path / "metadata.json").is_file():
+            return f"checkpoint.load={load} holds files but no checkpoint (no {LATEST})", point
+        return None
+    saved = tracker.read_text().strip()
+    fix = f"write the iteration of a saved iter_NNNNNNN folder into {tracker}, or {point}"
+    if not saved.isdigit():
+        return f"checkpoint.load={load}: {LATEST} holds {saved[:40]!r}, not an iteration", fix
+    if not iteration_dir(path, int(saved)).is_dir():
+        folder = iteration_dir(path, int(saved)).name
+        return f"checkpoint.load={load}: {LATEST} names {folder}, which is not there", fix
+    return None
+
+
+def _precision_problem(load: str, path: Path) -> tuple[str, str] | None:
+    import json
+
+    found = resolve_load_dir(path) / PRECISION_FILE
+    if not found.is_file():
+        return None
+    try:
+        json.loads(found.read_text())["precision"]
+    except (ValueError, KeyError, TypeError):
+        return (
+            f"checkpoint.load={load}: {found} does not read as the precision file it saved",
+            "restore it from the run that saved the checkpoint, or load another checkpoint",
+        )
+    return None
+
+
+def save_problem(save: str | None) -> tuple[str, str] | None:
+    """``checkpoint.save`` in a place this process cannot write (checked where the folder or
+    the one above it exists here: a cluster's path planned on a laptop passes)."""
+    if not save:
+        return None
+    import tempfile
+
+    path = Path(save)
+    here = next((p for p in (path, path.parent) if p.exists()), None)
+    try:
+        if here is not None:
+            tempfile.TemporaryFile(dir=here).close()
+    except OSError:
+        return (
+            f"checkpoint.save={save} can not be written here",
+            "name a checkpoint folder this job can write",
+        )
+    return None
+
+
 def saved_precision(path: str | Path) -> str | None:
     """What ``precision`` was when the checkpoint at ``path`` was saved (None: fp32 layout, or
     no checkpoint there)."""

@@ -36,7 +36,7 @@ from rich.markup import escape
 
 from offload_runner import console
 from offload_runner.auto import choose_offload, largest_slice
-from offload_runner.checkpoint import LATEST
+from offload_runner.checkpoint import load_problem, save_problem
 from offload_runner.config.compose import (
     CONF_DIR,
     RECIPE_SUFFIXES,
@@ -475,9 +475,9 @@ def _typed_run(cfg: DictConfig) -> RunConfig:
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
         raise _Stop(EXIT_USAGE)
-    missing = _missing_checkpoint(run)
-    if missing:
-        console.fail(*missing)
+    problem = load_problem(run.checkpoint.load, run.checkpoint.save)
+    if problem := problem or save_problem(run.checkpoint.save):
+        console.fail(*problem)
         raise _Stop(EXIT_USAGE)
     return run
 
@@ -636,28 +636,6 @@ def host_ram_short(run: RunConfig, world: int | None) -> tuple[str, str] | None:
         "optimizer.exp_avg_dtype=bf16 optimizer.exp_avg_sq_dtype=bf16; a smaller "
         "optimizer.optimizer_state_offload_fraction), or set planner.host_memory_gb to the "
         "RAM of the nodes it runs on",
-    )
-
-
-def _missing_checkpoint(run: RunConfig) -> tuple[str, str] | None:
-    """checkpoint.load's tracker file holds no iteration; or it names a folder that is not
-    there: a resume that would silently start from scratch. Allowed where it is checkpoint.save
-    too (resume if there, else start: a job that restarts itself)."""
-    load = run.checkpoint.load
-    tracker = Path(load or ".") / LATEST
-    if load and tracker.is_file() and not tracker.read_text().strip().isdigit():
-        return (
-            f"checkpoint.load={load}: {LATEST} holds {tracker.read_text().strip()[:40]!r}, "
-            "not an iteration number",
-            f"write the iteration of a saved iter_NNNNNNN folder into {tracker}, or point "
-            "checkpoint.load at an iteration folder",
-        )
-    if not load or Path(load).exists() or load == run.checkpoint.save:
-        return None
-    return (
-        f"checkpoint.load={load} does not exist: the run would start from scratch",
-        "point it at a saved run's checkpoint folder, set checkpoint.save to the same folder "
-        "to resume it when there and start it when not, or drop checkpoint.load",
     )
 
 
@@ -858,8 +836,25 @@ def _local_launcher(options: CliOptions, hydra_args: list[str]) -> list[str]:
     return [a for a in hydra_args if not a.lstrip("+~").startswith(launcher)]
 
 
+def _no_slurm_here(options: CliOptions, hydra_args: list[str]) -> bool:
+    """A Slurm sweep to submit (not a --dry-run or --plan) where there is no srun: said, before
+    Hydra makes the sweep's folder (submitit's own error is a traceback)."""
+    import shutil
+
+    slurm = "hydra/launcher=submitit_slurm" in hydra_args
+    if not slurm or options.mode not in (Mode.train, Mode.verify) or shutil.which("srun"):
+        return False
+    console.fail(
+        "hydra/launcher=submitit_slurm submits through Slurm, and there is no srun here",
+        "run it on a Slurm login node, or add --dry-run to check its jobs here",
+    )
+    return True
+
+
 def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
     outcome = _Outcome()
+    if _no_slurm_here(options, hydra_args):
+        return EXIT_USAGE
     hydra_args = _local_launcher(options, hydra_args)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

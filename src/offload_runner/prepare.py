@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +56,25 @@ def metadata_path(prefix: str | Path) -> Path:
     return Path(f"{prefix}.json")
 
 
+METADATA_KEYS = ("vocab_size", "eod_id")  # what training reads of it
+
+
 def read_metadata(prefix: str | Path) -> dict | None:
-    """What --prepare wrote beside a prefix (None: not prepared here)."""
+    """What --prepare wrote beside a prefix (None: not prepared here, or the file there is not
+    --prepare's: ``foreign_metadata`` names it)."""
     path = metadata_path(prefix)
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        found = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    ours = isinstance(found, dict) and all(type(found.get(k)) is int for k in METADATA_KEYS)
+    return found if ours else None
+
+
+def foreign_metadata(prefix: str | Path) -> Path | None:
+    """PREFIX.json where it is there but not --prepare's metadata."""
+    path = metadata_path(prefix)
+    return path if path.is_file() and read_metadata(prefix) is None else None
 
 
 def collect(inputs: list[Path]) -> list[Path]:
@@ -79,10 +95,19 @@ def collect(inputs: list[Path]) -> list[Path]:
     return found
 
 
+BINARY_SNIFF = 8000  # bytes read for a NUL, as git does
+
+
 def texts(path: Path) -> Iterator[str]:
     """A file's texts: the whole of a .txt, each line's ``text`` of a .jsonl."""
     if path.suffix != ".jsonl":
-        yield path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+        if b"\0" in data[:BINARY_SNIFF]:  # git's test for a binary file
+            raise PrepareError(
+                f"--prepare: {path} is not text (it holds NUL bytes)",
+                "name text files (.txt in UTF-8, or .jsonl)",
+            )
+        yield data.decode("utf-8", errors="replace")
         return
     try:
         lines = chat.utf8_lines(path)
@@ -263,10 +288,14 @@ def check_output(args: PrepareArgs) -> None:
         )
     folder = args.output.resolve().parent
     existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    try:  # a file made and gone at once: what the permission bits do not say (/proc, root)
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise OSError
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError:
         raise PrepareError(
             f"--prepare: {folder} can not be written here", "name an --output you can write"
-        )
+        ) from None
 
 
 def _encoded_chats(args: PrepareArgs) -> tuple[list, chat.ChatTokenizer]:

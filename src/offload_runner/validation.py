@@ -115,6 +115,14 @@ def _weight_decay(c: RunConfig, end: str) -> float:
     return c.optimizer.weight_decay if found is None else found
 
 
+def foreign_metadata_of(c: RunConfig) -> str:
+    """The first PREFIX.json beside dataset.data_path that is not --prepare's ("": none)."""
+    from offload_runner.prepare import foreign_metadata
+
+    found = (foreign_metadata(p) for p in data_prefixes(c))
+    return str(next((f for f in found if f is not None), ""))
+
+
 def pretrained_differs(c: RunConfig) -> str:
     """The first shape keys where checkpoint.pretrained_checkpoint's model.yaml and this run
     disagree, as "key=saved (this run: ours)" ("" where they agree or nothing says)."""
@@ -1002,6 +1010,13 @@ RULES: tuple[Rule, ...] = (
         "recipe.yaml) or with model.* set to match",
     ),
     Rule(
+        "prepared_metadata_foreign",
+        lambda c, e: bool(foreign_metadata_of(c)),
+        "{foreign_metadata} beside dataset.data_path's prefix is not --prepare's metadata (a JSON "
+        "object with vocab_size and eod_id)",
+        "move that file away, or prepare the text again with --prepare",
+    ),
+    Rule(
         "sft_needs_chat_data",
         lambda c, e: (
             c.dataset.kind == DatasetKind.sft
@@ -1283,6 +1298,7 @@ def _format(template: str, run: RunConfig, env: Environment) -> str:
         prepared_vocab=prepared_vocab(run),
         loaded_precision=loaded_precision(run),
         pretrained_differs=pretrained_differs(run),
+        foreign_metadata=foreign_metadata_of(run),
         run_precision=run_precision(run),
         missing_prefixes=missing_prefixes(run),
         prepared_eods=", ".join(map(str, prepared_eods(run))),
@@ -1389,27 +1405,29 @@ def _failed_check(err: BaseException) -> str:
 
 
 # --- value ranges: (section, key) -> (lowest, highest); None leaves that side open ------------
+# A model's shape and batch have ceilings far above any published model's (100x and more): past
+# them a value is a typo, and the planner's arithmetic would print an absurd plan (1e20 layers).
 # Fields whose range has a row of its own in RULES, with a message of its own, are left out:
 # optimizer.optimizer_offload_fraction, cpu_adam_exact_steps,
 # optimizer_state_offload_chunk_size_mb.
 RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
-    ("model", "num_layers"): (1, None),
-    ("model", "hidden_size"): (1, None),
-    ("model", "ffn_hidden_size"): (1, None),
-    ("model", "num_attention_heads"): (1, None),
-    ("model", "num_query_groups"): (1, None),
-    ("model", "kv_channels"): (1, None),
-    ("model", "seq_length"): (1, None),
-    ("model", "max_position_embeddings"): (1, None),
-    ("model", "vocab_size"): (1, None),
+    ("model", "num_layers"): (1, 10_000),
+    ("model", "hidden_size"): (1, 1 << 20),
+    ("model", "ffn_hidden_size"): (1, 1 << 22),
+    ("model", "num_attention_heads"): (1, 1 << 16),
+    ("model", "num_query_groups"): (1, 1 << 16),
+    ("model", "kv_channels"): (1, 1 << 16),
+    ("model", "seq_length"): (1, 1 << 24),
+    ("model", "max_position_embeddings"): (1, 1 << 24),
+    ("model", "vocab_size"): (1, 1 << 24),
     ("model", "make_vocab_size_divisible_by"): (1, None),
     ("model", "layernorm_epsilon"): (0, None),
     ("model", "hidden_dropout"): (0, 1),
     ("model", "attention_dropout"): (0, 1),
     ("model", "init_method_std"): (0, None),
-    ("model", "num_moe_experts"): (1, None),
+    ("model", "num_moe_experts"): (1, 1 << 16),
     ("model", "moe_router_topk"): (1, None),
-    ("model", "moe_ffn_hidden_size"): (1, None),
+    ("model", "moe_ffn_hidden_size"): (1, 1 << 22),
     ("model", "moe_aux_loss_coeff"): (0, None),
     ("model", "tensor_model_parallel_size"): (1, None),
     ("model", "pipeline_model_parallel_size"): (1, None),
@@ -1436,8 +1454,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("scheduler", "end_weight_decay"): (0, None),
     ("ddp", "bucket_size"): (1, None),
     ("train", "train_iters"): (1, None),
-    ("train", "global_batch_size"): (1, None),
-    ("train", "micro_batch_size"): (1, None),
+    ("train", "global_batch_size"): (1, 1 << 24),
+    ("train", "micro_batch_size"): (1, 1 << 24),
     ("train", "manual_gc_interval"): (0, None),
     ("logger", "log_interval"): (1, None),
     ("checkpoint", "save_interval"): (1, None),
