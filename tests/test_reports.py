@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import PROJECT_ROOT
 
 sys.path.insert(0, str(PROJECT_ROOT / "bench"))
@@ -170,3 +172,39 @@ def test_readme_is_its_template_filled_and_a_screenful_of_screens() -> None:
     assert "{{" not in made and "results-whole-model-fast-auto-r1" not in made
     assert (PROJECT_ROOT / "README.md").read_text() == made
     assert len(made.splitlines()) <= 200
+
+
+def _results(*patterns: str) -> list[Path]:
+    found = (PROJECT_ROOT / "bench" / "results").glob
+    return sorted(path for pattern in patterns for path in found(pattern))
+
+
+def _generated(name: str, plot: Path) -> str:
+    """docs/benchmarks/``name`` as its generator makes it now (the command in its header)."""
+    import calibrate_planner
+    import capacity
+    import convergence
+    import weight_offload
+
+    made = {
+        "capacity.md": lambda: capacity.render(
+            _results("results-capacity-*", "results-whole-model.json", "results-two-gpu-full-*"),
+            plot,
+        ),
+        "weight-offload.md": lambda: weight_offload.render(_results("*weight-offload*"), plot),
+        "convergence.md": lambda: convergence.render(_results("results-convergence-*"), plot),
+        "planner.md": lambda: calibrate_planner.render_report(
+            calibrate_planner.calibrate(_results("*.json")), 0.1, plot
+        ),
+        "step-model.md": lambda: calibrate_planner.render_step_report(_results("*.json"), plot),
+    }
+    return made[name]()
+
+
+@pytest.mark.parametrize(
+    "name", ["capacity.md", "weight-offload.md", "convergence.md", "planner.md", "step-model.md"]
+)
+def test_each_report_is_what_its_generator_makes_of_the_results(name: str, tmp_path) -> None:
+    """Change a figure in the report or a result it reads, and this fails."""
+    made = _generated(name, tmp_path / name.replace(".md", ".png"))
+    assert (PROJECT_ROOT / "docs" / "benchmarks" / name).read_text().strip() == made.strip()
