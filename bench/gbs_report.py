@@ -17,6 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from fill import SHARED_PARTS, fill  # src/ on the path too
+
+from offload_runner.report import folded
+
 BARS = {4: 1.6, 8: 1.35, 32: 1.08}  # the issue's step bars, against no offload's step
 PEAK_BAR = 0.45  # and its GPU-peak bar
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -161,7 +165,7 @@ def cost() -> str:
                     f"{r['gpu_peak_allocated_gb'] / peak:.2f}x | "
                     f"{f'{floor[engine]:.2f}x' if exact else '-'} | {f'{bar}x' if exact else '-'} |"
                 )
-    return "\n".join(lines)
+    return "\n".join(folded(lines))
 
 
 def asks() -> str:
@@ -222,8 +226,6 @@ PARTS = {"cost": cost, "asks": asks}
 
 def report(plot: Path | None = None) -> str:
     """The template's words with each ``{{part}}`` filled in; the plot drawn where asked."""
-    from fill import SHARED_PARTS, fill
-
     text = fill("optimizer-offload.md", {**PARTS, **SHARED_PARTS})
     if plot is not None:
         draw(plot)

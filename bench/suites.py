@@ -563,14 +563,8 @@ CONVERGENCE_EP2 = [
 # Issue 70: the whole model at GBS 16 on one H200 (pass needs_h200): today's line against auto's
 # pick (one pair a call, the order swapped in the next: --start-at auto), and the planner's
 # peak at each micro-batch under full recompute (--iters 3; MB 8's logits in chunks).
-WHOLE_16 = (
-    "parallel=single",
-    "train.global_batch_size=16",
-    "scheduler.lr_warmup_iters=2",
-    "planner.gpu_memory_gb=139",
-    "planner.host_memory_gb=125",
-    "offload/optimizer=auto",
-)
+WHOLE_16 = ("parallel=single", "train.global_batch_size=16", "scheduler.lr_warmup_iters=2")
+WHOLE_16 += ("planner.gpu_memory_gb=139", "planner.host_memory_gb=125", "offload/optimizer=auto")
 WHOLE_MODEL_FAST = [
     Case(name, "qwen3_30b_a3b", (*WHOLE_16, f"train.micro_batch_size={mb}"), "today")
     for name, mb in (("today", 1), ("auto", "auto"))

@@ -70,9 +70,21 @@ def fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+FOLD_ROWS = 20  # a longer table folds under <details>, so a report reads past it
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return [
+    table = [
         "| " + " | ".join(headers) + " |",
         "|" + "---|" * len(headers),
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
+    return folded(table)
+
+
+def folded(table: list[str]) -> list[str]:
+    """A Markdown table's lines (header and rule first) under <details> past FOLD_ROWS rows."""
+    rows = len(table) - 2
+    if rows <= FOLD_ROWS:
+        return table
+    return [f"<details><summary>the table: {rows} rows</summary>", "", *table, "", "</details>"]
