@@ -494,6 +494,7 @@ def render_report(rows: list[Calibration], min_gb: float, plot: Path | None) -> 
         f"- within 5%: {sum(abs(r.error) <= 0.05 for r in held) / len(held):.0%} of "
         f"{len(held)} runs; median |error| {statistics.median(abs(r.error) for r in held):.1%}",
         "",
+        "## Each suite\n",
         *markdown_table(
             ["suite", "runs", "GPUs", "largest peak GB", "worst error", "median error"],
             [
@@ -534,6 +535,7 @@ def render_step_report(files: list[Path], plot: Path | None) -> str:
         "model's own error on the update. `python bench/calibrate_planner.py --step-report "
         "docs/benchmarks/step-model.png bench/results/*.json`.",
         "",
+        "## Each run\n",
         render_steps(steps),
         "",
         "Exact CPU Adam with a GPU share: its CPU Adam rate over fused AdamW alone at the same "

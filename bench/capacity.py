@@ -144,6 +144,7 @@ def render(files: list[Path], plot: Path | None) -> str:
         f"megatron-core {env['megatron.core']}, transformer-engine {env['transformer_engine']}; "
         f"{', '.join(sorted({f.name for f in files}))}.",
         "",
+        "## The runs\n",
         *markdown_table(HEADER, table(rows)),
         "",
         f"The plan's largest miss over these runs: {worst_error(rows):.1%}.",
@@ -178,8 +179,7 @@ def planned_fits() -> list[str]:
             whole = "no offload setting fits"
         rows.append([f"{gpus} x H200", layout, f"{found.layers} layers: {largest}", whole])
     return [
-        "## What `--plan` says fits",
-        "",
+        "## What `--plan` says fits\n",
         "Qwen3-30B-A3B at GBS 8, MB 1, `offload/optimizer=auto`, planned by this commit (the "
         "runs above were planned by theirs):",
         "",

@@ -129,6 +129,7 @@ def render(files: list[Path], plot: Path | None) -> str:
         f"{env['megatron.core']}, transformer-engine {env['transformer_engine']}; "
         f"{env['date'][:10]}; {sources}.",
         "",
+        "## The runs\n",
         *markdown_table(HEADER, table(rows)),
         "",
     ]

@@ -114,8 +114,7 @@ def llama3_losses() -> list[str]:
         for name, s in (("weights offloaded, 48 GB cap", a), ("uncapped, no weight offload", b))
     ]
     return [
-        "## llama3_8b under a 48 GB cap: its losses beside the same line uncapped",
-        "",
+        "## llama3_8b under a 48 GB cap: its losses beside the same line uncapped\n",
         f"Suite `weight-offload-caps` ({env['gpu']}, commit {env['commit']}) trained llama3_8b at "
         "seq 8192 under a 48 GB cap with weights of 31 layers, gradients, optimizer state and "
         f"activations offloaded ({a['step_time_s_median']:.1f} s a step, peak "
@@ -143,6 +142,7 @@ def render(files: list[Path], plot: Path | None) -> str:
         + "; ".join(f"{gpu}, megatron-core {mcore}" for gpu, mcore in sorted(envs))
         + f"; {', '.join(sorted(f.name for f in files))}.",
         "",
+        "## The runs\n",
         fill.table(
             f"{','.join(str(f.resolve().relative_to(ROOT)) for f in sorted(files))}|.|{COLUMNS}"
         ),

@@ -208,3 +208,23 @@ def test_each_report_is_what_its_generator_makes_of_the_results(name: str, tmp_p
     """Change a figure in the report or a result it reads, and this fails."""
     made = _generated(name, tmp_path / name.replace(".md", ".png"))
     assert (PROJECT_ROOT / "docs" / "benchmarks" / name).read_text().strip() == made.strip()
+
+
+@pytest.mark.parametrize("report", sorted((PROJECT_ROOT / "docs" / "benchmarks").glob("*.md")))
+def test_a_report_opens_with_a_summary_and_folds_long_tables(report: Path) -> None:
+    """At most 15 lines (wrapped at 100) before its first section; no table of more than 20
+    rows outside <details>."""
+    import textwrap
+
+    lines = report.read_text().splitlines()
+    opening = []
+    for line in lines[1:]:
+        if line.startswith("## "):
+            break
+        opening.append(line)
+    assert sum(max(1, len(textwrap.wrap(line, 100))) for line in opening) <= 15
+    folded, rows = False, 0
+    for line in lines:
+        folded = (folded or line.startswith("<details>")) and not line.startswith("</details>")
+        rows = rows + 1 if line.startswith("|") else 0
+        assert folded or rows <= 22, f"{report.name}: a table of more than 20 rows, unfolded"
