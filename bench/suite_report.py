@@ -57,41 +57,47 @@ HEADLINE = [
     ("throughput-16", "MB1 plain"),
     ("throughput-16", "MB4 fused"),
     ("throughput-16", "auto"),
-    # the 37-layer slice on one H200: today's line against auto (micro-batch included)
+    # the 37-layer slice, then the whole model, on one H200: today's line against auto
     ("throughput-37", "today"),
     ("throughput-37", "auto"),
+    ("whole-model", "whole model, no offload"),
+    ("whole-model-mb", "MB 1"),
+    ("whole-model-fast", "auto"),
     # the CPU-Adam engine's modes with the fused kernels
     *[
-        (f"engines-{gbs}", f"GBS{gbs} {name}")
-        for gbs in (4, 8)
-        for name in ("cpu_adam", "cpu_adam_delayed", "cpu_adam bf16 moments")
+        ("engines-8", f"GBS8 {n}")
+        for n in ("cpu_adam", "cpu_adam_delayed", "cpu_adam bf16 moments")
     ],
+    ("two-gpu-full-2", "full EP2 auto"),
+    ("two-gpu-engines", "proxy DP2 GBS8 states"),
+    ("two-gpu-engines-2", "proxy EP2 GBS8 states"),
+    ("llama3-8b-auto", "llama3_8b seq 8192 GBS 8, auto"),
     ("weight-offload", "dense 8 layers, states + weights of 8"),
     ("weight-offload", "proxy, states + weights of 4"),
     ("weight-offload-caps", "llama3_8b under 48 GB, weights of 31 layers"),
     ("weight-offload-caps-proxy", "proxy under 12 GB, weights of 4 layers"),
-    ("capacity-auto-28", "28 layers, no offload"),
-    ("capacity-auto-28", "28 layers, auto"),
-    ("capacity-auto-31", "31 layers, auto"),
-    ("capacity-auto-37", "37 layers, auto"),
-    ("whole-model", "whole model, no offload"),
-    ("whole-model", "whole model auto"),
-    ("two-gpu-full-1", "full EP2 no offload"),
-    ("two-gpu-full-2", "full EP2 auto"),
-    ("two-gpu-engines", "proxy DP2 GBS8 cpu_adam"),
-    ("two-gpu-engines", "proxy DP2 GBS8 states"),
-    ("two-gpu-engines", "proxy EP2 GBS8 cpu_adam"),
-    ("two-gpu-engines-2", "proxy EP2 GBS8 states"),
     ("cpu-adam-split-1", "GBS1 cpu_adam 100%"),
     # exact offload's cost at each batch: the latest suites (one H100)
     *[
         (f"gbs-{gbs}-beside", f"cost GBS{gbs} {name}")
         for gbs in (4, 8, 32)
-        for name in ("cpu_adam 100%", "states", "HDO 100% + overlap", "cpu_adam_delayed 100%")
+        for name in ("cpu_adam 100%", "states")
     ],
-    ("llama3-8b-auto", "llama3_8b seq 8192 GBS 8, auto"),
-    ("bf16-moments", "states, bf16 moments"),
-    ("bf16-moments", "cpu_adam, bf16 moments"),
+]
+
+
+HEADLINE_COLUMNS = [
+    "run",
+    "suite, commit",
+    "GPU",
+    "status",
+    "step ms",
+    "step vs baseline",
+    "fwd+bwd vs baseline",
+    "tokens/s",
+    "TFLOP/s/GPU",
+    "GPU peak GB",
+    "host RAM GB",
 ]
 
 
@@ -130,7 +136,7 @@ def _headline(files: list[Path]) -> list[str]:
         (json.loads(p.read_text()) for p in files), key=lambda d: d["environment"]["date"]
     )
     found = {(d["suite"], r["case"]["name"]): (r, d) for d in calls for r in d["results"]}  # latest
-    rows = []
+    kinds: dict[str, list] = {}  # a table per GPU kind
     for key in HEADLINE:
         if key not in found:
             continue
@@ -149,7 +155,7 @@ def _headline(files: list[Path]) -> list[str]:
             base = _medians(calls, (key[0], r["case"]["baseline"])) if base else {}
         step = s.get("step_time_s_median")
         fb, base_fb = s.get("fwd_bwd_time_s_median"), base.get("fwd_bwd_time_s_median")
-        rows.append(
+        kinds.setdefault(d["environment"]["gpu"], []).append(
             [
                 r["case"]["name"],
                 f"`{key[0]}` {d['environment']['commit'][:7]}",
@@ -164,8 +170,12 @@ def _headline(files: list[Path]) -> list[str]:
                 fmt(s.get("host_used_gb_max_per_node", [None])[0]),
             ]
         )
-    if not rows:
+    if not kinds:
         return []
+    tables = [
+        [f"### {gpu}", "", *markdown_table(HEADLINE_COLUMNS, rows), ""]
+        for gpu, rows in kinds.items()
+    ]
     return [
         "## Headline",
         "",
@@ -176,23 +186,7 @@ def _headline(files: list[Path]) -> list[str]:
         f"interleaved rounds ({', '.join(f'`{x}`' for x in sorted(INTERLEAVED))}) are medians over "
         "their calls.",
         "",
-        *markdown_table(
-            [
-                "run",
-                "suite, commit",
-                "GPU",
-                "status",
-                "step ms",
-                "step vs baseline",
-                "fwd+bwd vs baseline",
-                "tokens/s",
-                "TFLOP/s/GPU",
-                "GPU peak GB",
-                "host RAM GB",
-            ],
-            rows,
-        ),
-        "",
+        *(line for table in tables for line in table),
     ]
 
 
