@@ -95,26 +95,23 @@ def test_more_than_one_task_per_node_is_refused(tmp_path: Path) -> None:
     assert not (sweep / "0" / "config.yaml").exists()
 
 
-def test_a_slurm_sweep_dry_runs_away_from_slurm(tmp_path: Path) -> None:
-    """README's Slurm line with --dry-run on a machine without srun: the jobs are checked here
-    (submitit's executor would raise 'Could not detect srun')."""
+def _sweep_away_from_slurm(sweep: Path, *extra: str):
+    """README's Slurm line (with ``extra``) run as a user would, where there is no srun."""
     import shutil
 
     from tests.conftest import run_cli
 
     if shutil.which("srun"):
         pytest.skip("Slurm is here: the sweep is submitted")
+    args = ("hydra/launcher=submitit_slurm", "hydra.launcher.nodes=4", f"hydra.sweep.dir={sweep}")
+    return run_cli("-m", "--recipe", "tiny", *extra, *args)
+
+
+def test_a_slurm_sweep_dry_runs_away_from_slurm(tmp_path: Path) -> None:
+    """README's Slurm line with --dry-run on a machine without srun: the jobs are checked here
+    (submitit's executor would raise 'Could not detect srun')."""
     sweep = tmp_path / "sweep"
-    result = run_cli(
-        "-m",
-        "--recipe",
-        "tiny",
-        "--dry-run",
-        "hydra/launcher=submitit_slurm",
-        "hydra.launcher.nodes=4",
-        "hydra.launcher.partition=gpu",
-        f"hydra.sweep.dir={sweep}",
-    )
+    result = _sweep_away_from_slurm(sweep, "--dry-run", "hydra.launcher.partition=gpu")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "no Slurm here" in result.stdout and (sweep / "0" / "config.yaml").is_file()
 
@@ -122,20 +119,7 @@ def test_a_slurm_sweep_dry_runs_away_from_slurm(tmp_path: Path) -> None:
 def test_a_slurm_sweep_to_submit_away_from_slurm_is_one_line(tmp_path: Path) -> None:
     """README's Slurm line where there is no srun: one line and a fix, exit 2, no sweep folder
     (submitit said it in a traceback, and Hydra left multirun.yaml)."""
-    import shutil
-
-    from tests.conftest import run_cli
-
-    if shutil.which("srun"):
-        pytest.skip("Slurm is here: the sweep is submitted")
     sweep = tmp_path / "sweep"
-    result = run_cli(
-        "-m",
-        "--recipe",
-        "tiny",
-        "hydra/launcher=submitit_slurm",
-        "hydra.launcher.nodes=4",
-        f"hydra.sweep.dir={sweep}",
-    )
+    result = _sweep_away_from_slurm(sweep)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "there is no srun here" in result.stderr and not sweep.exists()
