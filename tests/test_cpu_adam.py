@@ -28,10 +28,12 @@ from offload_runner.offload import host_adam
 from offload_runner.offload.cpu_adam import (
     HOST_BYTES_PER_PARAM,
     CpuAdam,
+    CpuSettings,
     Delayed,
     Exact,
     part_fractions,
 )
+from offload_runner.offload.host_adam import AdamSettings
 from tests.conftest import compose_run
 
 BETAS, EPS = (0.9, 0.95), 1e-8
@@ -102,18 +104,13 @@ def engine(
     copy_during_backward: bool = False,
     **kwargs,
 ) -> CpuAdam:
-    """A CpuAdam over ``buffers``' groups, its mode from the flags (Delayed where ``delayed``)."""
+    """A CpuAdam over ``buffers``' groups, its mode from the flags (Delayed where ``delayed``);
+    ``kwargs``: fields of AdamSettings or CpuSettings, and ``worker``."""
     mode = Delayed(exact_steps, predict, copy_during_backward) if delayed else Exact()
-    kwargs = {"chunk_bytes": 4 * 1500, "mode": mode, **kwargs}
-    return kind(
-        buffers.groups(lr_at(1)),
-        fraction=fraction,
-        lr=1e-3,
-        weight_decay=0.1,
-        betas=BETAS,
-        eps=EPS,
-        **kwargs,
-    )
+    worker = kwargs.pop("worker", None)
+    adam = {k: kwargs.pop(k) for k in ("chunk_bytes", "order_key", "moment_dtypes") if k in kwargs}
+    adam = AdamSettings(1e-3, 0.1, BETAS, EPS, fraction, **{"chunk_bytes": 4 * 1500, **adam})
+    return kind(buffers.groups(lr_at(1)), adam, CpuSettings(mode=mode, **kwargs), worker)
 
 
 class Reference:

@@ -21,7 +21,8 @@ import torch
 
 from offload_runner.offload import host_adam, remainders
 from offload_runner.offload.cpu_adam import CpuAdam
-from offload_runner.offload.optimizer_states import BesideForward, WindowedStates
+from offload_runner.offload.host_adam import AdamSettings
+from offload_runner.offload.optimizer_states import BesideForward, Window, WindowedStates
 from offload_runner.offload.window import BYTES_PER_PARAM, SLOTS
 from tests.test_cpu_adam import (
     BETAS,
@@ -45,16 +46,10 @@ def windowed(
 ) -> WindowedStates:
     """The engine on ``buffers``, its window ``piece`` params a slot (``low``: bytes per param
     its moments below fp32 add there; ``precision``: its moment dtypes, bf16 masters)."""
-    return WindowedStates(
-        buffers.groups(lr_at(1)),
-        lr=1e-3,
-        weight_decay=0.1,
-        betas=BETAS,
-        eps=EPS,
-        window_bytes=SLOTS * (per_param(rem) + low) * piece,
-        remainders=rem,
-        **precision,
-    )
+    moments = precision.pop("moment_dtypes", ())
+    adam = AdamSettings(1e-3, 0.1, BETAS, EPS, moment_dtypes=moments)
+    window = Window(SLOTS * (per_param(rem) + low) * piece, rem, **precision)
+    return WindowedStates(buffers.groups(lr_at(1)), adam, window)
 
 
 def per_param(rem: bool) -> int:
@@ -286,12 +281,8 @@ def test_bf16_moments_on_the_host_are_fp32_math_and_bf16_storage() -> None:
         lambda b: engine(b, 1.0, moment_dtypes=BF16),
         lambda b: WindowedStates(
             b.groups(lr_at(1)),
-            lr=1e-3,
-            weight_decay=0.1,
-            betas=BETAS,
-            eps=EPS,
-            moment_dtypes=BF16,
-            window_bytes=SLOTS * 16 * PIECE,
+            AdamSettings(1e-3, 0.1, BETAS, EPS, moment_dtypes=BF16),
+            Window(SLOTS * 16 * PIECE),
         ),
     ):
         buffers = Buffers()
@@ -318,12 +309,8 @@ def test_state_offload_fraction_keeps_the_rest_of_the_states_on_the_gpu() -> Non
     buffers = Buffers()
     eng = WindowedStates(
         buffers.groups(lr_at(1)),
-        lr=1e-3,
-        weight_decay=0.1,
-        betas=BETAS,
-        eps=EPS,
-        window_bytes=SLOTS * BYTES_PER_PARAM * PIECE,
-        fraction=0.5,
+        AdamSettings(1e-3, 0.1, BETAS, EPS, fraction=0.5),
+        Window(SLOTS * BYTES_PER_PARAM * PIECE),
     )
     ref = Reference(buffers)
     total = sum(ENGINE_SIZES)

@@ -29,6 +29,7 @@ import bisect
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
@@ -57,6 +58,28 @@ class Piece:
         return self.stop - self.start
 
 
+@dataclass(frozen=True)
+class AdamSettings:
+    """What every host engine is built with: Adam's hyper-parameters, the share of the shard on
+    the host, the piece size (4 B per param), the pieces' order (the DDP buffer's; tests give
+    their own) and the moments' storage dtypes (fp32 unless bf16 or 8-bit was asked for)."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+    fraction: float = 1.0
+    chunk_bytes: int = 64 * 1024**2
+    order_key: Callable | None = None
+    moment_dtypes: tuple = ()
+
+    @classmethod
+    def of(cls, run, **rest) -> AdamSettings:
+        """``run``'s optimizer hyper-parameters, with ``rest``."""
+        o = run.optimizer
+        return cls(o.lr, o.weight_decay, (o.adam_beta1, o.adam_beta2), o.adam_eps, **rest)
+
+
 class HostAdam(HybridDeviceOptimizer):
     """Adam for one DistributedOptimizer's shard, ``fraction`` of it kept on the host.
 
@@ -66,27 +89,15 @@ class HostAdam(HybridDeviceOptimizer):
     Subclasses allocate the host arrays (``_allocate_states``) and implement ``step``.
     """
 
-    def __init__(
-        self,
-        params,
-        *,
-        fraction: float,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        chunk_bytes: int,
-        order_key=None,
-        moment_dtypes: tuple = (),
-    ) -> None:
+    def __init__(self, params, adam: AdamSettings) -> None:
         import torch
 
         # torch.optim.Optimizer only: none of HybridDeviceOptimizer's own machinery is used.
-        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        defaults = dict(lr=adam.lr, weight_decay=adam.weight_decay, betas=adam.betas, eps=adam.eps)
         torch.optim.Optimizer.__init__(self, params, defaults)
         # exp_avg's and exp_avg_sq's storage (fp32 unless bf16 was asked for); the math is fp32
-        self.moment_dtypes = tuple(moment_dtypes) or (torch.float32, torch.float32)
-        self.chunk_numel = max(1, chunk_bytes // 4)
+        self.moment_dtypes = tuple(adam.moment_dtypes) or (torch.float32, torch.float32)
+        self.chunk_numel = max(1, adam.chunk_bytes // 4)
         self._arenas = HostArenas()
         self._pieces: list[Piece] | None = None
         self._spans: PieceSpans | None = None  # the pieces' bytes in the parameter buffer
@@ -100,9 +111,9 @@ class HostAdam(HybridDeviceOptimizer):
         self.device = everything[0][1].device if everything else torch.device("cpu")
         # Backward-ready order: the DDP buffer's own order (``order_key`` for tests). Only bf16
         # parameters move: the copies back are bf16 (fp32 ones, if any, stay on the GPU).
-        order_key = order_key or _buffer_position
+        order_key = adam.order_key or _buffer_position
         ordered = sorted(everything, key=lambda item: order_key(item[1]))
-        budget = fraction * sum(p.numel() for _, p in everything)
+        budget = adam.fraction * sum(p.numel() for _, p in everything)
         offloaded, taken = [], 0
         for gi, p in ordered:
             if taken + p.numel() / 2 > budget:

@@ -61,7 +61,7 @@ import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offload_runner.config.schema import (
     TORCH_DTYPES,
@@ -73,7 +73,7 @@ from offload_runner.hardware import bf16_masters, host_state_bytes, keeps_remain
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam
 from offload_runner.offload.base import OffloadSummary
-from offload_runner.offload.host_adam import HostAdam, Piece, PieceSpans
+from offload_runner.offload.host_adam import AdamSettings, HostAdam, Piece, PieceSpans
 from offload_runner.offload.quantized import BLOCK, blocks
 from offload_runner.offload.window import (
     HISTORY,
@@ -115,44 +115,32 @@ def describe(run: RunConfig) -> OffloadSummary:
 # --- windowed: the states stream through a small GPU window during the step --------------------
 
 
+@dataclass(frozen=True)
+class Window:
+    """State offload's own settings: the GPU window's size, the masters as 16-bit remainders or
+    as the bf16 parameters themselves, and whether the pass runs beside the next forward."""
+
+    nbytes: int = 512 * 1024**2
+    remainders: bool = False
+    bf16_masters: bool = False
+    beside_forward: bool = False
+
+
 class WindowedStates(HostAdam):
     """Adam on the GPU for one DistributedOptimizer's shard whose masters and moments live in
-    page-locked host arrays and pass through a GPU window of ``window_bytes`` (module doc)."""
+    page-locked host arrays and pass through a GPU window of ``window.nbytes`` (module doc)."""
 
-    def __init__(
-        self,
-        params,
-        *,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        window_bytes: int = 512 * 1024**2,
-        order_key=None,
-        fraction: float = 1.0,
-        moment_dtypes: tuple = (),
-        remainders: bool = False,
-        bf16_masters: bool = False,
-        beside_forward: bool = False,
-    ) -> None:
+    def __init__(self, params, adam: AdamSettings, window: Window = Window()) -> None:
         import torch
 
         # a piece of n params takes 12 n bytes of the window (fp32 master and moments; 10 with
         # the master as a remainder), 2 n (1 n) more per moment stored in bf16 (in 8 bits: it
         # travels as such): chunk_bytes counts 4 B per param
-        low = sum(d.itemsize for d in moment_dtypes if d != torch.float32)
-        per_param = 12 - 2 * remainders + low
-        super().__init__(
-            params,
-            fraction=fraction,
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas,
-            eps=eps,
-            chunk_bytes=window_bytes * 4 // (SLOTS * per_param),
-            order_key=order_key,
-            moment_dtypes=moment_dtypes,
-        )
+        low = sum(d.itemsize for d in adam.moment_dtypes if d != torch.float32)
+        per_param = 12 - 2 * window.remainders + low
+        chunk_bytes = window.nbytes * 4 // (SLOTS * per_param)
+        super().__init__(params, replace(adam, chunk_bytes=chunk_bytes))
+        remainders, bf16_masters = window.remainders, window.bf16_masters
         self._allocate_states(
             pin_moments=True,
             what="offload/optimizer=states",
@@ -172,7 +160,7 @@ class WindowedStates(HostAdam):
         )
         # beside the next forward (``watch``): the side stream of the passes, the modules that
         # hold parameters (in the order the forward calls them), their forward pre-hooks
-        self.beside_forward = beside_forward  # nothing reads the parameters before the forward
+        self.beside_forward = window.beside_forward  # nothing reads the parameters before it
         self._beside = None
         self._held: list[list] = []  # each watched module's parameters, in forward order
         self._hooks: list = []
@@ -395,16 +383,17 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
         optimizer,
         lambda part, _: WindowedStates(
             part.optimizer.param_groups,
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-            window_bytes=states_window_mb(run) * 1024**2,
-            fraction=o.optimizer_state_offload_fraction,
-            moment_dtypes=moment_dtypes(run),
-            remainders=keeps_remainders(run),
-            bf16_masters=bf16_masters(run),
-            beside_forward=not host_adam.gathers_params(part),
+            AdamSettings.of(
+                run,
+                fraction=o.optimizer_state_offload_fraction,
+                moment_dtypes=moment_dtypes(run),
+            ),
+            Window(
+                states_window_mb(run) * 1024**2,
+                keeps_remainders(run),
+                bf16_masters(run),
+                beside_forward=not host_adam.gathers_params(part),
+            ),
         ),
     )
     numel = sum(e.offloaded_numel for e in built)

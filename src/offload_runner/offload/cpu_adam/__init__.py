@@ -32,7 +32,7 @@ from offload_runner.offload.cpu_adam.delayed import (
     before_clip,
     grads_clipped,
 )
-from offload_runner.offload.cpu_adam.engine import HOST_BYTES_PER_PARAM, CpuAdam
+from offload_runner.offload.cpu_adam.engine import HOST_BYTES_PER_PARAM, CpuAdam, CpuSettings
 from offload_runner.offload.cpu_adam.gpu_share import BALANCE_STEPS, GPU_SHARE, balanced_share
 from offload_runner.offload.cpu_adam.modes import (
     Delayed,
@@ -58,6 +58,7 @@ __all__ = [
     "HOST_BYTES_PER_PARAM",
     "LAST_LR",
     "CpuAdam",
+    "CpuSettings",
     "Delayed",
     "Exact",
     "attach",

@@ -11,6 +11,7 @@ import logging
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES
 from offload_runner.offload.cpu_adam.cores import cpu_worker
@@ -20,6 +21,7 @@ from offload_runner.offload.cpu_adam.landing import Link
 from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import (
+    AdamSettings,
     HostAdam,
     Piece,
     adamw,
@@ -34,6 +36,22 @@ HISTORY = 500  # CPU updates kept for the metrics
 EXACT = Exact()
 
 
+@dataclass(frozen=True)
+class CpuSettings:
+    """The CPU-Adam engine's own settings: its mode, the CPU team (threads, the cores they may
+    use), where exact updates land, gradient clipping's norm, the GPU share (and whether it is
+    balanced each step), the gradient buffer's dtype (None: fp32)."""
+
+    mode: Mode = EXACT
+    threads: int | None = None
+    cpus: list[int] | None = None
+    land_during_forward: bool = False
+    clip_grad: float = 0.0
+    gpu_share: float = 0.0
+    balance: bool = False
+    grad_dtype: object = None
+
+
 class CpuAdam(HostAdam):
     """Adam for one DistributedOptimizer's shard, ``fraction`` of it on the CPU, in ``mode``
     (see the package's docstring and host_adam.HostAdam for the layout and checkpoints)."""
@@ -41,52 +59,28 @@ class CpuAdam(HostAdam):
     def __init__(
         self,
         params,
-        *,
-        fraction: float,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        mode: Mode = EXACT,
-        threads: int | None = None,
-        cpus: list[int] | None = None,
-        chunk_bytes: int = 64 * 1024**2,
-        order_key=None,
-        land_during_forward: bool = False,
-        clip_grad: float = 0.0,
-        gpu_share: float = 0.0,
-        balance: bool = False,
+        adam: AdamSettings,
+        cpu: CpuSettings = CpuSettings(),
         worker: concurrent.futures.ThreadPoolExecutor | None = None,
-        moment_dtypes: tuple = (),
-        grad_dtype=None,
     ) -> None:
         import torch
 
         # the DDP buffer's: bf16 with ddp.grad_reduce_in_fp32=false (2 B/param down, upcast here)
-        self.grad_dtype = grad_dtype or torch.float32
-        super().__init__(
-            params,
-            fraction=fraction,
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=betas,
-            eps=eps,
-            chunk_bytes=chunk_bytes,
-            order_key=order_key,
-            moment_dtypes=moment_dtypes,
-        )
+        self.grad_dtype = cpu.grad_dtype or torch.float32
+        super().__init__(params, adam)
+        mode, threads = cpu.mode, cpu.threads
         self.mode = mode
         self.threads = threads
-        self.land_during_forward = land_during_forward
-        self.clip_grad = clip_grad
+        self.land_during_forward = cpu.land_during_forward
+        self.clip_grad = cpu.clip_grad
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self._unbound: dict | None = None  # see _grad
         self.history: list[Update] = []
         self.link = Link(self)
-        self.share = Share(self, gpu_share, balance)
+        self.share = Share(self, cpu.gpu_share, cpu.balance)
         self.delay = Delay(self)
-        self._worker = worker or cpu_worker(cpus, threads, self.device)
+        self._worker = worker or cpu_worker(cpu.cpus, threads, self.device)
         self._worker.submit(self._allocate).result()
 
     def _allocate(self) -> None:

@@ -12,7 +12,7 @@ from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam, optimizer_states
 from offload_runner.offload.base import OffloadSummary
 from offload_runner.offload.cpu_adam.cores import cpu_ranges, cpu_worker
-from offload_runner.offload.cpu_adam.engine import CpuAdam
+from offload_runner.offload.cpu_adam.engine import CpuAdam, CpuSettings
 from offload_runner.offload.cpu_adam.gpu_share import BALANCE_STEPS, balanced_share
 from offload_runner.offload.cpu_adam.modes import (
     delayed_dense_warning,
@@ -20,6 +20,7 @@ from offload_runner.offload.cpu_adam.modes import (
     mode_name,
     mode_of,
 )
+from offload_runner.offload.host_adam import AdamSettings
 from offload_runner.plan import part_delays, part_fractions
 from offload_runner.step_cost import param_count, step_cost
 
@@ -96,22 +97,23 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
         optimizer,
         lambda part, i: CpuAdam(
             part.optimizer.param_groups,
-            fraction=fractions[i],
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-            mode=mode_of(run, delayed[i], in_backward[i]),
-            threads=threads,
-            cpus=cpus,
-            chunk_bytes=cpu_adam_piece_bytes(sizes[i] * fractions[i]),
-            land_during_forward=in_forward[i],
-            clip_grad=o.clip_grad,
-            gpu_share=share if shared[i] else 0.0,
-            balance=shared[i] and balanced_share(run),
-            worker=worker,
-            moment_dtypes=optimizer_states.moment_dtypes(run),
-            grad_dtype=host_adam.grad_dtype(run),
+            AdamSettings.of(
+                run,
+                fraction=fractions[i],
+                chunk_bytes=cpu_adam_piece_bytes(sizes[i] * fractions[i]),
+                moment_dtypes=optimizer_states.moment_dtypes(run),
+            ),
+            CpuSettings(
+                mode=mode_of(run, delayed[i], in_backward[i]),
+                threads=threads,
+                cpus=cpus,
+                land_during_forward=in_forward[i],
+                clip_grad=o.clip_grad,
+                gpu_share=share if shared[i] else 0.0,
+                balance=shared[i] and balanced_share(run),
+                grad_dtype=host_adam.grad_dtype(run),
+            ),
+            worker,
         ),
     )
     for part, engine in zip(parts, built, strict=True):
