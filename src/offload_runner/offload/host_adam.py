@@ -126,6 +126,15 @@ class HostAdam(HybridDeviceOptimizer):
         host = {id(p) for _, p in offloaded}
         self.kept = [(gi, p) for gi, p in everything if id(p) not in host]
 
+    @property
+    def pieces(self) -> list[Piece]:
+        """The offloaded elements as pieces, in the order they move (after the first step)."""
+        return self._pieces
+
+    def flat_start(self, param) -> int:
+        """Where ``param``'s elements start in the flat host arrays."""
+        return self._flat[id(param)]
+
     # -- memory ----------------------------------------------------------------------------
     def _host_array(self, dtype, pin: bool, what: str):
         """A flat host array of ``dtype`` for the offloaded shard (page-locked when ``pin``)."""
@@ -256,18 +265,18 @@ class HostAdam(HybridDeviceOptimizer):
             piece.block, block = block, block + quantized.blocks(piece.numel)
         return pieces
 
-    def _piece_spans(self) -> PieceSpans:
+    def piece_spans(self) -> PieceSpans:
         """Which of the planned pieces hold a parameter's elements."""
         if self._spans is None:
             self._spans = PieceSpans(self._pieces)
         return self._spans
 
-    def _last_piece_needed(self, module, params: list) -> int:
+    def last_piece_needed(self, module, params: list) -> int:
         """The last piece (in update order) holding any of a watched ``module``'s ``params``
         (-1: none), found once per module."""
         index = self._needs.get(id(module))
         if index is None:
-            index = self._needs[id(module)] = self._piece_spans().last_holding(params)
+            index = self._needs[id(module)] = self.piece_spans().last_holding(params)
         return index
 
     def _grad(self, p):

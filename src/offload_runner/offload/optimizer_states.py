@@ -234,7 +234,7 @@ class WindowedStates(HostAdam):
         marks = self._marks
         if not marks:
             return
-        index = self._last_piece_needed(module, params)
+        index = self.last_piece_needed(module, params)
         if index < self._waited:
             return
         stream = torch.cuda.current_stream() if self.on_cuda else None

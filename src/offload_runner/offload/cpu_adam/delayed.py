@@ -42,7 +42,7 @@ class Delay:
         too); in forward order it would start on the first layers' gradients, the last to come
         down, and every landing of the next backward would wait for the update's end."""
         e = self.engine
-        pieces = range(len(e._pieces))
+        pieces = range(len(e.pieces))
         if not delayed:
             return list(pieces[: e.share.on_cpu])
         backward = pieces[::-1] if e.land_during_forward else pieces  # the DDP buffer's order
@@ -72,11 +72,11 @@ class Delay:
         if not (self.grad_hooks and e.mode.delayed_at(e.steps_taken + 1)):
             self.remaining = None
             return
-        e._ensure_pieces()  # a run resumed into a delayed step copies during its first backward
+        e.ensure_pieces()  # a run resumed into a delayed step copies during its first backward
         if self.param_pieces is None:
-            spans = e._piece_spans()
+            spans = e.piece_spans()
             self.param_pieces = {key: spans.holding([p]) for key, p in self.hooked.items()}
-            self.piece_params = [0] * len(e._pieces)
+            self.piece_params = [0] * len(e.pieces)
             for pieces in self.param_pieces.values():
                 for i in pieces:
                     self.piece_params[i] += 1
@@ -105,7 +105,7 @@ class Delay:
         has them (``previous``: the update not landed, if any), this step's gradients down, both
         after the CUDA event ``after`` where given (the landing thread during the backward, else
         ``step()``)."""
-        link, piece = self.engine.link, self.engine._pieces[i]
+        link, piece = self.engine.link, self.engine.pieces[i]
         if previous is not None:
             previous.done[i].wait()
             if previous.failed:
@@ -151,7 +151,7 @@ class Delay:
         else:  # the learning rate of that update: the scheduler has moved the groups' since
             hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in e.param_groups]
             for gi, p in e.offloaded:
-                a = e._flat[id(p)]
+                a = e.flat_start(p)
                 self._extrapolate(a, a + p.numel(), hypers[gi], step)
         self.guessed = True
 

@@ -105,7 +105,7 @@ class CpuAdam(HostAdam):
         link, share, delay = self.link, self.share, self.delay
         link.complete()  # the last exact update, where the forward did not wait for all of it
         early, delay.early, delay.remaining = delay.early, {}, None  # copied during the backward
-        self._ensure_pieces()
+        self.ensure_pieces()
         share.prefetch()
         step, hypers = self._next_step()
         delayed = self.mode.delayed_at(step)
@@ -184,7 +184,7 @@ class CpuAdam(HostAdam):
             group[LAST_LR] = h["lr"]
         self.share.checkpointed(self.param_groups)
 
-    def _ensure_pieces(self) -> None:
+    def ensure_pieces(self) -> None:
         """The pieces (forward order where updates land during the forward), the side streams
         and the CPU's share of the pieces, at the first step or the first armed backward."""
         if self._pieces is not None:

@@ -78,7 +78,7 @@ class Share:
 
     def first_split(self) -> None:
         """At the pieces' planning: the CPU's share of them (all without a window)."""
-        pieces = self.engine._pieces
+        pieces = self.engine.pieces
         self.on_cpu = self.cpu_pieces(self.share) if self.window else len(pieces)
 
     def arm(self) -> None:
@@ -109,7 +109,7 @@ class Share:
         e = self.engine
         return (
             self.window is not None
-            and e._pieces is not None
+            and e.pieces is not None
             and not e.mode.delayed_at(e.steps_taken + 1)
         )
 
@@ -118,13 +118,13 @@ class Share:
         self.window.finish()  # pieces the last pass streamed may go to the CPU now
         self.rebalance()
         self.on_cpu = self.cpu_pieces(self.share)
-        self.streamed = self.engine._pieces[self.on_cpu :]
+        self.streamed = self.engine.pieces[self.on_cpu :]
 
     def cpu_pieces(self, gpu_share: float, order: list[int] | None = None) -> int:
         """How many leading pieces (of ``order``, default their own) hold about ``1 -
         gpu_share`` of the offloaded params (while balancing, at least one on each side, so both
         rates stay measured)."""
-        pieces = self.engine._pieces
+        pieces = self.engine.pieces
         target, taken, count = (1.0 - gpu_share) * self.engine.offloaded_numel, 0, 0
         for i in order if order is not None else range(len(pieces)):
             if taken + pieces[i].numel / 2 > target:
@@ -171,7 +171,7 @@ class Share:
         takes none)."""
         self.window.finish()
         self.rebalance()
-        pieces = self.engine._pieces
+        pieces = self.engine.pieces
         update.on_gpu = update.order[self.cpu_pieces(self.share, update.order) :]
         update.params -= sum(pieces[i].numel for i in update.on_gpu)
         return self.late.submit(self._late_pass, update) if update.on_gpu else None
@@ -181,7 +181,7 @@ class Share:
         pieces' states and gradients up as their gradients are down, Adam on a side stream
         under the next forward+backward, the states back; each piece ``done`` once they are on
         the host (the next landing reads its masters from there)."""
-        all_pieces = self.engine._pieces
+        all_pieces = self.engine.pieces
         pieces = [all_pieces[i] for i in update.on_gpu]
 
         def before_load(index: int):

@@ -121,7 +121,7 @@ class Link:
         inflight = self.inflight
         if inflight is None:
             return
-        index = self.engine._last_piece_needed(module, params)
+        index = self.engine.last_piece_needed(module, params)
         update = inflight[0]
         index = min(index, update.on_cpu - 1)  # the GPU share lands on the compute stream
         if index < update.waited:
@@ -135,7 +135,7 @@ class Link:
         if self.streams is not None:  # landings run in order on one stream: all before it too
             import torch
 
-            torch.cuda.current_stream().wait_event(self.engine._pieces[index].landed)
+            torch.cuda.current_stream().wait_event(self.engine.pieces[index].landed)
         update.waited = index + 1
         if update.waited == update.on_cpu:
             self.complete()
