@@ -21,7 +21,6 @@ import fill  # noqa: E402
 from plots import commands_block, pyplot, report_main, save  # noqa: E402
 
 from offload_runner.config.compose import compose_config, to_run_config  # noqa: E402
-from offload_runner.plan import grad_bytes  # noqa: E402
 from offload_runner.report import markdown_table  # noqa: E402
 from offload_runner.step_cost import (  # noqa: E402
     weight_offload_link_bytes,
@@ -66,7 +65,8 @@ def bound_lines(results: list[dict], by_name: dict[str, dict]) -> list[str]:
             f"coming back up); overhead {overhead * 1000:.0f} ms ({overhead / bound:.2f}x the "
             f"bound, {overhead / least:.2f}x the one without the sums)"
         )
-        held = s["weight_offload_params"] * (2 + grad_bytes(run)) / 1024**3  # bf16 + DDP's grads
+        # bf16 weights + DDP's gradients
+        held = s["weight_offload_params"] * (2 + run.precision.grad_bytes) / 1024**3
         drop = base["gpu_peak_allocated_gb"] - s["gpu_peak_allocated_gb"]
         lines.append(
             f"  - GPU peak {base['gpu_peak_allocated_gb']:.2f} -> "

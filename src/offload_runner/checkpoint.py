@@ -390,12 +390,11 @@ def _load_weight_offload(load_dir: Path, model: list) -> None:
 def precision(run) -> str | None:
     """The precision a native checkpoint of ``run`` holds its host states in (None: an fp32
     checkpoint in HybridDeviceOptimizer's layout, which every other engine loads)."""
-    from offload_runner.hardware import bf16_masters, master_bytes, q8_moments
 
-    if not (q8_moments(run) or bf16_masters(run)):
+    if not (run.precision.q8 or run.precision.bf16_masters):
         return None
     o = run.optimizer
-    return _label(o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value, master_bytes(run))
+    return _label(o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value, run.precision.master_bytes)
 
 
 def _engine_precision(engine) -> str:

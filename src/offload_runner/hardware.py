@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-from offload_runner.config.schema import (
+from offload_runner.config.schema import (  # noqa: F401 - byte sizes re-exported
+    DTYPE_BYTES,
+    REMAINDER_BYTES,
     WINDOW_PIECES,
     RunConfig,
     states_window_mb,
@@ -20,17 +22,12 @@ from offload_runner.config.schema import (
 # --- bytes per parameter ------------------------------------------------------------------------
 
 ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
-# An fp32 master kept as the 16 bits its bf16 parameter lacks: Megatron-Core's precision-aware
-# optimizer does so by default (store_param_remainders; measured on the proxy: 52.50 against 58.30
-# GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json), state offload too.
-REMAINDER_BYTES = 2
 HDO_PINNED_BYTES = 6  # HybridDeviceOptimizer's pinned fp32 grad + bf16 param copies per param
 CPU_ADAM_PINNED_BYTES = 8  # the CPU-Adam engine's pinned fp32 master + grad staging per param
 CPU_ADAM_PREDICTION_BYTES = 4  # ... and, predicting weights in delayed mode, the landed guess
 CPU_ADAM_PAGEABLE_BYTES = 8  # ... and its pageable exp_avg + exp_avg_sq (pinned where the
 # exact mode's GPU share streams them: OffloadMode.streams)
 WINDOW_SLOTS = WINDOW_PIECES  # pieces in a state window
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "q8": 1 + 4 / 256}  # q8: a code, a block's scale
 # weight offload's update: params per piece (18 B each on the GPU: fp32 gradient, master and two
 # moments up, the bf16 rounding), and pieces holding GPU memory at once (coming up, in Adam,
 # going down)
@@ -73,32 +70,6 @@ def weight_ring_sizes(layers: list[list[int]], grad_bytes: int) -> tuple[int, in
     return pair, widest if WEIGHT_GRAD_SLOTS[grad_bytes] == 1 else pair
 
 
-def moment_bytes(run: RunConfig) -> float:
-    """exp_avg + exp_avg_sq per param, in their configured dtypes (8 in fp32, 4 in bf16, 2.03 as
-    8-bit codes with their blocks' scales)."""
-    o = run.optimizer
-    return DTYPE_BYTES[o.exp_avg_dtype.value] + DTYPE_BYTES[o.exp_avg_sq_dtype.value]
-
-
-def low_moments(run: RunConfig) -> int:
-    """How many of the two moments are stored below fp32 (a state window holds an fp32 copy of
-    each for the math beside the one it moves)."""
-    o = run.optimizer
-    return (o.exp_avg_dtype.value != "fp32") + (o.exp_avg_sq_dtype.value != "fp32")
-
-
-def window_bytes_per_param(run: RunConfig) -> float:
-    """GPU bytes a state window takes per param of its pieces: the master (fp32, or the
-    remainder of state offload's; fp32 for bf16 masters, upcast there) and fp32 moments, and
-    the copies of the moments stored below fp32, as they travel."""
-    o = run.optimizer
-    master = 4 if bf16_masters(run) else master_bytes(run)
-    low = sum(
-        DTYPE_BYTES[d.value] for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype) if d.value != "fp32"
-    )
-    return master + 8 + low
-
-
 # 8-bit moments: what quantizing one piece allocates beside it on the GPU, per element (the
 # scaled input, the int64 codes, the dequantized map values): fitted to the convergence suite's
 # 8bit row, whose peak stood 0.57 GB above the plan without it. That row ran torchao's binary
@@ -110,52 +81,10 @@ Q8_WORKSPACE_BYTES = 51
 def quantize_workspace_bytes(run: RunConfig, offloaded: float) -> int:
     """GPU bytes 8-bit moments' quantization takes during the step: Q8_WORKSPACE_BYTES for each
     element of a window piece (at most the ``offloaded`` params)."""
-    if not (run.mode.states and q8_moments(run)):
+    if not (run.mode.states and run.precision.q8):
         return 0
-    piece = states_window_mb(run) * 1024**2 / (WINDOW_SLOTS * window_bytes_per_param(run))
+    piece = states_window_mb(run) * 1024**2 / (WINDOW_SLOTS * run.precision.window_bytes_per_param)
     return int(Q8_WORKSPACE_BYTES * min(piece, offloaded))
-
-
-def stores_param_remainders(run: RunConfig) -> bool:
-    """Megatron-Core's optimizer.store_param_remainders (on by default; a megatron-core without
-    the key keeps them too): an fp32 master as the 16 bits its bf16 parameter lacks."""
-    return getattr(run.optimizer, "store_param_remainders", True) is not False
-
-
-def keeps_remainders(run: RunConfig) -> bool:
-    """State offload keeps each master on the host as its remainder beside the bf16 parameter
-    (offload/remainders.py): a bf16 model, unless optimizer.store_param_remainders=false (then
-    fp32 masters, the parameters their round-to-nearest-even)."""
-    remainders = run.model.bf16 and stores_param_remainders(run) and not bf16_masters(run)
-    return run.mode.states and remainders
-
-
-def master_bytes(run: RunConfig) -> int:
-    """What a host engine keeps of an fp32 master: state offload's remainder
-    (``keeps_remainders``), nothing for its bf16 masters, else the fp32 master (the CPU-Adam
-    engine's too)."""
-    if bf16_masters(run):
-        return 0
-    return REMAINDER_BYTES if keeps_remainders(run) else 4
-
-
-def bf16_masters(run: RunConfig) -> bool:
-    """State offload with optimizer.main_params_dtype=bf16: the masters are the bf16 parameters,
-    rounded stochastically (offload/quantized.py)."""
-    return run.mode.states and run.optimizer.main_params_dtype.value == "bf16"
-
-
-def q8_moments(run: RunConfig) -> bool:
-    """A moment kept as 8-bit codes (optimizer.exp_avg_dtype / exp_avg_sq_dtype=q8)."""
-    o = run.optimizer
-    return "q8" in (o.exp_avg_dtype.value, o.exp_avg_sq_dtype.value)
-
-
-def host_state_bytes(run: RunConfig) -> float:
-    """What a host engine keeps, and state offload moves each way, per offloaded param: the
-    master and the two moments (12 B, 8 with bf16 moments; 2 B less with state offload's
-    remainders)."""
-    return master_bytes(run) + moment_bytes(run)
 
 
 # --- rates --------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from offload_runner.config.schema import (
-    CpuOffloadEngine,
     RunConfig,
     states_window_mb,
 )
@@ -50,12 +49,8 @@ from offload_runner.hardware import (
     WEIGHT_OFFLOAD_PIECE,
     WINDOW_SLOTS,
     cpu_adam_piece_bytes,
-    host_state_bytes,
-    moment_bytes,
     quantize_workspace_bytes,
-    stores_param_remainders,
     weight_ring_sizes,
-    window_bytes_per_param,
 )
 from offload_runner.model_size import (
     count_parameters,
@@ -358,15 +353,15 @@ def adam_bytes_per_param(run: RunConfig) -> int:
     o = run.optimizer
     if run.mode.states or run.mode.cpu_adam:  # offload-runner's host engines: fp32 masters
         # where they keep them on the GPU (host_state_bytes: on the host)
-        return 4 + moment_bytes(run) if run.model.bf16 else moment_bytes(run)
+        return 4 + run.precision.moment_bytes if run.model.bf16 else run.precision.moment_bytes
     gpu_aware = o.use_precision_aware_optimizer and not o.optimizer_cpu_offload
-    moments = moment_bytes(run) if gpu_aware else ADAM_BYTES - 4
+    moments = run.precision.moment_bytes if gpu_aware else ADAM_BYTES - 4
     if not run.model.bf16:
         return moments
     if not gpu_aware:
         return moments + 4
     master = DTYPE_BYTES[o.main_params_dtype.value]
-    remainders = master == 4 and stores_param_remainders(run)
+    remainders = master == 4 and run.precision.remainders
     return moments + (REMAINDER_BYTES if remainders else master)
 
 
@@ -398,39 +393,34 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
     on_cpu = int(adam * hdo)
     resident, step_only = adam - on_cpu, 0
     offloaded, delayed = offloaded_parts(run, parts, hdo)
-    if o.cpu_offload_engine == CpuOffloadEngine.cpu_adam:
-        staging = grad_bytes(run)  # the gradients' host copy, in the DDP buffer's dtype
+    if run.mode.cpu_adam:
+        staging = run.precision.grad_bytes  # the gradients' host copy, in the DDP buffer's dtype
         pinned = shard * hdo * (CPU_ADAM_PINNED_BYTES - 4 + staging)
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
-        on_cpu = int(shard * hdo * moment_bytes(run))
+        on_cpu = int(shard * hdo * run.precision.moment_bytes)
         resident += cpu_adam_ring_bytes(parts, hdo)
         if run.mode.late_share:  # every moment pinned; forward+backward hold the window
-            pinned += sum(offloaded) * moment_bytes(run)
+            pinned += sum(offloaded) * run.precision.moment_bytes
             on_cpu = 0
             resident += cpu_adam_window_bytes(offloaded, 1.0, LATE_BYTES)
         elif run.mode.streams:  # the exact parts' moments pinned; the step holds the window
             exact = [n - d for n, d in zip(offloaded, delayed, strict=True)]
-            pinned += sum(exact) * moment_bytes(run)
-            on_cpu = int(sum(delayed) * moment_bytes(run))
+            pinned += sum(exact) * run.precision.moment_bytes
+            on_cpu = int(sum(delayed) * run.precision.moment_bytes)
             step_only = cpu_adam_window_bytes(exact, 1.0)
     else:
         pinned = shard * hdo * HDO_PINNED_BYTES
     states = 0
     if run.mode.states:
         share = o.optimizer_state_offload_fraction
-        states = int(shard * share * host_state_bytes(run))
+        states = int(shard * share * run.precision.host_state_bytes)
         # the window: its MiB, SLOTS pieces of window_bytes_per_param each
         window = states_window_mb(run) * 1024**2
-        whole = int(shard * share * window_bytes_per_param(run))  # a window as large as it
+        whole = int(shard * share * run.precision.window_bytes_per_param)  # a window as large as it
         resident, step_only = int(adam * (1 - share)), min(whole, window)
     return OptimizerMemory(
         shard, adam, hdo, delayed, resident, step_only, int(pinned), on_cpu, states
     )
-
-
-def grad_bytes(run: RunConfig) -> int:
-    """Bytes per param of DDP's gradient buffer (and of weight offload's host gradients)."""
-    return 4 if run.ddp.grad_reduce_in_fp32 or not run.model.bf16 else 2
 
 
 @dataclass(frozen=True)
@@ -460,12 +450,12 @@ def weight_offload_memory(run: RunConfig) -> WeightOffloadMemory:
     layer = dense + experts
     modules = largest_modules(m)  # the ring streams modules, widest first
     widest = modules[0]
-    grads = grad_bytes(run)
+    grads = run.precision.grad_bytes
     weight_slots, grad_slots = weight_ring_sizes([modules], grads)
     ring = 2 * weight_slots + grads * grad_slots
     piece = min(widest, WEIGHT_OFFLOAD_PIECE) * (4 * 4 + 2)
     step_only = int(WEIGHT_OFFLOAD_IN_FLIGHT * piece)
-    pinned = int(n * layer * (2 + grads + 4 + moment_bytes(run)))
+    pinned = int(n * layer * (2 + grads + 4 + run.precision.moment_bytes))
     return WeightOffloadMemory(n * dense, n * experts, ring, step_only, pinned)
 
 
@@ -477,7 +467,7 @@ def plan_rank(run: RunConfig, layout: Layout, rank: int, gpus_per_node: int) -> 
     params = replace(params, dense=params.dense - ring.dense, experts=params.experts - ring.experts)
     total = params.dense + params.experts
     weights = total * (2 if m.bf16 else 4)
-    grads = total * grad_bytes(run)
+    grads = total * run.precision.grad_bytes
     if o.use_distributed_optimizer:  # one optimizer part for the dense shard, one for experts'
         parts = [params.dense / (layout.dp * layout.cp), params.experts / layout.edp]
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from offload_runner.config.schema import CpuOffloadEngine, RunConfig
+from offload_runner.config.schema import RunConfig
 from offload_runner.gpu_time import forward_backward_seconds
 from offload_runner.hardware import (
     ADAM_BYTES,
@@ -21,15 +21,12 @@ from offload_runner.hardware import (
     LINK_BESIDE_CPU_ADAM,
     REFERENCE_CPU_ADAM_PARAMS_PER_S,
     WEIGHT_PREDICTION_CPU_FACTOR,
-    host_state_bytes,
-    low_moments,
     measured_rate,
-    moment_bytes,
     rank_cpus,
     rank_link_gb_per_s,
     worker_cpus,
 )
-from offload_runner.plan import Layout, Plan, RankPlan, grad_bytes, predicting_weights
+from offload_runner.plan import Layout, Plan, RankPlan, predicting_weights
 
 # --- step time: what an optimizer offload adds to each step ---------------------------------
 
@@ -147,15 +144,14 @@ class StepCost:
     def exact_rate(self, run: RunConfig) -> float:
         """Params/s of the CPU part of Adam with ``run``'s engine, its updates exact (with bf16
         moments at BF16_MOMENTS_CPU_FACTOR of it)."""
-        engine = run.optimizer.cpu_offload_engine == CpuOffloadEngine.cpu_adam
-        low = BF16_MOMENTS_CPU_FACTOR if low_moments(run) else 1.0
-        return self.cpu_adam_params_per_s * (low if engine else HDO_RATE_SHARE)
+        low = BF16_MOMENTS_CPU_FACTOR if run.precision.low_moments else 1.0
+        return self.cpu_adam_params_per_s * (low if run.mode.cpu_adam else HDO_RATE_SHARE)
 
     def moved(self, run: RunConfig) -> tuple[int, int, int]:
         """(W, C, E) bytes per param each way of ``run``'s CPU Adam with a GPU share (see
         balanced_gpu_share): EXACT or LATE, the share's states in their dtypes."""
         window, copies, every = LATE if run.mode.late_share else EXACT
-        return window - ADAM_BYTES + host_state_bytes(run), copies, every
+        return window - ADAM_BYTES + run.precision.host_state_bytes, copies, every
 
     def cpu_rate(self, run: RunConfig) -> float:
         """... its delayed updates (weight prediction adds CPU work), the CPU's alone."""
@@ -193,7 +189,7 @@ class StepCost:
         if not rank.states_moved:
             return 0.0
         link = rank.states_moved / (self.host_link_gb_per_s * 1e9)
-        return link + rank.states_moved / host_state_bytes(run) * GPU_ADAM_S_PER_PARAM
+        return link + rank.states_moved / run.precision.host_state_bytes * GPU_ADAM_S_PER_PARAM
 
     def exact_seconds(self, run: RunConfig, rank: RankPlan) -> float:
         """The step's wait for the exact updates (with their GPU share, where it streams)."""
@@ -362,21 +358,21 @@ def weight_offload_link_bytes(run: RunConfig, params: float) -> tuple[float, flo
     passes = 3 if run.model.recompute_granularity == "full" else 2  # full recompute: again
     update_up, update_down = weight_offload_update_bytes(run, params)
     up = params * 2 * passes * micro_batches + weight_offload_sum_bytes(run, params) + update_up
-    down = params * grad_bytes(run) * micro_batches + update_down
+    down = params * run.precision.grad_bytes * micro_batches + update_down
     return up, down
 
 
 def weight_offload_sum_bytes(run: RunConfig, params: float) -> float:
     """Bytes of the gradients' sums so far brought back up per step, before each micro-batch's
     backward but the first."""
-    return params * grad_bytes(run) * (_micro_batches(run) - 1)
+    return params * run.precision.grad_bytes * (_micro_batches(run) - 1)
 
 
 def weight_offload_update_bytes(run: RunConfig, params: float) -> tuple[float, float]:
     """Bytes weight offload's update moves, (up, down): the gradients, fp32 masters and moments
     up; the masters, moments and rounded bf16 weights down."""
-    states = 4 + moment_bytes(run)
-    return params * (grad_bytes(run) + states), params * (states + 2)
+    states = 4 + run.precision.moment_bytes
+    return params * (run.precision.grad_bytes + states), params * (states + 2)
 
 
 def _micro_batches(run: RunConfig) -> int:

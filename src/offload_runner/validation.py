@@ -40,7 +40,7 @@ from offload_runner.config.schema import (
     TransformerImpl,
     te_fusions,
 )
-from offload_runner.hardware import q8_moments, te_available
+from offload_runner.hardware import te_available
 from offload_runner.hf.families import SHAPE_KEYS
 from offload_runner.mcore.data import (
     data_prefixes,
@@ -173,7 +173,7 @@ def _host_engine_dtypes_unsupported(c: RunConfig) -> bool:
 def _lowest_precision(c: RunConfig) -> bool:
     """8-bit moments or bf16 masters (state offload's own: offload/quantized.py)."""
     o = c.optimizer
-    return q8_moments(c) or (o.main_params_dtype.value == "bf16" and c.model.bf16)
+    return c.precision.q8 or (o.main_params_dtype.value == "bf16" and c.model.bf16)
 
 
 FP32_LAYOUT = "Megatron-Core's layout with fp32 masters, which every engine loads"
@@ -971,7 +971,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "q8_moments_need_torchao",
-        lambda c, e: q8_moments(c) and not e.torchao_available,
+        lambda c, e: c.precision.q8 and not e.torchao_available,
         "8-bit moments (optimizer.exp_avg_dtype / exp_avg_sq_dtype=q8, or auto's last step) "
         "quantize with torchao, which is not installed here",
         "pip install 'torchao>=0.10' where the job runs, or use bf16 moments",

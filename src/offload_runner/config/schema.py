@@ -601,6 +601,79 @@ class VerifyConfig:
     repeat_baseline: bool = False  # a second baseline run measures the noise floor
 
 
+# Bytes per parameter: an fp32 master kept as the 16 bits its bf16 parameter lacks (Megatron-
+# Core's precision-aware optimizer does so by default, store_param_remainders; measured on the
+# proxy: 52.50 against 58.30 GiB, 3.11B params x 2 B; docs/evidence/precision-aware-peak.json),
+# state offload too; a moment by its dtype (q8: a code and its block's share of a scale).
+REMAINDER_BYTES = 2
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "q8": 1 + 4 / 256}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run's optimizer state and gradients take per parameter, resolved once from its
+    config (``RunConfig.precision``): the planner, the cost model and the engines read it."""
+
+    exp_avg: str  # fp32, bf16 or q8 (8-bit codes with a scale per 256)
+    exp_avg_sq: str
+    remainders: bool  # Megatron-Core's optimizer.store_param_remainders (on unless false)
+    # state offload keeps each master on the host as its remainder beside the bf16 parameter
+    # (offload/remainders.py): a bf16 model, unless store_param_remainders=false
+    keeps_remainders: bool
+    # state offload with main_params_dtype=bf16: the masters are the bf16 parameters, rounded
+    # stochastically (offload/quantized.py)
+    bf16_masters: bool
+    grad_bytes: int  # DDP's gradient buffer (and weight offload's host gradients)
+
+    @staticmethod
+    def of(run: RunConfig) -> Precision:
+        o, m = run.optimizer, run.model
+        remainders = getattr(o, "store_param_remainders", True) is not False
+        bf16_masters = run.mode.states and o.main_params_dtype.value == "bf16"
+        return Precision(
+            exp_avg=o.exp_avg_dtype.value,
+            exp_avg_sq=o.exp_avg_sq_dtype.value,
+            remainders=remainders,
+            keeps_remainders=run.mode.states and m.bf16 and remainders and not bf16_masters,
+            bf16_masters=bf16_masters,
+            grad_bytes=4 if run.ddp.grad_reduce_in_fp32 or not m.bf16 else 2,
+        )
+
+    @property
+    def moment_bytes(self) -> float:
+        """exp_avg + exp_avg_sq (8 in fp32, 4 in bf16, 2.03 as 8-bit codes and scales)."""
+        return DTYPE_BYTES[self.exp_avg] + DTYPE_BYTES[self.exp_avg_sq]
+
+    @property
+    def low_moments(self) -> int:
+        """Moments stored below fp32 (a state window holds an fp32 copy of each for the math)."""
+        return (self.exp_avg != "fp32") + (self.exp_avg_sq != "fp32")
+
+    @property
+    def q8(self) -> bool:
+        return "q8" in (self.exp_avg, self.exp_avg_sq)
+
+    @property
+    def master_bytes(self) -> int:
+        """What a host engine keeps of an fp32 master: state offload's remainder, nothing for
+        bf16 masters, else the fp32 master (the CPU-Adam engine's too)."""
+        if self.bf16_masters:
+            return 0
+        return REMAINDER_BYTES if self.keeps_remainders else 4
+
+    @property
+    def host_state_bytes(self) -> float:
+        """What a host engine keeps, and state offload moves each way, per offloaded param."""
+        return self.master_bytes + self.moment_bytes
+
+    @property
+    def window_bytes_per_param(self) -> float:
+        """GPU bytes a state window takes per param of its pieces: the master (fp32 for bf16
+        masters, upcast there), fp32 moments, and the moments stored below fp32 as they travel."""
+        low = sum(DTYPE_BYTES[d] for d in (self.exp_avg, self.exp_avg_sq) if d != "fp32")
+        return (4 if self.bf16_masters else self.master_bytes) + 8 + low
+
+
 @dataclass
 class RunConfig:
     """The root of a composed run."""
@@ -610,6 +683,11 @@ class RunConfig:
         """What it offloads, resolved on first use (a changed run is a new RunConfig:
         ``dataclasses.replace``, ``auto.with_overrides``)."""
         return OffloadMode.of(self)
+
+    @functools.cached_property
+    def precision(self) -> Precision:
+        """Its optimizer state's and gradients' bytes per parameter, resolved on first use."""
+        return Precision.of(self)
 
     name: str = "run"
     output_dir: str = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}-${name}"

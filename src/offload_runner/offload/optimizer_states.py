@@ -69,7 +69,6 @@ from offload_runner.config.schema import (
     RunConfig,
     states_window_mb,
 )
-from offload_runner.hardware import bf16_masters, host_state_bytes, keeps_remainders
 from offload_runner.model_size import count_parameters
 from offload_runner.offload import host_adam
 from offload_runner.offload.base import OffloadSummary
@@ -97,7 +96,7 @@ def describe(run: RunConfig) -> OffloadSummary:
         return OffloadSummary("optimizer states", "offload/optimizer=states", False, "-")
     share = o.optimizer_state_offload_fraction
     params = count_parameters(run.model).total * share
-    per_param = host_state_bytes(run)
+    per_param = run.precision.host_state_bytes
     return OffloadSummary(
         "optimizer states",
         "offload/optimizer=states",
@@ -322,9 +321,11 @@ def moment_dtypes(run: RunConfig) -> tuple:
 
 
 def masters_said(run: RunConfig) -> str:
-    if bf16_masters(run):
+    if run.precision.bf16_masters:
         return "none: the bf16 params, rounded stochastically"
-    return "as 16-bit remainders of the bf16 params" if keeps_remainders(run) else "in fp32"
+    if run.precision.keeps_remainders:
+        return "as 16-bit remainders of the bf16 params"
+    return "in fp32"
 
 
 def windowed_engines(optimizer) -> list[WindowedStates]:
@@ -390,8 +391,8 @@ def install(run: RunConfig, optimizer) -> list[WindowedStates]:
             ),
             Window(
                 states_window_mb(run) * 1024**2,
-                keeps_remainders(run),
-                bf16_masters(run),
+                run.precision.keeps_remainders,
+                run.precision.bf16_masters,
                 beside_forward=not host_adam.gathers_params(part),
             ),
         ),
