@@ -148,3 +148,23 @@ def test_every_host_engine_answers_what_engines_asks() -> None:
     for engine in (CpuAdam, WindowedStates, WeightOffload):
         assert all(callable(getattr(engine, n, None)) or n == "pinned_bytes" for n in asked)
         assert isinstance(inspect.getattr_static(engine, "pinned_bytes"), property)
+
+
+def test_host_engines_take_settings_and_their_parts_read_no_private_attribute() -> None:
+    """CpuAdam, WindowedStates and HostAdam are built from settings objects (at most 6
+    parameters besides self); the CPU-Adam engine's parts (Link, Share, Delay, ...) read the
+    engine's public surface, never one of its _private attributes."""
+    import inspect
+    import re
+
+    from offload_runner.offload.cpu_adam.engine import CpuAdam
+    from offload_runner.offload.host_adam import HostAdam
+    from offload_runner.offload.optimizer_states import WindowedStates
+
+    for engine in (CpuAdam, WindowedStates, HostAdam):
+        assert len(inspect.signature(engine.__init__).parameters) - 1 <= 6, engine
+    parts = sorted((SRC / "offload_runner" / "offload" / "cpu_adam").glob("*.py"))
+    assert len(parts) >= 8
+    private = re.compile(r"\b(?:e|eng|engine|self\.engine)\._[a-z]")
+    for path in parts:
+        assert not private.search(path.read_text()), path.name
