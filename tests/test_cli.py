@@ -501,7 +501,11 @@ def test_no_cuda_under_torchrun_says_so(monkeypatch, tmp_path: Path, capsys) -> 
 
 
 @pytest.mark.skipif(validation_te_available(), reason="Transformer Engine is installed here")
-def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, capsys) -> None:
+def test_missing_transformer_engine_at_launch_is_a_run_failure(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """On a GPU machine without Transformer Engine: the machine lacks it (exit 1, not 2); on a
+    machine without a GPU either, the GPU is said first."""
     args = [
         "--recipe",
         "tiny",
@@ -509,6 +513,11 @@ def test_missing_transformer_engine_at_launch_is_a_run_failure(tmp_path: Path, c
         "model.cpu_offloading_num_layers=1",
         f"output_dir={tmp_path}/run",
     ]
+    assert main(args) == EXIT_FAILED
+    said = capsys.readouterr().err
+    assert "no CUDA device is visible" in said and "Transformer Engine" not in said
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(args) == EXIT_FAILED  # the machine lacks it: not a usage error
     assert "Transformer Engine" in capsys.readouterr().err
 

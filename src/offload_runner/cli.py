@@ -511,8 +511,10 @@ def _validate(job: _Job, env: Environment | None) -> None:
     env = env or Environment.detect(launching=launching, world_size=job.world)
     job.violations = validate(job.run, env)
     if errors(job.violations):
-        console.print_violations(job.violations)
         machine = all(v.environment for v in errors(job.violations))
+        if launching and machine and not _gpu_visible():  # the GPU first, then its libraries
+            raise _Stop(EXIT_FAILED)
+        console.print_violations(job.violations)
         raise _Stop(EXIT_FAILED if machine else EXIT_USAGE)
 
 
