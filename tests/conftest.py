@@ -35,18 +35,31 @@ LIBRARY_NOISE = re.compile(r"Warning\b|WARNING|DEPRECATED|site-packages/|warning
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, env: dict | None = None
+    *args: str, cwd: Path | None = None, env: dict | None = None, prefix: tuple = ()
 ) -> subprocess.CompletedProcess[str]:
-    """run_recipe.py as a user runs it: a fresh process, its exit code and its output."""
+    """run_recipe.py as a user runs it: a fresh process, its exit code and its output
+    (``prefix``: a command it runs under, e.g. AS_A_USER)."""
     env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(
-        [sys.executable, str(PROJECT_ROOT / "run_recipe.py"), *args],
+        [*prefix, sys.executable, str(PROJECT_ROOT / "run_recipe.py"), *args],
         cwd=cwd or PROJECT_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def as_a_user() -> tuple:
+    """A prefix under which file permissions hold, as they do for a user: root (CI runs as root)
+    without the capabilities that override them; skips where root has no setpriv."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return ()
+    if not shutil.which("setpriv"):
+        pytest.skip("root without setpriv: file permissions stop nothing here")
+    return ("setpriv", "--bounding-set=-dac_override,-dac_read_search")
 
 
 SAMPLE = PROJECT_ROOT / "tests/data/sotu"  # six State of the Union addresses, public domain

@@ -736,3 +736,29 @@ def test_auto_micro_batch_asked_and_forbidden_at_once_is_refused(capsys) -> None
     args = ["--recipe", "tiny", "train.micro_batch_size=auto", "planner.auto_micro_batch=false"]
     assert main([*args, "--dry-run"]) == EXIT_USAGE
     assert "forbids it" in capsys.readouterr().err
+
+
+def test_what_a_user_may_not_read_or_write_is_one_line(tmp_path: Path) -> None:
+    """With file permissions holding (a child without root's overrides): a checkpoint whose
+    tracker the user cannot read, a --prepare output in a read-only folder, a checkpoint.save
+    there: exit 2, one line, no traceback, nothing written."""
+    from tests.conftest import SAMPLE, as_a_user
+
+    prefix = as_a_user()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5\n")
+    (ckpt / "latest_checkpointed_iteration.txt").chmod(0)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    run = ("--recipe", "tiny", "--dry-run", f"output_dir={tmp_path}/run")
+    cases = [
+        ((*run, f"checkpoint.load={ckpt}"), "Permission denied"),
+        (("--prepare", str(SAMPLE), "--output", str(locked / "data")), "can not be written"),
+        ((*run, f"checkpoint.save={locked}/ckpt"), "can not be written"),
+    ]
+    for args, said in cases:
+        done = run_cli(*args, prefix=prefix)
+        assert done.returncode == 2 and said in done.stderr, (args, done.stderr[-800:])
+        assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+        assert not any(locked.iterdir())
