@@ -297,14 +297,18 @@ def _speed(predicted: Predicted) -> str:
 def _fitting(run: RunConfig, world: int | None) -> tuple:
     """(the last plan tried, the Fits): for each optimizer setting and shape in turn, the fewest
     activation-offload layers that fit, stopping at the first precision tier where something
-    fits."""
+    fits. A shape's chunked-loss twin is tried only where the shape itself does not fit (it
+    would lose the tie and cost a plan)."""
     p = run.planner
     optimizer_steps = auto_candidates(run) if p.auto_optimizer else [("as configured", {}, 0)]
     last, fitting = None, []
     for opt_name, opt_overrides, tier in optimizer_steps:
         if fitting and tier > fitting[0].tier:
             break  # a more precise setting fits
+        fit = None
         for shape, shape_overrides in shapes(run, world):
+            if shape_overrides.get(CHUNKED) and fit is not None:
+                continue  # its twin, just before it, fits
             base = {**shape_overrides, **opt_overrides}
             if p.auto_optimizer:
                 base.setdefault("optimizer.offload_optimizer_states", False)
