@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from offload_runner.progress import on_terminal, timed_line
+from offload_runner.rundir import writable
 
 LATEST = "latest_checkpointed_iteration.txt"
 # 8-bit moments' block scales and the random state stochastic rounding draws from, per rank
@@ -476,21 +477,13 @@ def _precision_problem(load: str, path: Path) -> tuple[str, str] | None:
 def save_problem(save: str | None) -> tuple[str, str] | None:
     """``checkpoint.save`` in a place this process cannot write (checked where the folder or
     the one above it exists here: a cluster's path planned on a laptop passes)."""
-    if not save:
+    path = Path(save or "")
+    if not save or not (path.exists() or path.parent.exists()) or writable(path):
         return None
-    import tempfile
-
-    path = Path(save)
-    here = next((p for p in (path, path.parent) if p.exists()), None)
-    try:
-        if here is not None:
-            tempfile.TemporaryFile(dir=here).close()
-    except OSError:
-        return (
-            f"checkpoint.save={save} can not be written here",
-            "name a checkpoint folder this job can write",
-        )
-    return None
+    return (
+        f"checkpoint.save={save} can not be written here",
+        "name a checkpoint folder this job can write",
+    )
 
 
 def saved_precision(path: str | Path) -> str | None:

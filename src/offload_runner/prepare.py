@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload_runner import chat
+from offload_runner.rundir import writable
 from offload_runner.tokenizer import TextTokenizer, TokenizerError
 from offload_runner.tokenizer import load as load_tokenizer
 from offload_runner.tokenizer import train as train_tokenizer
@@ -279,7 +279,6 @@ def prepare_chat(args: PrepareArgs, on_bytes: Callable[[int], None]) -> dict:
 
 def check_output(args: PrepareArgs) -> None:
     """A prefix (not a folder) in a folder that exists or can be made, and can be written."""
-    import os
 
     if args.output.is_dir() or not args.output.name:
         raise PrepareError(
@@ -287,15 +286,10 @@ def check_output(args: PrepareArgs) -> None:
             "give a prefix: --output data/sotu (writes data/sotu.bin, ...)",
         )
     folder = args.output.resolve().parent
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    try:  # a file made and gone at once: what the permission bits do not say (/proc, root)
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise OSError
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError:
+    if not writable(folder):
         raise PrepareError(
             f"--prepare: {folder} can not be written here", "name an --output you can write"
-        ) from None
+        )
 
 
 def _encoded_chats(args: PrepareArgs) -> tuple[list, chat.ChatTokenizer]:

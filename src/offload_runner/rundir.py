@@ -19,6 +19,20 @@ STATUS_FILE = "status.json"
 SUMMARY_FILE = "summary.json"
 
 
+def writable(folder: Path) -> bool:
+    """Whether this process can make files in ``folder``, or where it is not there yet, in the
+    nearest folder above it that is: a file made and gone at once (the permission bits do not
+    say it under /proc, or for root)."""
+    import tempfile
+
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError:  # not a folder, not ours to write, not a file system that takes files
+        return False
+    return True
+
+
 class RunDirError(Exception):
     """The run directory cannot be made or written (permissions, a name too long, a file in the
     way): a one-line message and its fix, for the command line to print."""

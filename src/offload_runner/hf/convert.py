@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from offload_runner.hf.families import (
     model_keys,
     tensor_rows,
 )
+from offload_runner.rundir import writable
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 INDEX_FILE = "model.safetensors.index.json"
@@ -374,8 +374,7 @@ def check_output(output: Path, flag: str) -> None:
             "name a new folder (nothing is overwritten)",
         )
     parent = output.resolve().parent
-    existing = next(p for p in (parent, *parent.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not writable(parent):
         raise HfError(f"{flag}: {parent} can not be written", "name a folder you can write")
 
 
