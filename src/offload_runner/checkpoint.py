@@ -51,19 +51,23 @@ def holds_checkpoint(path: str | Path | None) -> bool:
     if not path:
         return False
     path = Path(path)
-    tracker = path / LATEST
-    saved = tracker.read_text().strip() if tracker.is_file() else ""
+    saved = tracked(path)
     if saved.isdigit():
         path = iteration_dir(path, int(saved))
     return (path / "metadata.json").is_file()
 
 
+def tracked(path: Path) -> str:
+    """What a save folder's tracker file says (its latest iteration), "" without one."""
+    tracker = path / LATEST
+    return tracker.read_text().strip() if tracker.is_file() else ""
+
+
 def resolve_load_dir(path: str | Path) -> Path:
     """A save folder (its latest iteration) or an iteration folder."""
     path = Path(path)
-    if (path / LATEST).is_file():
-        return iteration_dir(path, int((path / LATEST).read_text().strip()))
-    return path
+    saved = tracked(path)
+    return iteration_dir(path, int(saved)) if saved else path
 
 
 def _checkpoint_state(model: list, optimizer, scheduler, iteration: int, is_loading: bool) -> dict:
@@ -443,18 +447,16 @@ def load_problem(load: str | None, save: str | None) -> tuple[str, str] | None:
 
 
 def _tracker_problem(load: str, path: Path, point: str) -> tuple[str, str] | None:
-    tracker = path / LATEST
-    if not tracker.is_file():
+    if not (path / LATEST).is_file():
         if any(path.iterdir()) and not (path / "metadata.json").is_file():
             return f"checkpoint.load={load} holds files but no checkpoint (no {LATEST})", point
         return None
-    saved = tracker.read_text().strip()
-    fix = f"write the iteration of a saved iter_NNNNNNN folder into {tracker}, or {point}"
+    saved = tracked(path)
+    fix = f"write the iteration of a saved iter_NNNNNNN folder into {path / LATEST}, or {point}"
     if not saved.isdigit():
         return f"checkpoint.load={load}: {LATEST} holds {saved[:40]!r}, not an iteration", fix
-    if not iteration_dir(path, int(saved)).is_dir():
-        folder = iteration_dir(path, int(saved)).name
-        return f"checkpoint.load={load}: {LATEST} names {folder}, which is not there", fix
+    if not (folder := iteration_dir(path, int(saved))).is_dir():
+        return f"checkpoint.load={load}: {LATEST} names {folder.name}, which is not there", fix
     return None
 
 

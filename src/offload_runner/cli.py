@@ -52,9 +52,10 @@ from offload_runner.config.compose import (
 )
 from offload_runner.config.overrides import OverrideError, check_overrides
 from offload_runner.config.schema import MIXED_PRECISION_RECIPES, REMOVED_KEYS, RunConfig
-from offload_runner.launch import in_torchrun, submitit_rendezvous
+from offload_runner.launch import submitit_rendezvous
 from offload_runner.offload import any_enabled, apply_runtime_environment, summarize
 from offload_runner.plan import GiB, make_plan, planned_gpus_per_node
+from offload_runner.progress import on_terminal
 from offload_runner.rundir import VERBOSE_ENV, RunDirError, create_run_dir
 from offload_runner.step_cost import cost_note, param_count, rate_for_ranks, weight_offload_note
 from offload_runner.validation import RULES, Environment, errors, validate, value_violations
@@ -432,7 +433,7 @@ class _Job:
 def execute(cfg: DictConfig, mode: Mode, env: Environment | None = None) -> int:
     """Validate a composed config and act on it (the body of every Hydra job)."""
     quiet = (Mode.dry_run, Mode.dry_run_full, Mode.plan, Mode.plan_json, Mode.plan_largest)
-    if mode in quiet and in_torchrun() and os.environ["RANK"] != "0":
+    if mode in quiet and not on_terminal():
         return EXIT_OK  # under torchrun, rank 0 alone prints and writes what needs no GPU
     try:
         run = _typed_run(cfg)
@@ -825,39 +826,30 @@ def help_text() -> str:
     )
 
 
-def _local_launcher(options: CliOptions, hydra_args: list[str]) -> list[str]:
-    """--dry-run / --plan of a Slurm sweep away from Slurm (no srun here): its jobs only compose
-    and check, so they run here instead of failing in submitit's traceback."""
+def _away_from_slurm(options: CliOptions, hydra_args: list[str]) -> list[str] | None:
+    """A Slurm sweep where there is no srun: its --dry-run / --plan jobs only compose and check,
+    so they run here (the launcher's arguments dropped); a sweep to submit is said and refused
+    (None), before Hydra makes its folder (submitit's own error is a traceback)."""
     import shutil
 
-    slurm = "hydra/launcher=submitit_slurm" in hydra_args
-    if options.mode in (Mode.train, Mode.verify) or not slurm or shutil.which("srun"):
+    if "hydra/launcher=submitit_slurm" not in hydra_args or shutil.which("srun"):
         return hydra_args
+    if options.mode in (Mode.train, Mode.verify):
+        console.fail(
+            "hydra/launcher=submitit_slurm submits through Slurm, and there is no srun here",
+            "run it on a Slurm login node, or add --dry-run to check its jobs here",
+        )
+        return None
     launcher = ("hydra/launcher=", "hydra.launcher.")
     console.console.print("no Slurm here: the sweep's jobs are checked in this process")
     return [a for a in hydra_args if not a.lstrip("+~").startswith(launcher)]
 
 
-def _no_slurm_here(options: CliOptions, hydra_args: list[str]) -> bool:
-    """A Slurm sweep to submit (not a --dry-run or --plan) where there is no srun: said, before
-    Hydra makes the sweep's folder (submitit's own error is a traceback)."""
-    import shutil
-
-    slurm = "hydra/launcher=submitit_slurm" in hydra_args
-    if not slurm or options.mode not in (Mode.train, Mode.verify) or shutil.which("srun"):
-        return False
-    console.fail(
-        "hydra/launcher=submitit_slurm submits through Slurm, and there is no srun here",
-        "run it on a Slurm login node, or add --dry-run to check its jobs here",
-    )
-    return True
-
-
 def _run_hydra(options: CliOptions, hydra_args: list[str]) -> int:
     outcome = _Outcome()
-    if _no_slurm_here(options, hydra_args):
+    hydra_args = _away_from_slurm(options, hydra_args)
+    if hydra_args is None:
         return EXIT_USAGE
-    hydra_args = _local_launcher(options, hydra_args)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> int:

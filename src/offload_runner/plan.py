@@ -255,7 +255,7 @@ def logits_and_loss_bytes(m, tokens: int, tp: int) -> int:
     the whole logits, or with model.chunked_loss a chunk's fp32 logits and softmax and the
     output weight's fp32 gradient."""
     vocab = padded_vocab_size(m)
-    if getattr(m, "chunked_loss", False):
+    if m.chunked_loss:
         return 2 * min(LOSS_CHUNK_BYTES, 4 * vocab * tokens) + 4 * vocab * m.hidden_size
     return int(logit_bytes(m) * vocab / tp * tokens)
 

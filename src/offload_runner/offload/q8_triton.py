@@ -1,6 +1,6 @@
 """8-bit moments' quantization and dequantization on the GPU in one Triton kernel each: the same
 numbers as quantized.py's torch path (torchao's block scaling, the nearest code of the dynamic
-map, ties up), bit for bit (tests/test_gpu_training.py holds them equal).
+map, ties up), bit for bit (tests/test_quantized_states.py holds them equal on a GPU).
 
 The torch path runs ~10 kernels a moment with full-size temporaries (int64 bucket indices,
 gathered fp32 values); a state pass with 8-bit moments moved 7.8G params/s with it, bound by
