@@ -354,6 +354,26 @@ def test_host_arrays_come_zeroed_faulted_in_and_advised_huge_pages_before_pinnin
     assert arenas.allocate(0, pin=False).numel() == 0 and len(arenas) == 2
 
 
+@pytest.mark.gpu
+def test_park_moves_a_models_tensors_to_page_locked_host_memory_and_back() -> None:
+    """mcore.model's way to DDP for a model the GPU cannot hold twice: parameters (of two
+    dtypes, one of them odd-sized) and buffers land on the host, page-locked, values intact,
+    and come back as ``module.cuda()`` brings them."""
+    from offload_runner.offload.host_memory import park
+
+    module = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.BatchNorm1d(3)).cuda()
+    module[0].bfloat16()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    arenas = park(module)
+    tensors = [*module.parameters(), *module.buffers()]
+    assert all(not t.is_cuda and t.is_pinned() for t in tensors)
+    assert arenas.pinned_bytes >= sum(t.numel() * t.element_size() for t in tensors)
+    module.cuda()
+    arenas.release()
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].is_cuda for k in before)
+
+
 def forward_chunk(buffers: Buffers) -> torch.nn.Module:
     """A model chunk whose modules hold the buffer's parameters as DDP lays them out: the
     forward calls them in the reverse of their order in the buffer (a module per view, one

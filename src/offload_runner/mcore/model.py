@@ -110,7 +110,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
     from megatron.core.transformer.module import Float16Module
 
     from offload_runner.mcore.megatron_config import build_ddp_config
-    from offload_runner.offload import weight
+    from offload_runner.offload import host_memory, weight
 
     m = run.model
     chunks = []
@@ -130,7 +130,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
         if m.bf16:
             model = Float16Module(transformer_config, model)
         if parked:  # DDP's buffers are whole blocks: the parameters' cached ones go back
-            model.cpu()
+            on_host = host_memory.park(model)
             torch.cuda.empty_cache()
         offloaded = weight.exclude(run, model)
         ddp = DistributedDataParallel(
@@ -142,6 +142,7 @@ def build_model(run: RunConfig, transformer_config):  # -> list[DistributedDataP
         )
         if parked:  # DDP has copied the parameters into its GPU buffers: the rest follows
             ddp.module.cuda(torch.cuda.current_device())
+            on_host.release()
         ddp.broadcast_params()  # identical start on every data-parallel replica
         ddp.weight_offload = weight.take(run, offloaded, torch.device("cuda"))
         chunks.append(ddp)

@@ -84,6 +84,28 @@ class HostArenas:
         self._arenas, self._registered = [], []
 
 
+def park(module) -> HostArenas:
+    """Every CUDA parameter and buffer of ``module`` moved into one page-locked host arena (the
+    returned one: release it once they have gone back to the GPU). The same move as
+    ``module.cpu()`` at the link's rate: that one copies into pageable memory one tensor at a
+    time, 55 s of the whole Qwen3-30B-A3B's 75 s build on one H200 (bench/probes/sampler)."""
+    import torch
+
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_cuda]
+    sizes = [aligned(t.numel() * t.element_size()) for t in tensors]
+    arenas = HostArenas()
+    arena = arenas.allocate(sum(sizes), pin=True, what="the model on its way to DDP")
+    start = 0
+    for tensor, size in zip(tensors, sizes, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        view = arena[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.data, non_blocking=True)
+        tensor.data = view
+        start += size
+    torch.cuda.synchronize()
+    return arenas
+
+
 def _private_pages(nbytes: int):
     """An anonymous private mapping of its own pages, kept out of forked children
     (``MADV_DONTFORK``). Its own mapping, not a malloc'ed block: a block from a malloc heap
