@@ -169,7 +169,7 @@ def test_readme_is_its_template_filled_and_a_screenful_of_screens() -> None:
     from readme import PARTS
 
     made = fill("README.md", PARTS)
-    assert "{{" not in made and "results-whole-model-fast-auto-r1" not in made
+    assert "{{" not in made and "results-whole-model-fast-auto-r2" not in made
     assert (PROJECT_ROOT / "README.md").read_text() == made
     assert len(made.splitlines()) <= 200
 
