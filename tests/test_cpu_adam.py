@@ -102,11 +102,12 @@ def engine(
     exact_steps: int = 0,
     predict: bool = False,
     copy_during_backward: bool = False,
+    columns: float = 0.0,
     **kwargs,
 ) -> CpuAdam:
     """A CpuAdam over ``buffers``' groups, its mode from the flags (Delayed where ``delayed``);
     ``kwargs``: fields of AdamSettings or CpuSettings, and ``worker``."""
-    mode = Delayed(exact_steps, predict, copy_during_backward) if delayed else Exact()
+    mode = Delayed(exact_steps, predict, copy_during_backward, columns) if delayed else Exact()
     worker = kwargs.pop("worker", None)
     adam = {k: kwargs.pop(k) for k in ("chunk_bytes", "order_key", "moment_dtypes") if k in kwargs}
     adam = AdamSettings(1e-3, 0.1, BETAS, EPS, fraction, **{"chunk_bytes": 4 * 1500, **adam})
@@ -267,7 +268,7 @@ def test_extrapolation_from_adam_state_repeats_the_last_update() -> None:
         drive(eng, buffers, step)
     eng.finish()
     made = eng.host_guess.clone()
-    eng._worker.submit(eng.delay.guess_from_states).result()
+    eng._worker.submit(eng._guess_from_states).result()
     change = (made - eng.host_master).abs().max()
     assert (eng.host_guess - made).abs().max() <= 1e-3 * change
     eng.close()

@@ -428,6 +428,11 @@ def test_cpu_adam_delayed_experts_keeps_the_dense_part_exact_and_resumes(root: s
             ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_weight_prediction=true"),
             id="cpu-adam-delayed-predicting",
         ),
+        # the exact columns' selection and GPU state come back from the checkpoint
+        pytest.param(
+            ("offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_columns=0.1"),
+            id="cpu-adam-delayed-columns",
+        ),
         pytest.param(
             ("offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=0.5"),
             id="cpu-adam-50",

@@ -153,7 +153,8 @@ def test_every_host_engine_answers_what_engines_asks() -> None:
 def test_host_engines_take_settings_and_their_parts_read_no_private_attribute() -> None:
     """CpuAdam, WindowedStates and HostAdam are built from settings objects (at most 6
     parameters besides self); the CPU-Adam engine's parts (Link, Share, Delay, ...) read the
-    engine's public surface, never one of its _private attributes."""
+    engine's public surface, never one of its _private attributes, and Link, Share and Delay
+    are handed the shard (host arrays, pieces, history), never the engine."""
     import inspect
     import re
 
@@ -168,3 +169,9 @@ def test_host_engines_take_settings_and_their_parts_read_no_private_attribute() 
     private = re.compile(r"\b(?:e|eng|engine|self\.engine)\._[a-z]")
     for path in parts:
         assert not private.search(path.read_text()), path.name
+    from offload_runner.offload.cpu_adam import delayed, gpu_share, landing
+
+    for part in (landing.Link, gpu_share.Share, delayed.Delay):
+        names = list(inspect.signature(part.__init__).parameters)
+        assert names[1] == "shard" and "engine" not in names, part
+        assert "self.engine" not in inspect.getsource(part), part

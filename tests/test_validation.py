@@ -373,6 +373,16 @@ CASES = [
         "optimizer.cpu_adam_weight_prediction only acts",
     ),
     Case(
+        "exact_columns_need_delayed_mode",
+        ("recipe=tiny", "offload/optimizer=cpu_adam", "optimizer.cpu_adam_exact_columns=0.1"),
+        (
+            "recipe=tiny",
+            "offload/optimizer=cpu_adam_delayed",
+            "optimizer.cpu_adam_exact_columns=0.1",
+        ),
+        "optimizer.cpu_adam_exact_columns updates columns exactly",
+    ),
+    Case(
         "gpu_share_needs_cpu_adam",
         ("recipe=tiny", "offload/optimizer=cpu_50", "optimizer.cpu_adam_gpu_share=0.5"),
         ("recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_gpu_share=0.5"),

@@ -587,6 +587,13 @@ RULES: tuple[Rule, ...] = (
         Level.warning,
     ),
     Rule(
+        "exact_columns_need_delayed_mode",
+        lambda c, e: bool(c.optimizer.cpu_adam_exact_columns) and not c.mode.delayed,
+        "optimizer.cpu_adam_exact_columns updates columns exactly beside the CPU-Adam engine's "
+        "delayed updates, and no update is delayed here",
+        "drop the key, or offload/optimizer=cpu_adam_delayed",
+    ),
+    Rule(
         "gpu_share_needs_cpu_adam",
         lambda c, e: bool(c.optimizer.cpu_adam_gpu_share) and not c.mode.cpu_adam,
         "optimizer.cpu_adam_gpu_share splits the CPU-Adam engine's update between the CPU and "
@@ -1446,6 +1453,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None]] = {
     ("optimizer", "adam_eps"): (0, None),
     ("optimizer", "clip_grad"): (0, None),
     ("optimizer", "cpu_adam_gpu_share"): (0, 1),
+    ("optimizer", "cpu_adam_exact_columns"): (0, 1),
     ("scheduler", "lr_warmup_iters"): (0, None),
     ("scheduler", "lr_decay_iters"): (1, None),
     ("scheduler", "lr_wsd_decay_iters"): (1, None),

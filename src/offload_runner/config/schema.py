@@ -310,6 +310,12 @@ class OptimizerConfig:
     # CPU step) and 4 B/param of page-locked host memory; it narrows delayed mode's convergence
     # lag (docs/BENCHMARKS.md, cpu-adam-conv).
     cpu_adam_weight_prediction: bool = False
+    # Delayed mode: this share of each 2-D weight's columns (its input features), those whose
+    # summed |gradient| is largest, updated exactly on the GPU at every step (ZenFlow's selective
+    # update), their masters and moments kept there too (12 B per such param with fp32
+    # moments); the CPU still takes every param one step late. Chosen at the first delayed step
+    # and every 100 steps after. 0: off.
+    cpu_adam_exact_columns: float = 0.0
     # Delayed mode's reach: all (every offloaded param one step late) or experts (a MoE model's
     # routed experts alone; the dense layers and the router, offloaded all the same, update
     # exactly, their update landing during the next forward with exact mode's GPU share, while

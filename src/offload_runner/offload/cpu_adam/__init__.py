@@ -17,8 +17,11 @@ Delayed mode hands the update over and lands it at the next step. How and why, w
 measurements: docs/ARCHITECTURE.md ("The CPU-Adam engine").
 
 Modules: ``engine`` (CpuAdam and its step), ``modes`` (Exact, Delayed), ``landing`` (the link and
-landing during the forward), ``gpu_share``, ``delayed``, ``cores`` (the worker and its cores),
-``update`` (one update's record), ``wiring`` (into Megatron-Core's optimizer), ``report``.
+landing during the forward), ``gpu_share``, ``delayed``, ``columns`` (delayed mode's exact
+columns), ``cores`` (the worker and its cores),
+``update`` (one update's record), ``shard`` (all the link, the GPU share and delayed mode read
+of the engine: host arrays, pieces, history), ``wiring`` (into Megatron-Core's optimizer),
+``report``.
 """
 
 from offload_runner.offload.cpu_adam.cores import (

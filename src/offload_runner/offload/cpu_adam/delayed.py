@@ -7,8 +7,10 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+from offload_runner.offload.cpu_adam.landing import Link
+from offload_runner.offload.cpu_adam.shard import Shard
 from offload_runner.offload.cpu_adam.update import Update
-from offload_runner.offload.host_adam import after_each_grad, hyper
+from offload_runner.offload.host_adam import PieceSpans, after_each_grad
 
 LAST_LR = "last_update_lr"  # param-group key: the learning rate of the last update
 GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrapolation in turn
@@ -16,11 +18,11 @@ GUESS_BLOCK = 4 * 1024**2  # elements: weight prediction's copy, Adam and extrap
 
 class Delay:
     """A CpuAdam's delayed mode, owning the update not landed yet (and its worker's job), the
-    backward's hooks and what they copied, and whether the guess is made; it reads the engine's
-    pieces and host arrays and copies through its link (``engine``: the CpuAdam that owns it)."""
+    backward's hooks and what they copied, and whether the guess is made; it reads the shard's
+    pieces and host arrays, copies through ``link`` and knows gradient clipping's norm."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, shard: Shard, link: Link, clip_grad: float) -> None:
+        self.shard, self.link, self.clip_grad = shard, link, clip_grad
         self.pending: Update | None = None  # a delayed update, not landed
         self.jobs: list[concurrent.futures.Future] = []  # ... its worker's job
         self.guessed = False  # host_guess holds the next weights' extrapolation
@@ -33,19 +35,19 @@ class Delay:
         self.early: dict[int, concurrent.futures.Future] = {}  # piece -> its copies' job
         self.taken_s = 0.0  # copies_taken's wait for them, before this step()
 
-    def order(self, delayed: bool, crossed: list[int]) -> list[int]:
-        """The order the worker takes the pieces in. Exact: the pieces' own (forward order where
-        the next forward waits for them), the CPU's share of them. Delayed: the order their
+    def order(self, delayed: bool, crossed: list[int], on_cpu: int, forward: bool) -> list[int]:
+        """The order the worker takes the pieces in. Exact: the pieces' own (``forward`` order
+        where the next forward waits for them), the CPU's share of them (the first ``on_cpu``).
+        Delayed: the order their
         gradients went down during the backward (``crossed``), then backward-ready order: the
         worker starts on the gradients that are down first, and the next step lands its pieces
         in that order again (during the backward, or at ``step()``, which follows this order
         too); in forward order it would start on the first layers' gradients, the last to come
         down, and every landing of the next backward would wait for the update's end."""
-        e = self.engine
-        pieces = range(len(e.pieces))
+        pieces = range(len(self.shard.pieces))
         if not delayed:
-            return list(pieces[: e.share.on_cpu])
-        backward = pieces[::-1] if e.land_during_forward else pieces  # the DDP buffer's order
+            return list(pieces[:on_cpu])
+        backward = pieces[::-1] if forward else pieces  # the DDP buffer's order
         seen = set(crossed)
         return crossed + [i for i in backward if i not in seen]
 
@@ -63,20 +65,17 @@ class Delay:
             (id(p), p) for chunk in chunks for p in chunk.parameters() if p.requires_grad
         )
 
-    def arm(self) -> None:
-        """The last micro-batch's backward follows: this step's gradients go down during it
-        where the coming step is delayed (the exact steps before need them clipped at
-        ``step()``)."""
-        e = self.engine
+    def arm(self, spans: PieceSpans | None) -> None:
+        """The last micro-batch's backward follows: where the coming step is delayed (``spans``
+        of the planned pieces given), this step's gradients go down during it (the exact steps
+        before need them clipped at ``step()``)."""
         self.early.clear()
-        if not (self.grad_hooks and e.mode.delayed_at(e.steps_taken + 1)):
+        if spans is None or not self.grad_hooks:
             self.remaining = None
             return
-        e.ensure_pieces()  # a run resumed into a delayed step copies during its first backward
         if self.param_pieces is None:
-            spans = e.piece_spans()
             self.param_pieces = {key: spans.holding([p]) for key, p in self.hooked.items()}
-            self.piece_params = [0] * len(e.pieces)
+            self.piece_params = [0] * len(self.shard.pieces)
             for pieces in self.param_pieces.values():
                 for i in pieces:
                     self.piece_params[i] += 1
@@ -88,7 +87,7 @@ class Delay:
         remaining = self.remaining
         if remaining is None:
             return
-        link = self.engine.link
+        link = self.link
         for i in self.param_pieces.get(id(param), ()):
             remaining[i] -= 1
             if remaining[i] == 0:
@@ -105,7 +104,7 @@ class Delay:
         has them (``previous``: the update not landed, if any), this step's gradients down, both
         after the CUDA event ``after`` where given (the landing thread during the backward, else
         ``step()``)."""
-        link, piece = self.engine.link, self.engine.pieces[i]
+        link, piece = self.link, self.shard.pieces[i]
         if previous is not None:
             previous.done[i].wait()
             if previous.failed:
@@ -124,13 +123,13 @@ class Delay:
             job.result()
         self.taken_s = time.perf_counter() - began
         if self.early:
-            self.engine.link.downs_done()
+            self.link.downs_done()
 
     def grads_clipped(self, grad_norm: float | None) -> None:
         """After Megatron-Core's step (whose clipping scaled the GPU gradients by clip_grad /
         (grad_norm + 1e-6) where that is below 1): the gradients copied during the backward
         were taken before, so the worker divides them by the inverse of that factor."""
-        update, clip = self.pending, self.engine.clip_grad
+        update, clip = self.pending, self.clip_grad
         if update is None or update.scaled.is_set():
             return
         coeff = clip / (float(grad_norm) + 1.0e-6) if clip > 0 and grad_norm is not None else 1.0
@@ -140,29 +139,26 @@ class Delay:
             update.grad_scale = torch.tensor(1.0 / coeff, dtype=torch.float32)
         update.scaled.set()
 
-    def guess_from_states(self) -> None:
+    def guess_from_states(self, step: int, ranges: list[tuple[int, int, dict]]) -> None:
         """The extrapolation from Adam's state alone (after a checkpoint load, where the masters
-        before the last update are gone): the last update recomputed from exp_avg, exp_avg_sq,
-        the step count and the param groups' hyperparameters, added once more."""
-        e = self.engine
-        step = e.steps_taken
+        before the last update are gone): update ``step`` (the last) recomputed from exp_avg,
+        exp_avg_sq and its hyperparameters (``ranges``: each parameter's elements and its
+        group's), added once more."""
         if step < 1:
-            e.host_guess.copy_(e.host_master)
-        else:  # the learning rate of that update: the scheduler has moved the groups' since
-            hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in e.param_groups]
-            for gi, p in e.offloaded:
-                a = e.flat_start(p)
-                self._extrapolate(a, a + p.numel(), hypers[gi], step)
+            self.shard.guess.copy_(self.shard.master)
+        else:
+            for a, b, h in ranges:
+                self._extrapolate(a, b, h, step)
         self.guessed = True
 
     def _extrapolate(self, a: int, b: int, h: dict, step: int) -> None:
         """host_guess[a:b] = master - lr wd master - lr / (1 - beta1^t) m / (sqrt(v / (1 -
         beta2^t)) + eps): torch's AdamW update of step t applied once more."""
-        e = self.engine
-        guess, master = e.host_guess[a:b], e.host_master[a:b]
+        s = self.shard
+        guess, master = s.guess[a:b], s.master[a:b]
         bias1, bias2 = 1 - h["beta1"] ** step, 1 - h["beta2"] ** step
-        guess.copy_(e.host_exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
-        guess.reciprocal_().mul_(e.host_exp_avg[a:b]).mul_(-h["lr"] / bias1)
+        guess.copy_(s.exp_avg_sq[a:b]).sqrt_().div_(bias2**0.5).add_(h["eps"])
+        guess.reciprocal_().mul_(s.exp_avg[a:b]).mul_(-h["lr"] / bias1)
         guess.add_(master, alpha=1 - h["lr"] * h["weight_decay"])
 
     def close(self) -> None:

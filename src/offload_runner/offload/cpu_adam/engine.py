@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass
 
 from offload_runner.hardware import CPU_ADAM_PAGEABLE_BYTES, CPU_ADAM_PINNED_BYTES
+from offload_runner.offload.cpu_adam.columns import ExactColumns
 from offload_runner.offload.cpu_adam.cores import cpu_worker
 from offload_runner.offload.cpu_adam.delayed import GUESS_BLOCK, LAST_LR, Delay
 from offload_runner.offload.cpu_adam.gpu_share import Share
 from offload_runner.offload.cpu_adam.landing import Link
 from offload_runner.offload.cpu_adam.modes import Delayed, Exact, Mode
+from offload_runner.offload.cpu_adam.shard import Shard
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import (
     AdamSettings,
@@ -26,6 +28,7 @@ from offload_runner.offload.host_adam import (
     Piece,
     adamw,
     grad_of,
+    hyper,
     main_grad_views,
 )
 
@@ -76,10 +79,14 @@ class CpuAdam(HostAdam):
         self._unlanded = False  # the host masters are newer than the bf16 params
         self._announced_delay = False
         self._unbound: dict | None = None  # see _grad
-        self.history: list[Update] = []
-        self.link = Link(self)
-        self.share = Share(self, cpu.gpu_share, cpu.balance)
-        self.delay = Delay(self)
+        numel = self.offloaded_numel
+        self.shard = Shard(self.device, self.on_cuda, numel, min(self.chunk_numel, numel))
+        self.history: list[Update] = self.shard.history
+        self.link = Link(self.shard)
+        on_gpu = not mode.predict  # weight prediction extrapolates on the CPU: no GPU share
+        self.share = Share(self.shard, cpu.gpu_share * on_gpu, cpu.balance and on_gpu)
+        self.delay = Delay(self.shard, self.link, self.clip_grad)
+        self.columns = ExactColumns(self.shard, mode.columns)
         self._worker = worker or cpu_worker(cpu.cpus, threads, self.device)
         self._worker.submit(self._allocate).result()
 
@@ -91,14 +98,16 @@ class CpuAdam(HostAdam):
         ring of two pieces of fp32 masters on the GPU, rounded into the bf16 params there."""
         import torch
 
-        streams = self.share.wanted
+        streams, s = self.share.wanted, self.shard
         self._allocate_states(pin_moments=streams, what="cpu_adam")
         self.host_grad = self._host_array(self.grad_dtype, self.on_cuda, "cpu_adam")
+        s.grad, s.master = self.host_grad, self.host_master
+        s.exp_avg, s.exp_avg_sq = self.host_exp_avg, self.host_exp_avg_sq
         if streams:  # the copy engines read and write the moments of the GPU share
-            self.share.allocate()
+            self.share.allocate(self.delayed)
         if self.mode.predict:  # delayed mode lands the masters extrapolated by their last update
-            self.host_guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
-        self.link.allocate(min(self.chunk_numel, self.offloaded_numel) if self.on_cuda else 0)
+            self.host_guess = s.guess = self._host_array(torch.float32, self.on_cuda, "cpu_adam")
+        self.link.allocate(s.chunk_numel if self.on_cuda else 0)
 
     def step(self, closure=None):
         began = time.perf_counter()
@@ -106,15 +115,16 @@ class CpuAdam(HostAdam):
         link.complete()  # the last exact update, where the forward did not wait for all of it
         early, delay.early, delay.remaining = delay.early, {}, None  # copied during the backward
         self.ensure_pieces()
-        share.prefetch()
+        share.prefetch(self._exact_next)
         step, hypers = self._next_step()
         delayed = self.mode.delayed_at(step)
-        order = delay.order(delayed, list(early))
+        order = delay.order(delayed, list(early), share.on_cpu, self.land_during_forward)
         if delayed:
             self._enter_delayed(step)
+            self._select_columns(step)
         link.start()
         if delayed and self.mode.predict and self._unlanded and not delay.guessed:
-            self._worker.submit(delay.guess_from_states).result()  # after a checkpoint load
+            self._worker.submit(self._guess_from_states).result()  # after a checkpoint load
         # Delayed mode lands the guess from the first delayed step on (the last exact update
         # made one); masters loaded or finished without a guess land as they are.
         guess = delayed and delay.guessed
@@ -136,6 +146,8 @@ class CpuAdam(HostAdam):
             job.result()
         if not in_forward:
             link.wait_for_landings()
+        if delayed:  # after the landings: the last update's masters of these columns are older
+            self.columns.step(step, hypers, self._grad)
         link.downs_done()  # the grad buffer may be zeroed
         self._end_step(step)
         self._checkpointed(hypers)
@@ -155,6 +167,20 @@ class CpuAdam(HostAdam):
                 step - 1,
                 ", extrapolated by its own change (weight prediction)" if self.mode.predict else "",
             )
+
+    def _select_columns(self, step: int) -> None:
+        """Where update ``step`` selects the exact columns anew: once the CPU has finished the
+        last update (it reads and writes the host arrays a selection reads and writes)."""
+        if not self.columns.due(step, self.mode.exact_steps + 1):
+            return
+        for job in self.delay.jobs:
+            job.result()
+        self.columns.select(step, self._grad)
+
+    def watch_columns(self, model_params: list) -> None:
+        """Exact columns (delayed mode): their 2-D weights among ``model_params``."""
+        if self.mode.columns:
+            self.columns.watch(self.offloaded, model_params, self.flat_start)
 
     def _new_update(self, step: int, hypers: list[dict], order: list[int], delayed: bool) -> Update:
         """This step's update for the worker. The worker extrapolates in delayed mode, and at
@@ -192,8 +218,25 @@ class CpuAdam(HostAdam):
         self._pieces = self._plan()
         if self.land_during_forward:  # forward order: the buffer is in backward order
             self._pieces.reverse()
-        self.link.open()
+        self.shard.pieces = self._pieces
+        self.link.open(self.last_piece_needed)
         self.share.first_split()
+
+    def _guess_from_states(self) -> None:
+        """Weight prediction's guess after a checkpoint load (``Delay.guess_from_states``):
+        each offloaded parameter's elements with its group's hyperparameters at the last
+        update (the scheduler has moved the groups' learning rate since)."""
+        hypers = [{**hyper(g), "lr": g.get(LAST_LR, g["lr"])} for g in self.param_groups]
+        ranges = []
+        for gi, p in self.offloaded:
+            a = self.flat_start(p)
+            ranges.append((a, a + p.numel(), hypers[gi]))
+        self.delay.guess_from_states(self.steps_taken, ranges)
+
+    @property
+    def _exact_next(self) -> bool:
+        """The coming step is exact."""
+        return not self.mode.delayed_at(self.steps_taken + 1)
 
     def _grad(self, p):
         """... or, before the first ``step()`` bound it (a run resumed into a delayed step plans
@@ -350,6 +393,8 @@ class CpuAdam(HostAdam):
         if delay.pending is not None:
             delay.pending = None
             self._unlanded = True
+        self.columns.write_back()  # the host arrays whole: the GPU's exact columns in them
+        self.columns.checkpointed(self.param_groups)
 
     def flush(self) -> None:
         """Wait for and land a delayed update: the bf16 parameters are the newest."""
@@ -365,6 +410,7 @@ class CpuAdam(HostAdam):
         """... and a GPU share the saved run had fixed: the resumed run splits as it did."""
         super().restore_after_load()
         self.share.restore(self.param_groups)
+        self.columns.restore(self.param_groups)
 
     def _land_loaded_masters(self) -> None:
         """Delayed mode lands the loaded masters (or their extrapolation) at the next step, as
@@ -436,15 +482,20 @@ class CpuAdam(HostAdam):
 
     def arm(self) -> None:
         """The last micro-batch's backward follows: the GPU share's states may come in during
-        it (exact steps), this step's gradients go down during it (delayed steps)."""
-        self.share.arm()
-        self.delay.arm()
+        it (exact steps), this step's gradients go down during it (delayed steps: a run resumed
+        into one plans its pieces here, at its first backward)."""
+        exact = self._exact_next
+        self.share.arm(exact)
+        copies = not exact and bool(self.delay.grad_hooks)
+        if copies:
+            self.ensure_pieces()
+        self.delay.arm(self.piece_spans() if copies else None)
 
     def grow(self, reserve: int = 0) -> None:
         self.share.grow(reserve)
 
     def prefetch(self) -> None:
-        self.share.prefetch()
+        self.share.prefetch(self._exact_next)
 
     def watch(self, chunks) -> None:
         self.link.watch(chunks)

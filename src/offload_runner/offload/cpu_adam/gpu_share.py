@@ -12,6 +12,7 @@ import logging
 from offload_runner.config.schema import RunConfig
 from offload_runner.hardware import LATE
 from offload_runner.offload.cpu_adam.cores import init_thread
+from offload_runner.offload.cpu_adam.shard import Shard
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.window import StatesWindow
 
@@ -32,14 +33,12 @@ def balanced_share(run: RunConfig) -> bool:
 class Share:
     """A CpuAdam's GPU share, owning its split (the share, balanced or fixed, and the pieces on
     each side), its state window and delayed mode's late passes (their thread and stream); it
-    reads the engine's pieces, host arrays and update history (``engine``: the CpuAdam that
-    owns it)."""
+    reads the shard's pieces, host arrays and update history."""
 
-    def __init__(self, engine, gpu_share: float, balance: bool) -> None:
-        self.engine = engine
-        # weight prediction extrapolates on the CPU: no share there
-        self.gpu_share = 0.0 if engine.mode.predict else gpu_share
-        self.balance = balance and not engine.mode.predict
+    def __init__(self, shard: Shard, gpu_share: float, balance: bool) -> None:
+        self.shard = shard
+        self.gpu_share = gpu_share
+        self.balance = balance
         self.share = self.gpu_share  # the share now (the balance moves it)
         self.fixed = not self.balance  # the share moves no more (BALANCE_STEPS, or loaded)
         self.balanced_at = 0  # the step whose timing last moved the split
@@ -52,39 +51,39 @@ class Share:
     @property
     def wanted(self) -> bool:
         """A share to stream (set, or balanced), and params to take it from."""
-        return bool(self.gpu_share or self.balance) and self.engine.offloaded_numel > 0
+        return bool(self.gpu_share or self.balance) and self.shard.numel > 0
 
-    def allocate(self) -> None:
+    def allocate(self, delayed: bool) -> None:
         """In the worker, after the host arrays: the window over the masters and moments (and,
         in delayed mode, the gradients: a late pass streams them up), delayed mode's thread and
         side stream for late passes."""
         import torch
 
-        e = self.engine
+        s = self.shard
         self.window = StatesWindow(
-            (e.host_master, e.host_exp_avg, e.host_exp_avg_sq),
-            e.device,
-            min(e.chunk_numel, e.offloaded_numel),
-            host_grad=e.host_grad if e.delayed else None,
+            (s.master, s.exp_avg, s.exp_avg_sq),
+            s.device,
+            s.chunk_numel,
+            host_grad=s.grad if delayed else None,
         )
-        if e.delayed:
+        if delayed:
             self.late = concurrent.futures.ThreadPoolExecutor(
                 1,
                 thread_name_prefix="cpu-adam-late",
                 initializer=init_thread,
-                initargs=(None, None, e.device),
+                initargs=(None, None, s.device),
             )
-            self.late_stream = torch.cuda.Stream() if e.on_cuda else None
+            self.late_stream = torch.cuda.Stream() if s.on_cuda else None
 
     def first_split(self) -> None:
         """At the pieces' planning: the CPU's share of them (all without a window)."""
-        pieces = self.engine.pieces
+        pieces = self.shard.pieces
         self.on_cpu = self.cpu_pieces(self.share) if self.window else len(pieces)
 
-    def arm(self) -> None:
-        """Exact mode's GPU share, before the last micro-batch: this step's split, and its pass
-        begun, so the backward may bring in its states (``grow``)."""
-        if self._exact_share_comes() and not self.window.prefetched:
+    def arm(self, exact: bool) -> None:
+        """Exact mode's GPU share, before the last micro-batch (of an ``exact`` step): this
+        step's split, and its pass begun, so the backward may bring in its states (``grow``)."""
+        if self._exact_share_comes(exact) and not self.window.prefetched:
             self._split()
             self.window.begin(self.streamed, growing=True)
 
@@ -94,38 +93,33 @@ class Share:
         if self.window is not None:
             self.window.grow(reserve=reserve)
 
-    def prefetch(self) -> None:
-        """Exact mode's GPU share: its split (unless armed), and its first states coming in (at
-        the tail of backward, through optimizer_states' hook; ``step()`` does it where nothing
-        did)."""
-        if not self._exact_share_comes():
+    def prefetch(self, exact: bool) -> None:
+        """Exact mode's GPU share (of an ``exact`` step): its split (unless armed), and its
+        first states coming in (at the tail of backward, through optimizer_states' hook;
+        ``step()`` does it where nothing did)."""
+        if not self._exact_share_comes(exact):
             return  # none, or a late pass: the worker splits the update (split_late)
         if not self.window.prefetched:
             self._split()
         self.window.prefetch(self.streamed)
 
-    def _exact_share_comes(self) -> bool:
-        """The coming step is exact and has a GPU share (its pieces planned)."""
-        e = self.engine
-        return (
-            self.window is not None
-            and e.pieces is not None
-            and not e.mode.delayed_at(e.steps_taken + 1)
-        )
+    def _exact_share_comes(self, exact: bool) -> bool:
+        """The coming step is ``exact`` and has a GPU share (its pieces planned)."""
+        return exact and self.window is not None and self.shard.pieces is not None
 
     def _split(self) -> None:
         """Where the split between the CPU and the GPU falls this step (``rebalance``)."""
         self.window.finish()  # pieces the last pass streamed may go to the CPU now
         self.rebalance()
         self.on_cpu = self.cpu_pieces(self.share)
-        self.streamed = self.engine.pieces[self.on_cpu :]
+        self.streamed = self.shard.pieces[self.on_cpu :]
 
     def cpu_pieces(self, gpu_share: float, order: list[int] | None = None) -> int:
         """How many leading pieces (of ``order``, default their own) hold about ``1 -
         gpu_share`` of the offloaded params (while balancing, at least one on each side, so both
         rates stay measured)."""
-        pieces = self.engine.pieces
-        target, taken, count = (1.0 - gpu_share) * self.engine.offloaded_numel, 0, 0
+        pieces = self.shard.pieces
+        target, taken, count = (1.0 - gpu_share) * self.shard.numel, 0, 0
         for i in order if order is not None else range(len(pieces)):
             if taken + pieces[i].numel / 2 > target:
                 break
@@ -143,7 +137,7 @@ class Share:
         step BALANCE_STEPS the share stays where it is, so the numerics stop depending on timing
         (and a resume, which loads it, splits as the saved run did)."""
         passes = self.window.timing() if not self.fixed else []
-        history = self.engine.history
+        history = self.shard.history
         last = history[-1] if history else None
         if not (passes and last) or last.step < 2 or last.step <= self.balanced_at:
             return  # the first step's timing includes its allocations
@@ -171,7 +165,7 @@ class Share:
         takes none)."""
         self.window.finish()
         self.rebalance()
-        pieces = self.engine.pieces
+        pieces = self.shard.pieces
         update.on_gpu = update.order[self.cpu_pieces(self.share, update.order) :]
         update.params -= sum(pieces[i].numel for i in update.on_gpu)
         return self.late.submit(self._late_pass, update) if update.on_gpu else None
@@ -181,7 +175,7 @@ class Share:
         pieces' states and gradients up as their gradients are down, Adam on a side stream
         under the next forward+backward, the states back; each piece ``done`` once they are on
         the host (the next landing reads its masters from there)."""
-        all_pieces = self.engine.pieces
+        all_pieces = self.shard.pieces
         pieces = [all_pieces[i] for i in update.on_gpu]
 
         def before_load(index: int):
@@ -200,7 +194,7 @@ class Share:
             if update.grad_scale is None:
                 return None
             if not on_device:
-                on_device.append(update.grad_scale.to(self.engine.device, non_blocking=True))
+                on_device.append(update.grad_scale.to(self.shard.device, non_blocking=True))
             return on_device[0]
 
         freed = self.window.run_late(

@@ -10,6 +10,7 @@ import threading
 import time
 
 from offload_runner.offload.cpu_adam.cores import init_thread
+from offload_runner.offload.cpu_adam.shard import Shard
 from offload_runner.offload.cpu_adam.update import Update
 from offload_runner.offload.host_adam import Piece, before_each_forward
 
@@ -17,10 +18,11 @@ from offload_runner.offload.host_adam import Piece, before_each_forward
 class Link:
     """A CpuAdam's copies, owning their streams (down, up), the GPU ring the masters land in,
     the thread that enqueues landings and the exact update landing during the forward; it reads
-    the engine's host arrays and pieces (``engine``: the CpuAdam that owns it)."""
+    the shard's host arrays and pieces."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.needed = None  # (module, params) -> the last piece holding them: see open()
         self.streams = None  # (down, up) side streams, from the first step, CUDA only
         self.ring: list = []  # two pieces of fp32 masters on the GPU (plan.cpu_adam_ring_bytes)
         self.landings = 0  # so far: which half of the ring the next one takes
@@ -34,20 +36,22 @@ class Link:
             1,
             thread_name_prefix="cpu-adam-land",
             initializer=init_thread,
-            initargs=(None, None, engine.device),
+            initargs=(None, None, shard.device),
         )
 
     def allocate(self, ring_numel: int) -> None:
         import torch
 
-        device = self.engine.device
+        device = self.shard.device
         self.ring = [torch.empty(ring_numel, dtype=torch.float32, device=device) for _ in range(2)]
 
-    def open(self) -> None:
-        """The side streams, at the first step (CUDA only)."""
+    def open(self, needed) -> None:
+        """At the pieces' planning: the side streams (CUDA only), and ``needed(module, params)``,
+        the last piece (in update order) holding any of a module's ``params``."""
         import torch
 
-        self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.engine.on_cuda else None
+        self.needed = needed
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream()) if self.shard.on_cuda else None
 
     def start(self) -> None:
         """The streams wait for the compute stream: clipping wrote the grads there, and the
@@ -62,7 +66,7 @@ class Link:
         given; synchronously without CUDA)."""
         import torch
 
-        target = self.engine.host_grad[piece.start : piece.stop]
+        target = self.shard.grad[piece.start : piece.stop]
         if self.streams is None:
             target.copy_(piece.grad)
             return
@@ -79,8 +83,8 @@ class Link:
         CPU, synchronously, without CUDA)."""
         import torch
 
-        engine = self.engine
-        source = (engine.host_guess if guess else engine.host_master)[piece.start : piece.stop]
+        shard = self.shard
+        source = (shard.guess if guess else shard.master)[piece.start : piece.stop]
         if self.streams is None:
             piece.param.copy_(source)
             return
@@ -121,7 +125,7 @@ class Link:
         inflight = self.inflight
         if inflight is None:
             return
-        index = self.engine.last_piece_needed(module, params)
+        index = self.needed(module, params)
         update = inflight[0]
         index = min(index, update.on_cpu - 1)  # the GPU share lands on the compute stream
         if index < update.waited:
@@ -135,7 +139,7 @@ class Link:
         if self.streams is not None:  # landings run in order on one stream: all before it too
             import torch
 
-            torch.cuda.current_stream().wait_event(self.engine.pieces[index].landed)
+            torch.cuda.current_stream().wait_event(self.shard.pieces[index].landed)
         update.waited = index + 1
         if update.waited == update.on_cpu:
             self.complete()

@@ -16,6 +16,7 @@ class Exact:
 
     predict = False  # weight prediction is delayed mode's
     copy_during_backward = False  # exact steps clip their gradients first, at step()
+    columns = 0.0  # ... and so are exact columns (columns.py)
 
     def delayed_at(self, step: int) -> bool:
         """Whether update ``step`` (1-based) is a delayed one."""
@@ -27,11 +28,13 @@ class Delayed:
     """Updates one step late after ``exact_steps`` exact ones; ``predict``: land the masters
     extrapolated by their last update; ``copy_during_backward``: this step's gradients down and
     the last update's masters up during the last micro-batch's backward (one GPU), else at the
-    step boundary."""
+    step boundary; ``columns``: the share of each 2-D weight's columns updated exactly on the
+    GPU (columns.py)."""
 
     exact_steps: int
     predict: bool = False
     copy_during_backward: bool = False
+    columns: float = 0.0
 
     def delayed_at(self, step: int) -> bool:
         return step > self.exact_steps
@@ -54,7 +57,9 @@ def mode_of(run: RunConfig, delayed: bool, copy_during_backward: bool) -> Mode:
     where nothing edits its gradients after it (``OffloadMode.copies_during_backward``)."""
     if not delayed:
         return Exact()
-    return Delayed(exact_steps(run), run.optimizer.cpu_adam_weight_prediction, copy_during_backward)
+    o = run.optimizer
+    predict, columns = o.cpu_adam_weight_prediction, o.cpu_adam_exact_columns
+    return Delayed(exact_steps(run), predict, copy_during_backward, columns)
 
 
 def mode_name(built: list) -> str:

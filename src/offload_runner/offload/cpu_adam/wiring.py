@@ -121,6 +121,7 @@ def attach(run: RunConfig, optimizer, local_rank: int = 0, local_world: int = 1)
             engine.watch(part.model_chunks)
         if engine.mode.copy_during_backward:
             engine.watch_backward(part.model_chunks)
+        engine.watch_columns([q for chunk in part.model_chunks for q in chunk.parameters()])
     _announce(run, built, sum(sizes), cpus, share, in_forward, in_backward)
     return built
 
