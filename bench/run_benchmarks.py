@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from suite_report import _families, render  # noqa: E402
 from suites import ITERS, SUITES, Case  # noqa: E402
 
+from offload_runner.checkpoint import tracked  # noqa: E402
 from offload_runner.hardware import fused_adamw_rate  # noqa: E402
 from offload_runner.launch import OOM_MARKERS  # noqa: E402
 from offload_runner.rundir import STATUS_FILE, SUMMARY_FILE, read_json  # noqa: E402
@@ -46,6 +47,7 @@ class Result:
     summary: dict = field(default_factory=dict)
     error_tail: str = ""
     round: int = 1  # --rounds: which pass over the suite's cases
+    segment: list[int] = field(default_factory=list)  # --segment: [first, last] iteration
 
 
 def environment() -> dict:
@@ -91,12 +93,26 @@ def at_hidden_fraction(case: Case, results: list[dict]) -> Case:
     return replace(case, overrides=(*case.overrides, found_fraction))
 
 
-def run_case(case: Case, out_dir: Path, iters: int) -> Result:
-    command = case.command(out_dir, iters)
+def segment_of(case: Case, out_dir: Path, iters: int, every: int) -> tuple[int, int, tuple]:
+    """``--segment``: the next ``every`` iterations of ``case``'s ``iters``, resumed from its
+    checkpoint where an earlier call of the same machine left one: (first iteration, last,
+    overrides). The learning-rate schedule is the whole run's; the segment saves at its end."""
+    saved = out_dir / "checkpoints" / case.slug
+    done = int(tracked(saved) or 0)
+    extra = [f"scheduler.lr_decay_iters={iters}", f"checkpoint.save={saved}"]
+    extra += [f"checkpoint.save_interval={every}"] + [f"checkpoint.load={saved}"] * bool(done)
+    return done, min(iters, (done // every + 1) * every), tuple(extra)
+
+
+def run_case(case: Case, out_dir: Path, iters: int, segment: int = 0) -> Result:
+    first, iters, extra = segment_of(case, out_dir, iters, segment) if segment else (0, iters, ())
+    if segment and first >= iters:  # an earlier call ran it to the end
+        return Result(asdict(case), [], 0, "done", 0.0, segment=[first, iters])
+    run_dir = out_dir / (f"{case.slug}-to-{iters}" if segment else case.slug)
+    command = case.command(run_dir, iters, extra)
     began = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - began
-    run_dir = out_dir / case.slug
     summary = read_json(run_dir / SUMMARY_FILE)
     text = proc.stdout + proc.stderr
     if summary and (chose := re.search(r"^auto: (.*)$", proc.stdout, re.M)):
@@ -117,6 +133,7 @@ def run_case(case: Case, out_dir: Path, iters: int) -> Result:
         summary=summary,
         # the launcher's own last lines (its one-line verdict), then the ranks' logs
         error_tail="" if status == "ok" else text[-1000:] + "\n" + _rank_logs(run_dir)[-2000:],
+        segment=[first, iters] if segment else [],
     )
 
 
@@ -153,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_one(round_: int, case: Case, args: argparse.Namespace) -> Result:
-    result = run_case(case, Path(args.work_dir) / f"round{round_}", args.iters)
+    result = run_case(case, Path(args.work_dir) / f"round{round_}", args.iters, args.segment)
     result.round = round_
     return result
 
@@ -212,6 +229,13 @@ def main() -> int:
         type=int,
         default=1,
         help="cases at once (suites that measure loss, not time; no --time-limit then)",
+    )
+    run.add_argument(
+        "--segment",
+        type=int,
+        default=0,
+        help="iterations a call runs of each case, resumed from where an earlier call on the "
+        "same machine saved it (--work-dir kept): long runs over several calls",
     )
     run.add_argument(
         "--time-limit",

@@ -55,6 +55,29 @@ def test_the_hidden_fraction_row_runs_at_the_fraction_its_delayed_row_reported()
     assert run_benchmarks.at_hidden_fraction(hidden, []) == hidden
 
 
+def test_a_long_run_goes_on_in_segments_from_where_the_last_call_saved(tmp_path) -> None:
+    """--segment 500 of 2,000 iterations: the first call runs 0-500 and saves; the next resumes
+    from the tracker at 500 and runs to 1,000 on the whole run's schedule; a finished case is
+    not run again. Each segment's command line is accepted."""
+    from offload_runner.checkpoint import LATEST
+
+    case = next(c for c in suites.SUITES["convergence-long"] if "columns" in c.name)
+    first, last, extra = run_benchmarks.segment_of(case, tmp_path, 2000, 500)
+    assert (first, last) == (0, 500) and not any("checkpoint.load" in e for e in extra)
+    saved = tmp_path / "checkpoints" / case.slug
+    saved.mkdir(parents=True)
+    (saved / LATEST).write_text("500")
+    first, last, extra = run_benchmarks.segment_of(case, tmp_path, 2000, 500)
+    assert (first, last) == (500, 1000)
+    assert {"scheduler.lr_decay_iters=2000", f"checkpoint.load={saved}"} <= set(extra)
+    command = case.command(tmp_path / "run", last, extra)
+    args = [a for a in command[2:] if not a.startswith("checkpoint.load")]
+    assert main([*args, "--dry-run"]) == EXIT_OK
+    (saved / LATEST).write_text("2000")
+    done = run_benchmarks.run_case(case, tmp_path, 2000, 500)
+    assert (done.status, done.segment, done.command) == ("done", [2000, 2000], [])
+
+
 def test_the_step_model_prices_the_exact_update_within_10_percent_on_the_cost_suites() -> None:
     """The step-time model (what --plan and auto price the exact engines at) against the measured
     steps of the issue's suites: within 10% once handed the run's own forward+backward, which the

@@ -841,18 +841,33 @@ def test_precision_aware_dtypes_shrink_adam_and_reach_megatron_core() -> None:
     )
 
 
-@pytest.mark.parametrize("case", range(5))
-def test_plan_verdicts_of_the_full_model_on_four_gpus(case: int, capsys) -> None:
-    """bench suite full-4gpu, planned for four 139 GB GPUs and 500 GB of RAM: no offload does not
-    fit (exit 1); every offloaded command line fits (exit 0)."""
-    import sys
+FULL_4GPU = (
+    "--recipe",
+    "qwen3_30b_a3b",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=1",
+    "planner.gpu_memory_gb=139",
+    "planner.host_memory_gb=500",
+    "launcher.nproc_per_node=4",
+)
+CPU_ADAM_50 = ("offload/optimizer=cpu_adam", "optimizer.optimizer_offload_fraction=0.5")
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from suites import FULL_4GPU
 
-    c = FULL_4GPU[case]
-    argv = ["--recipe", c.recipe, *c.overrides, f"launcher.nproc_per_node={c.nproc}", "--plan"]
-    offloaded = any(o.startswith("offload/") for o in c.overrides)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel=ep4",),
+        ("parallel=ep4", *CPU_ADAM_50),
+        ("parallel=ep4", "offload/optimizer=cpu_50"),
+        ("parallel=ep4", "offload/optimizer=states"),
+        ("parallel=pp2_ep2", *CPU_ADAM_50),
+    ],
+)
+def test_plan_verdicts_of_the_full_model_on_four_gpus(layout: tuple, capsys) -> None:
+    """The whole Qwen3-30B-A3B on one 4-GPU node, planned for four 139 GB GPUs and 500 GB of
+    RAM: no offload does not fit (exit 1); every offloaded command line fits (exit 0)."""
+    argv = [*FULL_4GPU, *layout, "--plan"]
+    offloaded = any(o.startswith("offload/") for o in layout)
     assert main(argv) == (EXIT_OK if offloaded else EXIT_FAILED)
     assert ("fits: peak" if offloaded else "does not fit") in capsys.readouterr().out
 

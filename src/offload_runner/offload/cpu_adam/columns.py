@@ -150,9 +150,14 @@ class ExactColumns:
         if not self.selected_at:
             return
         steps = torch.full((), float(step), device=self.shard.device)
+        by_group: dict[int, list[tuple[Block, object]]] = {}
         for b in self.blocks:
             grad = b.in_param(grad_of(b.param)).index_select(1, b.index).float()
-            adamw([b.master], [grad], [b.exp_avg], [b.exp_avg_sq], steps, hypers[b.group])
+            by_group.setdefault(b.group, []).append((b, grad))
+        for group, items in by_group.items():  # one multi-tensor AdamW per param group
+            states = [(b.master, g, b.exp_avg, b.exp_avg_sq) for b, g in items]
+            adamw(*(list(column) for column in zip(*states, strict=True)), steps, hypers[group])
+        for b in self.blocks:
             b.in_param(b.param).index_copy_(1, b.index, b.master.to(b.param.dtype))
 
     def checkpointed(self, param_groups: list) -> None:
