@@ -550,14 +550,19 @@ def test_missing_transformer_engine_at_launch_is_a_run_failure(
     ],
 )
 def test_bad_input_is_one_line_and_a_fix_and_writes_nothing(
-    tmp_path: Path, args: tuple[str, ...], said: str
+    tmp_path: Path, args: tuple[str, ...], said: str, capsys, monkeypatch
 ) -> None:
     """What Hydra would refuse in its own form (and what it would silently accept: a group given
     twice, a resume from nowhere) is refused in ours before anything starts: exit 2, the error
-    and a fix line, no traceback, no Hydra hint, no output folder."""
-    done = run_cli("--recipe", "tiny", *args, "--dry-run", cwd=tmp_path)
-    assert done.returncode == EXIT_USAGE, done.stdout + done.stderr
-    err = done.stderr
+    and a fix line, no traceback, no Hydra hint, no output folder. In this process (a fresh
+    one for the stray word: the same answer as the command a user types)."""
+    monkeypatch.chdir(tmp_path)
+    if args == ("stray",):
+        done = run_cli("--recipe", "tiny", *args, "--dry-run", cwd=tmp_path)
+        code, err = done.returncode, done.stderr
+    else:
+        code, err = main(["--recipe", "tiny", *args, "--dry-run"]), capsys.readouterr().err
+    assert code == EXIT_USAGE, err
     assert said in err and "fix:" in err
     assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
     assert not any(tmp_path.iterdir())
