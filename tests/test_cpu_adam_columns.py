@@ -158,3 +158,21 @@ def test_a_selection_hands_the_leaving_columns_gpu_state_to_the_host() -> None:
         assert torch.equal(b.of(eng.host_master)[:, index], master)
         assert torch.equal(b.of(eng.host_exp_avg_sq)[:, index], exp_avg_sq)
     eng.close()
+
+
+def test_a_run_resumed_without_a_selection_selects_at_once() -> None:
+    """Loaded from an exact-columns-free checkpoint of delayed steps: the first step selects."""
+    a_buf = Buffers()
+    a = engine(a_buf, 1.0, delayed=True, exact_steps=EXACT)
+    for step in range(1, EXACT + 3):
+        drive(a, a_buf, step)
+    a.finish()
+    b_buf = Buffers(seed=1)
+    b_buf.param.copy_(a_buf.param)
+    b = columns_engine(b_buf)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    b.restore_after_load()
+    assert b.columns.selected_at == 0
+    drive(b, b_buf, EXACT + 3)
+    assert b.columns.selected_at == EXACT + 3
+    a.close(), b.close()

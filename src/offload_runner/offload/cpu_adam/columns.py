@@ -104,9 +104,11 @@ class ExactColumns:
         self.blocks = blocks_of(shards, model_params, self.fraction, flat_start)
 
     def due(self, step: int, first_delayed: int) -> bool:
-        """Whether update ``step`` selects anew (the first delayed one, then every
-        SELECT_EVERY)."""
-        return bool(self.blocks) and (step - first_delayed) % SELECT_EVERY == 0
+        """Whether update ``step`` selects anew: the first delayed one, then every SELECT_EVERY
+        (a run resumed from a checkpoint without a selection, at once)."""
+        if not self.blocks:
+            return False
+        return not self.selected_at or (step - first_delayed) % SELECT_EVERY == 0
 
     def select(self, step: int, grad_of) -> None:
         """At update ``step``, with the CPU idle: the current selection's GPU state back into
