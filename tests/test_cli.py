@@ -557,6 +557,7 @@ def test_bad_input_is_one_line_and_a_fix_and_writes_nothing(
     and a fix line, no traceback, no Hydra hint, no output folder. In this process (a fresh
     one for the stray word: the same answer as the command a user types)."""
     monkeypatch.chdir(tmp_path)
+    _drop_closed_log_streams()  # an earlier test's Hydra run logged to its own captured stderr
     if args == ("stray",):
         done = run_cli("--recipe", "tiny", *args, "--dry-run", cwd=tmp_path)
         code, err = done.returncode, done.stderr
@@ -566,6 +567,15 @@ def test_bad_input_is_one_line_and_a_fix_and_writes_nothing(
     assert said in err and "fix:" in err
     assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err
     assert not any(tmp_path.iterdir())
+
+
+def _drop_closed_log_streams() -> None:
+    import logging
+
+    for logger in [logging.root, *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", ())):
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logger.removeHandler(handler)
 
 
 def test_training_is_refused_before_it_starts_when_host_ram_is_short() -> None:
