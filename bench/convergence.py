@@ -52,7 +52,8 @@ def load(files: list[Path]) -> tuple[dict[str, dict], list[dict]]:
         data = json.loads(path.read_text())
         envs.append({**data["environment"], "source": path.name, "jobs": data.get("jobs", 1)})
         for r in data["results"]:
-            if r["status"] == "ok" and "final_validation_loss" in r["summary"]:
+            whole = not r.get("segment")  # convergence-long's segments: not this report's
+            if whole and r["status"] == "ok" and "final_validation_loss" in r["summary"]:
                 found = {**r["summary"], "command": r["command"], "baseline": r["case"]["baseline"]}
                 rows.setdefault(r["case"]["name"], found)
     return rows, envs

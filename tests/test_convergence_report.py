@@ -52,6 +52,21 @@ def test_the_recorded_suite_renders_with_every_row() -> None:
     assert "[corpus/prose]" in text and "/work/" not in text
 
 
+def test_a_long_suites_segments_are_not_this_reports_rows(tmp_path) -> None:
+    """Suite convergence-long (results-convergence-long-*.json, rows named as these) runs in
+    segments: they leave the 500-iteration report as it is."""
+    import json
+
+    files = sorted((PROJECT_ROOT / "bench/results").glob("results-convergence-*.json"))
+    segment = json.loads(files[-1].read_text())
+    for r in segment["results"]:
+        r["segment"] = [0, 500]
+        r["summary"] = {**r["summary"], "final_validation_loss": 99.0}
+    extra = tmp_path / "results-convergence-long-r1.json"
+    extra.write_text(json.dumps(segment))
+    assert convergence.load([extra, *files])[0] == convergence.load(files)[0]
+
+
 def test_auto_cites_what_the_suite_measured_for_each_precision_tier() -> None:
     from offload_runner.auto import MEASURED_LOSS_COST, PRECISION_TIERS
 
