@@ -165,13 +165,14 @@ def _code_lines(path: Path) -> int:
     return len(lines)
 
 
-def test_bench_outside_its_probes_stays_under_3100_code_lines() -> None:
+def test_bench_outside_its_probes_stays_under_3160_code_lines() -> None:
     """bench/ as a small product: suites, runner, reports and their analyses; one-off
     measurements live in bench/probes/. No shell file carries Python of its own. (3,000 until
     the hf-finetune suite, whose import -> fine-tune -> export pipeline the runner does not
-    express, added ~80.)"""
+    express, added ~80; 3,100 until runs longer than a device call, in segments, and their
+    two-seed verdict, ~55.)"""
     bench = PROJECT_ROOT / "bench"
     files = [p for p in bench.rglob("*.py") if "probes" not in p.relative_to(bench).parts]
-    assert sum(_code_lines(p) for p in files) <= 3100
+    assert sum(_code_lines(p) for p in files) <= 3160
     for script in bench.rglob("*.sh"):
         assert "<<" not in script.read_text() and "python -c" not in script.read_text(), script

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from conftest import PROJECT_ROOT
@@ -55,8 +56,6 @@ def test_the_recorded_suite_renders_with_every_row() -> None:
 def test_a_long_suites_segments_are_not_this_reports_rows(tmp_path) -> None:
     """Suite convergence-long (results-convergence-long-*.json, rows named as these) runs in
     segments: they leave the 500-iteration report as it is."""
-    import json
-
     files = sorted((PROJECT_ROOT / "bench/results").glob("results-convergence-*.json"))
     segment = json.loads(files[-1].read_text())
     for r in segment["results"]:
@@ -74,3 +73,46 @@ def test_auto_cites_what_the_suite_measured_for_each_precision_tier() -> None:
     assert set(MEASURED_LOSS_COST) == {name for name, _ in PRECISION_TIERS[1:]}
     for tier, cost in MEASURED_LOSS_COST.items():
         assert abs(convergence.gap(rows, tier) - cost) < 5e-5, tier
+
+
+def _segments(path, finals: dict[str, float], iters: int = 2000, every: int = 1000) -> None:
+    """A results file of suite convergence-long: each row in two segments, its final
+    validation loss ``finals[name]`` at the end."""
+    results = []
+    for name, final in finals.items():
+        for first in range(0, iters, every):
+            last = first + every
+            loss = final + (iters - last) / iters
+            summary = {"final_validation_loss": loss, "validation_losses": [[last, loss]]}
+            results.append(
+                {
+                    "case": {"name": name, "baseline": "reference"},
+                    "command": ["python", "run_recipe.py", f"--{name}"],
+                    "status": "ok",
+                    "segment": [first, last],
+                    "summary": {**summary, "losses": [loss] * 3},
+                }
+            )
+    data = {"suite": "convergence-long", "iters": iters, "environment": {}, "results": results}
+    path.write_text(json.dumps(data))
+
+
+def test_long_runs_join_their_segments_and_meet_the_two_seed_bar(tmp_path) -> None:
+    """Segments joined in order; a variant within 1% on the two seeds' mean and each seed
+    within the reference's own seed gap is within; one seed 3% off is outside."""
+    names = ("reference", "reference seed 2", "columns", "columns seed 2", "late", "late seed 2")
+    finals = (4.0, 4.04, 4.02, 4.06, 4.0, 4.16)
+    _segments(tmp_path / "a.json", dict(zip(names, finals, strict=True)))
+    rows = convergence.load_long([tmp_path / "a.json"])
+    assert rows["columns"]["validation_losses"] == [[1000, 4.52], [2000, 4.02]]
+    assert len(rows["columns"]["losses"]) == 6
+    verdicts = convergence.long_verdicts(rows)
+    assert verdicts["columns"][1] and not verdicts["late"][1]
+    assert abs(verdicts["columns"][0] - (4.04 / 4.02 - 1)) < 1e-12
+    text = "\n".join(convergence.long_section(rows, None))
+    assert "## 2,000 iterations" in text and "| columns seed 2 | 4.0600 | +0.50% |" in text
+    _segments(tmp_path / "b.json", {"reference": 4.0}, iters=2000, every=500)
+    short = json.loads((tmp_path / "b.json").read_text())
+    short["results"] = short["results"][:2]  # 0-1000 of 2,000: not finished
+    (tmp_path / "b.json").write_text(json.dumps(short))
+    assert convergence.load_long([tmp_path / "b.json"]) == {}
