@@ -462,8 +462,9 @@ class BesideForward:
     """The windowed engines' passes beside the next forward (each engine's ``watch``), on one
     side stream, issued by one thread of their own as their pieces come in (so the copy engines
     hold no queue of them: ``StatesWindow._issue_paced``); the gradient buffers are zeroed on that
-    stream behind them by that thread, and each step's first forward of a chunk ends waiting for
-    it, so no backward writes a gradient (or reads a parameter) before the passes are through."""
+    stream behind them by that thread, and each step's first forward of a chunk waits for it
+    before its final norm (else at its end), so no backward writes a gradient (or reads a
+    parameter) before the passes are through, and the loss allocates with their slots back."""
 
     def __init__(self, engines: list[WindowedStates], chunks) -> None:
         import torch
@@ -482,6 +483,15 @@ class BesideForward:
         for engine in engines:
             engine.watch(chunks, self)
         self._hooks = [chunk.register_forward_hook(self._after_forward) for chunk in chunks]
+        # ... before the final norm where a chunk has one: the loss's logits (1 GiB chunks at
+        # MB 8) never meet slots the pass has not given back yet (the whole Qwen3-30B-A3B ran
+        # out of memory there once, its pass's thread slowed by a sampler)
+        self._hooks += [
+            module.register_forward_pre_hook(lambda m, a: self._after_forward(m, a, None))
+            for chunk in chunks
+            for name, module in chunk.named_modules()
+            if name.endswith("decoder.final_layernorm")
+        ]
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         return self._thread.submit(fn, *args)
