@@ -176,3 +176,13 @@ def test_a_run_resumed_without_a_selection_selects_at_once() -> None:
     drive(b, b_buf, EXACT + 3)
     assert b.columns.selected_at == EXACT + 3
     a.close(), b.close()
+
+
+def test_the_dry_run_says_the_exact_columns() -> None:
+    from offload_runner.offload.cpu_adam import wiring
+    from tests.conftest import compose_run
+
+    run = compose_run(
+        "recipe=tiny", "offload/optimizer=cpu_adam_delayed", "optimizer.cpu_adam_exact_columns=0.1"
+    )
+    assert "10% of each weight's columns exact on the GPU" in str(wiring.describe(run))

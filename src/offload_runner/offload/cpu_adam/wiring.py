@@ -38,6 +38,11 @@ def describe(run: RunConfig) -> OffloadSummary:
     mode = (
         f"delayed parameter update after {exact_steps(run)} exact steps"
         + (", weight prediction" if o.cpu_adam_weight_prediction else "")
+        + (
+            f", {o.cpu_adam_exact_columns:.0%} of each weight's columns exact on the GPU"
+            if o.cpu_adam_exact_columns
+            else ""
+        )
         + ("" if run.mode.delays_dense else " for the routed experts; the dense part exact")
         if run.mode.delayed
         else "exact: each update lands before the next forward needs it"
