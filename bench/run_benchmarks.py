@@ -47,6 +47,7 @@ class Result:
     summary: dict = field(default_factory=dict)
     error_tail: str = ""
     round: int = 1  # --rounds: which pass over the suite's cases
+    started_at: float = 0.0  # epoch s (with the summary's launched_at and summary_written_at)
     segment: list[int] = field(default_factory=list)  # --segment: [first, last] iteration
 
 
@@ -110,7 +111,7 @@ def run_case(case: Case, out_dir: Path, iters: int, segment: int = 0) -> Result:
         return Result(asdict(case), [], 0, "done", 0.0, segment=[first, iters])
     run_dir = out_dir / (f"{case.slug}-to-{iters}" if segment else case.slug)
     command = case.command(run_dir, iters, extra)
-    began = time.perf_counter()
+    began, started_at = time.perf_counter(), time.time()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - began
     summary = read_json(run_dir / SUMMARY_FILE)
@@ -134,6 +135,7 @@ def run_case(case: Case, out_dir: Path, iters: int, segment: int = 0) -> Result:
         # the launcher's own last lines (its one-line verdict), then the ranks' logs
         error_tail="" if status == "ok" else text[-1000:] + "\n" + _rank_logs(run_dir)[-2000:],
         segment=[first, iters] if segment else [],
+        started_at=started_at,
     )
 
 

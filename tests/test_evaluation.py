@@ -4,6 +4,7 @@ path itself: tests/test_gpu_training.py)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,7 @@ def test_the_validation_curve_lands_in_metrics_and_summary(tmp_path: Path) -> No
             reporter.record_validation(i, 8.5 - i)
         summary = reporter.write_summary({})
     assert summary["final_validation_loss"] == 6.5
+    assert 0 <= time.time() - summary["summary_written_at"] < 60
     assert summary["validation_losses"] == [[1, 7.5], [2, 6.5]]
     assert summary["losses"] == [8.0, 7.0]  # the training curve keeps its own
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -213,6 +213,7 @@ def test_startup_reports_every_ranks_peak_and_the_nodes_ram(tmp_path: Path, monk
     assert report["gpu_peak_per_rank_gb"] == [1.5, 2.5]
     assert report["gpu_alloc_retries_per_rank"] == [None, None]  # no CUDA: unknown, not 0
     assert 5 <= report["time_to_first_step_s"] < 60  # counted from the launcher's clock
+    assert 5 <= time.time() - report["launched_at"] < 60
     assert set(report["startup_s"]) == {"model"}
     (before,), (peak,) = (
         report["host_used_gb_before_per_node"],

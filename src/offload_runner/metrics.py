@@ -130,6 +130,7 @@ class Startup:
             "time_to_first_step_s": max(
                 (r["first_step"] for r in everyone if r["first_step"] is not None), default=None
             ),
+            "launched_at": self.launched_at,  # epoch s: a run's time before its workers
             "startup_s": {k: round(v, 2) for k, v in self.phases.items()},
             "gpu_peak_per_rank_gb": [r["gpu_peak"] for r in everyone],
             "gpu_reserved_peak_per_rank_gb": [r["reserved_peak"] for r in everyone],
@@ -332,6 +333,8 @@ class MetricsReporter:
 
     def write_summary(self, extra: dict) -> dict:
         summary = {**self.summary(), **extra}
+        if summary:  # epoch s: a run's wall clock after this is its teardown
+            summary["summary_written_at"] = time.time()
         if self.is_writer and summary:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             self.sinks.summary(summary)
