@@ -168,7 +168,10 @@ class ExactColumns:
             param_groups[0][COLUMNS] = (self.selected_at, [b.index.tolist() for b in self.blocks])
 
     def restore(self, param_groups: list) -> None:
-        """A saved run's selection, its state taken from the loaded host arrays."""
+        """A saved run's selection, its state taken from the loaded host arrays. Any selection
+        is a valid one (the host arrays hold every column's state): where a checkpoint keeps one
+        rank's param groups for all (data parallelism), the others' resume is exact but not bit
+        for bit."""
         import torch
 
         saved = param_groups[0].get(COLUMNS) if param_groups else None
