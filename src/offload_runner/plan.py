@@ -399,7 +399,7 @@ def optimizer_memory(run: RunConfig, parts: list[float]) -> OptimizerMemory:
         pinned += sum(delayed) * (CPU_ADAM_PREDICTION_BYTES if predicting_weights(run) else 0)
         on_cpu = int(shard * hdo * run.precision.moment_bytes)
         resident += cpu_adam_ring_bytes(parts, hdo)
-        # delayed mode's exact columns: their fp32 masters and moments on the GPU
+        # delayed mode's exact columns: their fp32 masters and their moments on the GPU
         columns = sum(delayed) * o.cpu_adam_exact_columns
         resident += int(columns * (4 + 2 * run.precision.moment_bytes))
         if run.mode.late_share:  # every moment pinned; forward+backward hold the window

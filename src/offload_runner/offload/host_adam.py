@@ -603,22 +603,21 @@ def _fp32(tensor, slot: int | None):
     return arrays[slot][: tensor.numel()].copy_(tensor)
 
 
-def main_grad_views(shards, model_params) -> dict:
-    """id(shard) -> its gradient before Megatron-Core's optimizer binds it at its step: the same
-    elements of the ``main_grad`` (DDP's gradient buffer) of the model parameter whose data the
-    shard views, as the distributed optimizer's own binding takes them (shards no parameter of
-    ``model_params`` holds are left out)."""
+def holders(shards, model_params) -> dict:
+    """id(shard) -> (the parameter of ``model_params`` whose data the shard views, the shard's
+    first element within it), for each shard one of them holds whole (1-D views of the
+    parameter buffer, as the distributed optimizer's shards are, lack their parameters'
+    shapes and gradients)."""
     import bisect
 
     by_storage: dict[int, list] = {}
     for p in model_params:
-        if getattr(p, "main_grad", None) is not None:
-            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+        by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     starts = {}
     for ptr, params in by_storage.items():
         params.sort(key=lambda q: q.storage_offset())
         starts[ptr] = [q.storage_offset() for q in params]
-    views = {}
+    found = {}
     for shard in shards:
         ptr, lo = shard.untyped_storage().data_ptr(), shard.storage_offset()
         i = bisect.bisect_right(starts.get(ptr, []), lo) - 1
@@ -627,6 +626,21 @@ def main_grad_views(shards, model_params) -> dict:
         p = by_storage[ptr][i]
         start = lo - p.storage_offset()
         if start + shard.numel() <= p.numel():
+            found[id(shard)] = (p, start)
+    return found
+
+
+def main_grad_views(shards, model_params) -> dict:
+    """id(shard) -> its gradient before Megatron-Core's optimizer binds it at its step: the same
+    elements of the ``main_grad`` (DDP's gradient buffer) of the model parameter whose data the
+    shard views, as the distributed optimizer's own binding takes them (shards no parameter of
+    ``model_params`` holds are left out)."""
+    with_grads = [p for p in model_params if getattr(p, "main_grad", None) is not None]
+    found = holders(shards, with_grads)
+    views = {}
+    for shard in shards:
+        if id(shard) in found:
+            p, start = found[id(shard)]
             views[id(shard)] = p.main_grad.view(-1)[start : start + shard.numel()]
     return views
 

@@ -25,11 +25,10 @@ param groups: a resumed run continues bit for bit.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 from offload_runner.offload.cpu_adam.shard import Shard
-from offload_runner.offload.host_adam import adamw
+from offload_runner.offload.host_adam import adamw, holders
 
 SELECT_EVERY = 100  # delayed steps between selections
 COLUMNS = "cpu_adam_exact_columns"  # param-group key: each block's selected columns, for a resume
@@ -66,27 +65,19 @@ def blocks_of(shards: list, model_params: list, fraction: float, flat_start) -> 
     """A block for each shard ``(group, param)`` holding whole rows of a 2-D model parameter at
     least 1 / ``fraction`` columns wide (``flat_start(param)``: where its elements start in the
     host arrays)."""
-    by_storage: dict[int, list] = {}
-    for q in model_params:
-        by_storage.setdefault(q.untyped_storage().data_ptr(), []).append(q)
-    starts = {}
-    for ptr, params in by_storage.items():
-        params.sort(key=lambda q: q.storage_offset())
-        starts[ptr] = [q.storage_offset() for q in params]
-    found = []
+    found = holders([p for _, p in shards], model_params)
+    blocks = []
     for gi, p in shards:
-        ptr, lo = p.untyped_storage().data_ptr(), p.storage_offset()
-        i = bisect.bisect_right(starts.get(ptr, []), lo) - 1
-        q = by_storage[ptr][i] if i >= 0 else None
+        q, at = found.get(id(p), (None, 0))  # p's first element within q
         if q is None or q.dim() != 2 or q.shape[1] * fraction < 1:
             continue
-        width, at = q.shape[1], lo - q.storage_offset()  # p's first element within q
+        width = q.shape[1]
         first = -(-at // width)  # its first whole row
         rows = (at + p.numel()) // width - first
         if rows > 0:
             offset = first * width - at
-            found.append(Block(p, gi, flat_start(p) + offset, offset, rows, width))
-    return found
+            blocks.append(Block(p, gi, flat_start(p) + offset, offset, rows, width))
+    return blocks
 
 
 class ExactColumns:

@@ -66,11 +66,11 @@ class Delay:
         )
 
     def arm(self, spans: PieceSpans | None) -> None:
-        """The last micro-batch's backward follows: where the coming step is delayed (``spans``
-        of the planned pieces given), this step's gradients go down during it (the exact steps
-        before need them clipped at ``step()``)."""
+        """The last micro-batch's backward follows: where the coming step is delayed and the
+        backward is watched (``spans`` of the planned pieces given), this step's gradients go
+        down during it (the exact steps before need them clipped at ``step()``)."""
         self.early.clear()
-        if spans is None or not self.grad_hooks:
+        if spans is None:
             self.remaining = None
             return
         if self.param_pieces is None:
