@@ -476,8 +476,9 @@ def _typed_run(cfg: DictConfig) -> RunConfig:
     if ranges:  # before the planner, which divides by some of them
         console.print_violations(ranges)
         raise _Stop(EXIT_USAGE)
-    problem = load_problem(run.checkpoint.load, run.checkpoint.save)
-    if problem := problem or save_problem(run.checkpoint.save):
+    c = run.checkpoint
+    problem = load_problem(c.load, c.save) or save_problem(c.save)
+    if problem:
         console.fail(*problem)
         raise _Stop(EXIT_USAGE)
     return run

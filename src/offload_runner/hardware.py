@@ -11,9 +11,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-from offload_runner.config.schema import (  # noqa: F401 - byte sizes re-exported
-    DTYPE_BYTES,
-    REMAINDER_BYTES,
+from offload_runner.config.schema import (
     WINDOW_PIECES,
     RunConfig,
     states_window_mb,

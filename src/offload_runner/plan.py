@@ -33,6 +33,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from offload_runner.config.schema import (
+    DTYPE_BYTES,
+    REMAINDER_BYTES,
     RunConfig,
     states_window_mb,
 )
@@ -40,11 +42,9 @@ from offload_runner.hardware import (
     ADAM_BYTES,
     CPU_ADAM_PINNED_BYTES,
     CPU_ADAM_PREDICTION_BYTES,
-    DTYPE_BYTES,
     HDO_PINNED_BYTES,
     LATE_BYTES,
     LOSS_CHUNK_BYTES,
-    REMAINDER_BYTES,
     WEIGHT_OFFLOAD_IN_FLIGHT,
     WEIGHT_OFFLOAD_PIECE,
     WINDOW_SLOTS,
